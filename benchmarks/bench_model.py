@@ -1,0 +1,149 @@
+"""Shared pieces of the keras-orbax benchmarks: environment, model, distribution, memory.
+
+Import this module only after `set_env()` has run (or call `set_env()` before anything imports
+jax): XLA reads `XLA_FLAGS` once, when jax initializes its backend.
+
+The model is an Embedding (vocab = width), a LayerNormalization, `layers` Dense(width, relu) blocks
+and a Dense(1) head, compiled with Adam. Its width is chosen so that its float32 parameters take
+about `params_gib` GiB; Adam doubles that with its two slots per trainable variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH_SHAPE = (2, 4)
+MESH_AXES = ("batch", "model")
+SEQ_LEN = 8
+BATCH = 8
+
+
+def set_env(cpu_devices: int | None = 8) -> None:
+    """Sets the JAX/Keras environment; must run before jax is imported."""
+    if "jax" in sys.modules:
+        raise RuntimeError("set_env() must run before jax is imported")
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        flag = f"--xla_force_host_platform_device_count={cpu_devices}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)  # keras_orbax from the working tree
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    params_gib: float = 1.0
+    layers: int = 15
+
+    @property
+    def width(self) -> int:
+        """Width w with (layers + 1) * w * w float32 parameters ~ params_gib (rounded to 64)."""
+        params = self.params_gib * 2**30 / 4
+        return max(64, round(math.sqrt(params / (self.layers + 1)) / 64) * 64)
+
+    @property
+    def tag(self) -> str:
+        return f"p{self.params_gib:g}_l{self.layers}"
+
+    def n_params(self) -> int:
+        w = self.width
+        return w * w + 2 * w + self.layers * (w * w + w) + w + 1
+
+
+def layout_rules() -> dict[str, tuple]:
+    """LayoutMap rules (regex on variable path -> mesh axes); everything else is replicated."""
+    return {
+        r"block_\d+/kernel": ("batch", "model"),
+        "embed/embeddings": (None, "model"),
+    }
+
+
+def make_distribution(devices=None, mesh_shape=MESH_SHAPE, axes=MESH_AXES, rules=None):
+    import jax
+    import keras
+
+    devices = list(devices if devices is not None else jax.devices())
+    mesh = keras.distribution.DeviceMesh(mesh_shape, axes, devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, value in (rules if rules is not None else layout_rules()).items():
+        layout_map[key] = value
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=axes[0])
+
+
+def build_model(spec: ModelSpec, build_optimizer: bool = True):
+    """Builds and compiles the model (and Adam's slots). Set the distribution first."""
+    import keras
+    from keras import layers
+
+    w = spec.width
+    tokens = keras.Input((SEQ_LEN,), dtype="int32", name="tokens")
+    x = layers.Embedding(w, w, name="embed")(tokens)
+    x = layers.LayerNormalization(name="norm")(x)
+    for i in range(spec.layers):
+        x = layers.Dense(w, activation="relu", name=f"block_{i}")(x)
+    out = layers.Dense(1, name="head")(x)
+    model = keras.Model(tokens, out, name="bench")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    if build_optimizer:
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def sample_batch(spec: ModelSpec, seed: int = 1):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, spec.width, (BATCH, SEQ_LEN)).astype("int32")
+    y = rng.standard_normal((BATCH, SEQ_LEN, 1)).astype("float32")
+    return x, y
+
+
+def state_variables(model) -> list:
+    """The variables a restore fills: the model's and the optimizer's."""
+    return list(model.variables) + list(model.optimizer.variables)
+
+
+def resident_bytes(arrays) -> int:
+    """Bytes on all devices together, replicas counted: sum of every addressable shard's bytes."""
+    return sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
+
+
+def checksums(named_arrays) -> dict[str, float]:
+    """{name: float64 sum} of each array, computed on the host one array at a time."""
+    import jax
+    import numpy as np
+
+    return {k: float(np.sum(jax.device_get(a), dtype=np.float64)) for k, a in named_arrays}
+
+
+def compare_checksums(got: dict, want: dict, rtol: float = 1e-5) -> list[str]:
+    """Names missing from `got` or whose sum differs from `want`."""
+    bad = []
+    for name, value in want.items():
+        if name not in got or not math.isclose(got[name], value, rel_tol=rtol, abs_tol=1e-6):
+            bad.append(name)
+    return bad
+
+
+def read_status_kib(field: str) -> int:
+    """A `VmRSS`/`VmHWM`-style field of /proc/self/status, in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def rss_bytes() -> int:
+    return read_status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process since it started (VmHWM); it cannot be reset."""
+    return read_status_kib("VmHWM") * 1024

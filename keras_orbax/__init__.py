@@ -1,0 +1,29 @@
+"""keras-orbax: sharded, distributed checkpoints for Keras 3 on JAX.
+
+Every shard is read straight onto the device that owns it; no host or device ever holds a full copy
+of a sharded variable.
+
+```python
+import keras_orbax
+
+keras_orbax.save(model, "/ckpt", step=100)
+with keras_orbax.deferred_init():
+    model = build_model()
+keras_orbax.restore_sharded(model, "/ckpt")
+```
+"""
+
+from keras_orbax import errors
+from keras_orbax._deferred import deferred_init
+from keras_orbax._restore import RestoreResult, restore_sharded
+from keras_orbax._save import save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RestoreResult",
+    "deferred_init",
+    "errors",
+    "restore_sharded",
+    "save",
+]

@@ -1,0 +1,151 @@
+"""The only module that touches private Keras symbols. Each use says why no public API serves.
+
+Checked against keras 3.15.1; `tests/test_compat.py` fails loudly if one of these moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+from keras.src.backend.common import global_state
+from keras.src.saving import saving_lib
+from keras.src.saving.keras_saveable import KerasSaveable
+
+_REGISTRY = "uninitialized_variables"
+
+
+def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Yields `(attribute, child)` of a Keras object in the order `.weights.h5` saving uses.
+
+    Why private: Keras has no public walk over a model's tracked children by attribute name, and we want
+    checkpoint keys that follow the same structure as `.weights.h5` (stable across rebuilds).
+    """
+    yield from saving_lib._walk_saveable(obj)
+
+
+def is_saveable(obj: Any) -> bool:
+    """Why private: `KerasSaveable` is the base Keras walks when saving; it is not exported."""
+    return isinstance(obj, KerasSaveable)
+
+
+def own_variables(layer: keras.Layer) -> list[keras.Variable]:
+    """The variables a layer created itself (not its children's), in creation order.
+
+    Why private: `layer.weights` includes sub-layers' variables; the own lists are what
+    `Layer.save_own_variables` walks too.
+    """
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def seed_generators(layer: keras.Layer) -> list[Any]:
+    """Why private: a layer's seed generators (Dropout's RNG state) are only listed in `_seed_generators`."""
+    return list(getattr(layer, "_seed_generators", []))
+
+
+def stored_dtype(variable: keras.Variable) -> str:
+    """The dtype the variable stores. Why private: `variable.dtype` is the autocast (compute) dtype
+    inside an AutocastScope, e.g. bfloat16 for a float32 variable under mixed_bfloat16."""
+    return str(variable._dtype)
+
+
+def is_allocated(variable: keras.Variable) -> bool:
+    """Why private: a deferred (not yet initialized) variable is only told apart by `_value is None`."""
+    return variable._value is not None
+
+
+def current_value(variable: keras.Variable) -> Any:
+    """The stored array, bypassing autocast and stateless scopes. Why private: `variable.value`
+    runs the initializer for a deferred variable and casts under autocast."""
+    return variable._value
+
+
+def layout(variable: keras.Variable) -> Any:
+    """Why private: the TensorLayout Keras gave the variable (or None) lives in `_layout` only."""
+    return variable._layout
+
+
+def set_layout(variable: keras.Variable, value: Any) -> None:
+    """Why private: a deferred variable gets its layout only when initialized; we set it at creation
+    so optimizer slots (which copy their reference's `_layout`) come out sharded the same way."""
+    variable._layout = value
+
+
+def initializer(variable: keras.Variable) -> Any:
+    """Why private: a deferred variable keeps its initializer in `_initializer` only."""
+    return variable._initializer
+
+
+def set_initializer(variable: keras.Variable, value: Any) -> None:
+    """Why private: see `initializer`; we wrap it so a deferred variable used before restore raises."""
+    variable._initializer = value
+
+
+def set_value(variable: keras.Variable, value: Any) -> None:
+    """Hands `value` (already of the target sharding and dtype) to the variable without a copy.
+
+    Why private: `assign` would convert through `jnp.asarray` and refuses a deferred variable's
+    placeholder shape checks inside stateless scopes; `_direct_assign` is what `assign` itself ends in
+    and returns the same object when the sharding already matches.
+    """
+    variable._direct_assign(value)
+    variable._initializer = None
+
+
+def initialize_deferred(variable: keras.Variable) -> None:
+    """Runs a deferred variable's own initializer, sharded by its layout.
+
+    Why private: `_deferred_initialize` is the only way to initialize one variable (the public
+    path initializes every registered variable at once)."""
+    variable._deferred_initialize()
+
+
+def uninitialized_variables() -> list[keras.Variable]:
+    """Why private: Keras keeps deferred variables in a thread-local registry with no public accessor."""
+    return list(global_state.get_global_attribute(_REGISTRY, []) or [])
+
+
+def forget_uninitialized(variables: list[keras.Variable]) -> None:
+    """Removes `variables` from Keras's registry of deferred variables.
+
+    Why private: otherwise the next traced train/predict step re-runs deferred initialization of
+    variables that restore already filled (see shared/FACTS.md)."""
+    ids = {id(v) for v in variables}
+    remaining = [v for v in uninitialized_variables() if id(v) not in ids]
+    global_state.set_global_attribute(_REGISTRY, remaining)
+
+
+class _Registry(list):
+    """Keras's deferred-variable registry, calling `on_create` for each variable as it is made."""
+
+    def __init__(self, items: list, on_create: Callable[[keras.Variable], None]) -> None:
+        super().__init__(items)
+        self.on_create = on_create
+
+    def append(self, variable: keras.Variable) -> None:
+        self.on_create(variable)
+        super().append(variable)
+
+
+@contextlib.contextmanager
+def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None]:
+    """A `keras.StatelessScope` that creates variables without values, calling `on_create` on each.
+
+    Why private: Keras registers each deferred variable in a thread-local list
+    (`register_uninitialized_variable`) and offers no creation hook; swapping that list for one
+    whose `append` calls back is the least invasive way to give a variable its layout the moment it
+    is created (optimizer slots copy their reference's layout at creation).
+    """
+    previous = global_state.get_global_attribute(_REGISTRY, []) or []
+    if isinstance(previous, _Registry):  # nested: the outer scope already hooks creation
+        yield
+        return
+    global_state.set_global_attribute(_REGISTRY, _Registry(previous, on_create))
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        registry = global_state.get_global_attribute(_REGISTRY, []) or []
+        global_state.set_global_attribute(_REGISTRY, list(registry))

@@ -1,0 +1,96 @@
+"""Building models and optimizers without allocating their variables."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+
+from keras_orbax import _compat
+from keras_orbax.errors import DeferredVariableError
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_init() -> Iterator[None]:
+    """Builds models and optimizers inside without allocating any variable.
+
+    Every variable made from an initializer inside keeps only its shape, dtype and layout (taken
+    from the active `keras.distribution` when it is created, so optimizer slots inherit it).
+    `restore_sharded` then creates each value straight from the checkpoint's shards on the devices
+    that own them: peak memory is one sharded copy of the model. Using a deferred variable before
+    it is restored raises `DeferredVariableError` instead of silently initializing it.
+
+    Example:
+    ```python
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    with keras_orbax.deferred_init():
+        model = build_model()
+        model.compile(optimizer="adam", loss="mse")
+    keras_orbax.restore_sharded(model, "/ckpt")
+    ```
+    """
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(f"keras-orbax needs the JAX backend. Received: backend={keras.backend.backend()}")
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + 1
+    try:
+        with _compat.deferred_scope(_prepare):
+            yield
+    finally:
+        _state.depth = depth
+
+
+def is_deferred(variable: keras.Variable) -> bool:
+    """True for a variable made under `deferred_init()` that holds no value yet."""
+    return not _compat.is_allocated(variable)
+
+
+def initialize(variable: keras.Variable) -> None:
+    """Initializes a deferred variable with its own initializer, sharded by its layout."""
+    original = _compat.initializer(variable)
+    if isinstance(original, _Guarded):
+        _compat.set_initializer(variable, original.initializer)
+    _compat.initialize_deferred(variable)
+
+
+def build_optimizer(model: keras.Model) -> None:
+    """Builds `model.optimizer` for its trainable variables, without allocating the slots if the
+    model itself is deferred."""
+    optimizer = model.optimizer
+    if any(is_deferred(v) for v in model.trainable_variables):
+        with deferred_init():
+            optimizer.build(model.trainable_variables)
+    else:
+        optimizer.build(model.trainable_variables)
+
+
+def _prepare(variable: keras.Variable) -> None:
+    """Runs as each deferred variable is created: fixes its layout, guards its initializer."""
+    distribution = keras.distribution.distribution()
+    if _compat.layout(variable) is None and distribution is not None:
+        _compat.set_layout(variable, distribution.get_variable_layout(variable))
+    initializer = _compat.initializer(variable)
+    if not isinstance(initializer, _Guarded):
+        _compat.set_initializer(variable, _Guarded(initializer, variable.path))
+
+
+class _Guarded:
+    """A deferred variable's initializer that runs only for shape inference inside `deferred_init()`."""
+
+    def __init__(self, initializer: Any, path: str) -> None:
+        self.initializer = initializer
+        self.path = path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_state, "depth", 0) == 0:
+            raise DeferredVariableError(
+                f"Variable '{self.path}' was built under keras_orbax.deferred_init() and has no "
+                "value yet. Call keras_orbax.restore_sharded(model, directory) before using the "
+                "model (with strict=False, variables the checkpoint lacks are initialized)."
+            )
+        return self.initializer(*args, **kwargs)

@@ -1,0 +1,73 @@
+"""The JSON record keras-orbax keeps beside the arrays of each step (see docs/format.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from keras_orbax._dtypes import np_dtype
+
+FORMAT_NAME = "keras_orbax"
+FORMAT_VERSION = 1
+STATE = "state"  # Orbax checkpointable that holds the arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableRecord:
+    """One saved variable: where its array is and what it was when saved."""
+
+    key: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    array: str  # Orbax parameter name: the array's directory under `<step>/state/`
+    layout: dict[str, Any] | None = None  # mesh_shape, axis_names, partition; None: one device
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Everything keras-orbax wrote about one step, besides the arrays."""
+
+    step: int
+    variables: dict[str, VariableRecord]
+    epoch: int | None = None
+    batch: int | None = None
+    model_config: dict[str, Any] | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        record["variables"] = [dataclasses.asdict(v) for v in self.variables.values()]
+        return record
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> StepRecord:
+        record = dict(record)
+        variables = {}
+        for entry in record.pop("variables"):
+            entry = dict(entry, shape=tuple(entry["shape"]))
+            variables[entry["key"]] = VariableRecord(**entry)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(variables=variables, **{k: v for k, v in record.items() if k in known})
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that wrote a checkpoint."""
+    names = ("keras-orbax", "keras", "jax", "jaxlib", "orbax-checkpoint", "tensorstore")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "unknown"
+    return found

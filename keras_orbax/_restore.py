@@ -1,0 +1,128 @@
+"""`restore_sharded`: validate the whole plan, read every shard onto its device, assign all or nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import keras
+
+from keras_orbax import _compat, _deferred, _keys, _plan, _read, _steps
+from keras_orbax._keys import OPTIMIZER
+from keras_orbax._metadata import StepRecord
+from keras_orbax.errors import CheckpointMismatchError
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What `restore_sharded` did.
+
+    Attributes:
+        step: The step restored.
+        epoch: The epoch recorded with the step, if any.
+        restored: Keys of the variables restored from the checkpoint.
+        initialized: Keys of deferred variables the checkpoint lacked, initialized (strict=False).
+        skipped: Keys that were not restored: model variables the checkpoint lacks (kept as they
+            were) and checkpoint entries the model lacks.
+        bytes_read: Bytes of array data this process read.
+        record: The checkpoint's full keras-orbax record.
+    """
+
+    step: int
+    epoch: int | None
+    restored: tuple[str, ...]
+    initialized: tuple[str, ...]
+    skipped: tuple[str, ...]
+    bytes_read: int
+    record: StepRecord = dataclasses.field(repr=False)
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.restored)
+
+
+def restore_sharded(
+    model: keras.Model,
+    directory: str | os.PathLike,
+    step: int | None = None,
+    *,
+    strict: bool = True,
+) -> RestoreResult:
+    """Restores `model` from a checkpoint, each shard read straight onto its device.
+
+    Call on every process. Each process reads only the shards its devices own under the active
+    `keras.distribution` (`ModelParallel`, `DataParallel`, or none: one device), whatever mesh the
+    checkpoint was saved on. Floats are cast shard by shard where the model's dtype differs. The
+    whole checkpoint is checked against the model first; either every variable is restored or
+    none is changed.
+
+    Args:
+        model: A model built normally or under `keras_orbax.deferred_init()`. If it has an optimizer
+            that is not built yet, it is built so that its state can be restored.
+        directory: The root given to `save` or to the `ModelCheckpoint` callback.
+        step: The step to restore; `None` means the latest committed one.
+        strict: If False, variables the checkpoint lacks keep their values (deferred ones are
+            initialized), and checkpoint entries the model lacks are ignored.
+
+    Returns:
+        A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read.
+
+    Raises:
+        CheckpointNotFoundError: no such directory, no committed step, or no such step.
+        CheckpointMismatchError: keys, shapes, dtypes or layouts do not fit; the message lists each.
+        CorruptCheckpointError: array files are missing, truncated or unreadable.
+
+    Example:
+    ```python
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    with keras_orbax.deferred_init():
+        model = build_model()
+    keras_orbax.restore_sharded(model, "/ckpt")
+    ```
+    """
+    step, path = _steps.step_path(directory, step)
+    record = _steps.read_record(path)
+    _build_optimizer_if_needed(model, record)
+    variables = _keys.keyed_variables(model)
+    plan = _plan.make_plan(record, variables, strict=strict)
+    if plan.problems:
+        raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
+    arrays, bytes_read = _read.read_arrays(path, list(plan.reads.values()))
+    # Every array is read: from here on nothing can fail halfway.
+    for key, array in arrays.items():
+        _compat.set_value(variables[key], array)
+    initialized = [k for k in plan.missing if _deferred.is_deferred(variables[k])]
+    for key in initialized:
+        _deferred.initialize(variables[key])
+    _compat.forget_uninitialized([variables[k] for k in (*arrays, *initialized)])
+    return RestoreResult(
+        step=step,
+        epoch=record.epoch,
+        restored=tuple(arrays),
+        initialized=tuple(initialized),
+        skipped=tuple(k for k in (*plan.missing, *plan.unexpected) if k not in initialized),
+        bytes_read=bytes_read,
+        record=record,
+    )
+
+
+def _build_optimizer_if_needed(model: keras.Model, record: StepRecord) -> None:
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
+        return
+    slots = [k for k in record.variables if k.startswith(f"{OPTIMIZER}/{_keys.MODEL}/")]
+    if slots:
+        _deferred.build_optimizer(model)
+
+
+def _mismatch_message(model: keras.Model, path: os.PathLike, plan: _plan.Plan, strict: bool) -> str:
+    lines = "\n".join(f"  {p}" for p in plan.problems)
+    hint = (
+        " If the model changed on purpose, pass strict=False to skip keys missing on either side."
+        if strict and (plan.missing or plan.unexpected)
+        else ""
+    )
+    return (
+        f"Cannot restore model '{model.name}' from '{path}': {len(plan.problems)} problems.\n"
+        f"{lines}\nNo variable was modified.{hint}"
+    )

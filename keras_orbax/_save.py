@@ -1,0 +1,160 @@
+"""`save`: one committed step, each process writing only the shards its devices own."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import keras
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax import _compat, _keys, _shardings, _steps
+from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
+from keras_orbax.errors import DeferredVariableError, StepExistsError
+
+SaveFormat = Literal["fast", "compact"]
+_ArrayOptions = ocp.options.ArrayOptions
+_FORMATS: dict[str, _ArrayOptions.Saving] = {
+    # One uncompressed file per shard, chunk = shard: restore reads each file once, straight into
+    # the buffer its device uses (docs/format.md).
+    "fast": _ArrayOptions.Saving(
+        use_zarr3=True, use_compression=False, use_ocdbt=False, use_replica_parallel=False
+    ),
+    # Orbax's defaults: zstd-compressed chunks in one OCDBT database per process. Fewer files.
+    "compact": _ArrayOptions.Saving(use_zarr3=True, use_compression=True, use_ocdbt=True),
+}
+
+
+def save(
+    model: keras.Model,
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    epoch: int | None = None,
+    format: SaveFormat = "fast",
+    overwrite: bool = False,
+) -> Path:
+    """Saves every piece of `model`'s state as one committed checkpoint step.
+
+    Call on every process: each writes only the shards its devices own. Trainable and
+    non-trainable variables, optimizer state (`iterations` included), metric variables and
+    seed-generator state are saved, with a JSON record of each variable's path, shape, dtype and
+    layout. The step appears only once it is fully written; earlier steps are never touched.
+
+    Args:
+        model: A built Keras model (JAX backend).
+        directory: The checkpoint root; the step is written to `<directory>/<step>`.
+        step: The step number, usually the global training step.
+        epoch: Recorded in the metadata (e.g. for resuming `fit`).
+        format: `"fast"` (uncompressed, one file per shard: the fastest restore) or `"compact"`
+            (zstd + OCDBT: smaller, fewer files). Both restore the same way.
+        overwrite: Replace `step` if it is already committed.
+
+    Returns:
+        The step's directory.
+
+    Raises:
+        StepExistsError: `step` is committed already and `overwrite` is False.
+
+    Example:
+    ```python
+    keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
+    ```
+    """
+    with open_checkpointer(directory, format) as checkpointer:
+        write_step(checkpointer, model, step=step, epoch=epoch, overwrite=overwrite)
+    return Path(directory) / str(step)
+
+
+def open_checkpointer(
+    directory: str | os.PathLike,
+    format: SaveFormat = "fast",
+    preservation_policy: Any = None,
+) -> ocp.training.Checkpointer:
+    """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
+    if format not in _FORMATS:
+        raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+    context = ocp.Context(array_options=_ArrayOptions(saving=_FORMATS[format]))
+    return ocp.training.Checkpointer(
+        directory, context=context, preservation_policy=preservation_policy
+    )
+
+
+def write_step(
+    checkpointer: ocp.training.Checkpointer,
+    model: keras.Model,
+    *,
+    step: int,
+    epoch: int | None = None,
+    batch: int | None = None,
+    metrics: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    blocking: bool = True,
+) -> ocp.AsyncResponse | None:
+    """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed."""
+    variables = _keys.keyed_variables(model)
+    unset = [v.path for v in variables.values() if not _compat.is_allocated(v)]
+    if unset:
+        raise DeferredVariableError(
+            f"Cannot save model '{model.name}': {len(unset)} variables were built under "
+            f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
+        )
+    if not overwrite and step in _steps.committed_steps(checkpointer.directory):
+        raise StepExistsError(
+            f"Step {step} is already committed in '{checkpointer.directory}'. Pass overwrite=True "
+            f"to replace it. Received: step={step}"
+        )
+    record = StepRecord(
+        step=step,
+        epoch=epoch,
+        batch=batch,
+        variables={key: _record(key, v) for key, v in variables.items()},
+        model_config=_model_config(model),
+        versions=versions(),
+        extra=extra or {},
+    )
+    response = checkpointer.save_async(
+        step,
+        _nested({key: _compat.current_value(v) for key, v in variables.items()}),
+        force=True,
+        overwrite=overwrite,
+        metrics=metrics,
+        custom_metadata={FORMAT_NAME: record.to_json()},
+    )
+    if blocking and response is not None:
+        response.result()
+    return response
+
+
+def _record(key: str, variable: keras.Variable) -> VariableRecord:
+    value = _compat.current_value(variable)
+    return VariableRecord(
+        key=key,
+        path=variable.path,
+        shape=tuple(int(n) for n in variable.shape),
+        dtype=_compat.stored_dtype(variable),
+        array=key.replace("/", "."),  # Orbax names a nested parameter by its keys joined with "."
+        layout=_shardings.describe(value.sharding),
+    )
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _model_config(model: keras.Model) -> dict[str, Any] | None:
+    """The model's serialized config where Keras can make one (JSON-safe), else None."""
+    try:
+        return json.loads(json.dumps(keras.saving.serialize_keras_object(model)))
+    except (TypeError, ValueError, NotImplementedError):
+        return None

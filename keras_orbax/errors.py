@@ -1,0 +1,56 @@
+"""Public exception types.
+
+Each subclasses a builtin as well, so `except ValueError` or `except FileNotFoundError` still works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class KerasOrbaxError(Exception):
+    """Base class of every keras-orbax error."""
+
+
+class KerasOrbaxWarning(UserWarning):
+    """Base class of every keras-orbax warning."""
+
+
+class CheckpointNotFoundError(KerasOrbaxError, FileNotFoundError):
+    """A directory holds no checkpoint, no committed step, or not the step asked for."""
+
+
+class StepExistsError(KerasOrbaxError, FileExistsError):
+    """`save` was asked to write a step that is already committed."""
+
+
+class DuplicateKeyError(KerasOrbaxError, ValueError):
+    """Two different variables of one model map to the same checkpoint key."""
+
+
+class CheckpointMismatchError(KerasOrbaxError, ValueError):
+    """The checkpoint does not fit the model: missing or unexpected keys, shapes, dtypes, layouts.
+
+    Attributes:
+        problems: One line per offending variable, as printed in the message.
+    """
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+class CorruptCheckpointError(KerasOrbaxError, OSError):
+    """Array files of a committed step are missing, truncated or unreadable."""
+
+
+class DeferredVariableError(KerasOrbaxError, RuntimeError):
+    """A variable built under `deferred_init()` was used before `restore_sharded` filled it."""
+
+
+class SaveFailedError(KerasOrbaxError, RuntimeError):
+    """An asynchronous save failed; the previous committed step is intact."""
+
+
+class ProcessSyncError(KerasOrbaxError, TimeoutError):
+    """Processes under `jax.distributed` did not meet at a barrier in time."""
