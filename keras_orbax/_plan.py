@@ -9,9 +9,12 @@ import keras
 
 from keras_orbax import _compat, _shardings
 from keras_orbax._dtypes import can_cast
-from keras_orbax._keys import MODEL
+from keras_orbax._keys import MODEL, OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax._read import ReadRequest
+
+
+_STRICT_GROUPS = {MODEL, OPTIMIZER}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +30,10 @@ class Plan:
 def make_plan(record: StepRecord, variables: dict[str, keras.Variable], *, strict: bool) -> Plan:
     """Compares the whole checkpoint with the model before anything is read or changed.
 
-    Model variables the checkpoint lacks are problems when `strict`. Checkpoint entries the model
-    lacks are problems when `strict` and they are model weights, or optimizer/metric state of a
-    model that has such state (an uncompiled model simply does not take the optimizer's).
+    With `strict`, a key on one side only is a problem if it is a model weight, or optimizer state of
+    a model that has an optimizer (an uncompiled model simply does not take the optimizer's).
+    Metric variables are per-epoch accumulators that Keras creates lazily: they are restored where
+    both sides have them and never make a restore fail.
     """
     reads, problems = {}, []
     missing = [key for key in variables if key not in record.variables]
@@ -51,11 +55,11 @@ def make_plan(record: StepRecord, variables: dict[str, keras.Variable], *, stric
         else:
             reads[key] = ReadRequest(saved, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     if strict:
-        problems += [f"{key}: in the model, not in the checkpoint" for key in missing]
-        groups = {key.split("/", 1)[0] for key in variables}
-        problems += [
-            f"{key}: in the checkpoint, not in the model"
-            for key in unexpected
-            if key.split("/", 1)[0] in groups | {MODEL}
-        ]
+        groups = {_group(key) for key in variables} & _STRICT_GROUPS | {MODEL}
+        problems += [f"{k}: in the model, not in the checkpoint" for k in missing if _group(k) in groups]
+        problems += [f"{k}: in the checkpoint, not in the model" for k in unexpected if _group(k) in groups]
     return Plan(reads, missing, unexpected, problems)
+
+
+def _group(key: str) -> str:
+    return key.split("/", 1)[0]

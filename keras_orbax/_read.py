@@ -35,11 +35,6 @@ _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this
 _INDEX_BYTES = 16 + 4  # one (offset, nbytes) uint64 pair + crc32c: the shard index at the file's end
 _MISSING = 2**64 - 1
 _TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
-_PARTIAL = ocp.Context(
-    pytree_options=ocp.options.PyTreeOptions(
-        loading=ocp.options.PyTreeOptions.Loading(partial_load=True)
-    )
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +213,9 @@ def _read_with_orbax(
         node[leaf] = request.target
     before = _tensorstore_bytes_read()
     try:
-        with _PARTIAL:
+        context = ocp.Context()
+        context.pytree.loading.partial_load = True
+        with context:
             loaded = ocp.load(step_dir, abstract, checkpointable_name=STATE)
     except (OSError, ValueError) as error:
         keys = ", ".join(r.record.key for r in requests[:10])

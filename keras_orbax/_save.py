@@ -15,15 +15,17 @@ from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord
 from keras_orbax.errors import DeferredVariableError, StepExistsError
 
 SaveFormat = Literal["fast", "compact"]
-_ArrayOptions = ocp.options.ArrayOptions
-_FORMATS: dict[str, _ArrayOptions.Saving] = {
-    # One uncompressed file per shard, chunk = shard: restore reads each file once, straight into
-    # the buffer its device uses (docs/format.md).
-    "fast": _ArrayOptions.Saving(
-        use_zarr3=True, use_compression=False, use_ocdbt=False, use_replica_parallel=False
-    ),
-    # Orbax's defaults: zstd-compressed chunks in one OCDBT database per process. Fewer files.
-    "compact": _ArrayOptions.Saving(use_zarr3=True, use_compression=True, use_ocdbt=True),
+# "fast": one uncompressed file per shard, chunk = shard, so restore reads each file once, straight
+# into the buffer its device uses (docs/format.md). "compact": Orbax's defaults, zstd-compressed
+# chunks in one OCDBT database per process: smaller, fewer files.
+_FORMATS: dict[str, dict[str, bool]] = {
+    "fast": {
+        "use_zarr3": True,
+        "use_compression": False,
+        "use_ocdbt": False,
+        "use_replica_parallel": False,
+    },
+    "compact": {"use_zarr3": True, "use_compression": True, "use_ocdbt": True},
 }
 
 
@@ -76,7 +78,9 @@ def open_checkpointer(
     """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
     if format not in _FORMATS:
         raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
-    context = ocp.Context(array_options=_ArrayOptions(saving=_FORMATS[format]))
+    context = ocp.Context()
+    for option, value in _FORMATS[format].items():
+        setattr(context.array.saving, option, value)
     return ocp.training.Checkpointer(
         directory, context=context, preservation_policy=preservation_policy
     )

@@ -13,7 +13,8 @@ writes `<workdir>/result_<i>.json` with `_worker_util.write_result`.
 On any failure (non-zero exit, missing result, timeout) every worker is killed and `WorkerFailed`
 names the process, its return code and the tail of its output. To signal a worker mid-run, use
 `start_workers`, `Workers.wait_for_file` on a file the worker writes, `Workers.kill`, then
-`Workers.wait(expect_failure=...)`.
+`Workers.wait(expect_failure=...)`; survivors must end with `_worker_util.exit_now()`, since jax's
+exit-time shutdown barrier waits for the dead worker.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
-import _worker_util as wu
+from tests import _worker_util as wu
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -100,8 +101,9 @@ class Workers:
         Raises:
             WorkerFailed: any other worker exited non-zero, wrote no result, or timed out.
         """
-        self._poll_until(lambda: all(p.poll() is not None for p in self.procs), timeout,
-                         expect_failure)
+        self._poll_until(
+            lambda: all(p.poll() is not None for p in self.procs), timeout, expect_failure
+        )
         return [self._result(i, expect_failure) for i in range(len(self.procs))]
 
     def wait_for_file(
@@ -135,8 +137,9 @@ class Workers:
         coordinator_exit: float | None = None
         while True:
             codes = [p.poll() for p in self.procs]
+            after = " after process 0 (the coordination service) exited" if codes[0] == 0 else ""
             failed = {
-                i: _describe(c)
+                i: _describe(c) + (after if i else "")
                 for i, c in enumerate(codes)
                 if c not in (None, 0) and i not in expect_failure
             }
@@ -151,8 +154,13 @@ class Workers:
             if codes[0] is not None and coordinator_exit is None:
                 coordinator_exit = now
             if coordinator_exit is not None and now - coordinator_exit > COORDINATOR_GRACE_S:
-                self._fail({i: f"still running {COORDINATOR_GRACE_S:.0f}s after process 0 "
-                               "(the coordination service) exited" for i in running})
+                self._fail(
+                    {
+                        i: f"still running {COORDINATOR_GRACE_S:.0f}s after process 0 "
+                        "(the coordination service) exited"
+                        for i in running
+                    }
+                )
             if now - start > timeout:
                 self._fail({i: f"timed out after {timeout:g}s" for i in running})
             time.sleep(_POLL_S)
@@ -165,7 +173,7 @@ class Workers:
             self._fail({i: f"exited with return code 0 but wrote no result to {path}"})
         return cast(dict[str, Any], json.loads(path.read_text()))
 
-    def _fail(self, failures: dict[int, str]) -> None:
+    def _fail(self, failures: dict[int, str]) -> NoReturn:
         """Kills every worker and raises WorkerFailed; `failures` lists the first failure first."""
         was_running = {i for i, p in enumerate(self.procs) if p.poll() is None}
         self.kill_all()
@@ -173,8 +181,10 @@ class Workers:
         first = next(iter(failures))
         parts = [f"worker process {first} of {n} ({self.script.name}) {failures[first]}"]
         for i, reason in failures.items():
-            parts.append(f"--- process {i} {reason}; last {TAIL_LINES} lines of "
-                         f"{self.log_path(i)}:\n{_tail(self.log_path(i))}")
+            parts.append(
+                f"--- process {i} {reason}; last {TAIL_LINES} lines of "
+                f"{self.log_path(i)}:\n{_tail(self.log_path(i))}"
+            )
         others = [
             f"process {i}: "
             + ("killed by the harness" if i in was_running else _describe(p.returncode))
@@ -244,8 +254,9 @@ def run_workers(
     Raises:
         WorkerFailed: a worker exited non-zero, wrote no result, or timed out; all were killed.
     """
-    with start_workers(script, num_processes, devices_per_process, args,
-                       workdir=workdir, env=env) as workers:
+    with start_workers(
+        script, num_processes, devices_per_process, args, workdir=workdir, env=env
+    ) as workers:
         return cast(list[dict[str, Any]], workers.wait(timeout))
 
 
@@ -267,38 +278,48 @@ def _launch(
     args_json = json.dumps(args)
     for i in range(num_processes):
         env = _worker_env(devices_per_process, extra_env)
-        env.update({
-            wu.ENV_COORDINATOR: coordinator,
-            wu.ENV_NUM_PROCESSES: str(num_processes),
-            wu.ENV_PROCESS_ID: str(i),
-            wu.ENV_RESULT_PATH: str(workers.result_path(i)),
-            wu.ENV_WORKDIR: str(workers.workdir),
-            wu.ENV_ARGS: args_json,
-        })
+        env.update(
+            {
+                wu.ENV_COORDINATOR: coordinator,
+                wu.ENV_NUM_PROCESSES: str(num_processes),
+                wu.ENV_PROCESS_ID: str(i),
+                wu.ENV_RESULT_PATH: str(workers.result_path(i)),
+                wu.ENV_WORKDIR: str(workers.workdir),
+                wu.ENV_ARGS: args_json,
+            }
+        )
         with open(workers.log_path(i), "wb") as log:  # the child keeps its own descriptor
-            workers.procs.append(subprocess.Popen(
-                [sys.executable, str(workers.script)],
-                env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            workers.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(workers.script)],
+                    env=env,
+                    cwd=REPO_ROOT,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
 
 def _worker_env(devices_per_process: int, extra_env: Mapping[str, str]) -> dict[str, str]:
     """The parent's environment with the device count replaced, cluster and proxy variables
-    dropped (workers talk to 127.0.0.1 only), and the repo and tests directory importable."""
+    dropped (workers talk to 127.0.0.1 only), and the repo root importable (`tests._worker_util`)."""
     env = {
         k: v for k, v in os.environ.items() if k not in _DROPPED_ENV and "_proxy" not in k.lower()
     }
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     flags.append(f"{_DEVICE_COUNT_FLAG}={devices_per_process}")
-    paths = [str(TESTS_DIR), str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    env.update({
-        "KERAS_BACKEND": "jax",
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join(flags),
-        "PYTHONPATH": os.pathsep.join(paths),
-        "PYTHONUNBUFFERED": "1",
-    })
+    paths = [str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    env.update(
+        {
+            "KERAS_BACKEND": "jax",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join(flags),
+            "PYTHONPATH": os.pathsep.join(paths),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra_env)
     return env
 

@@ -3,7 +3,7 @@
 A worker script started by the harness does:
 
 ```python
-from _worker_util import init_worker, write_result
+from tests._worker_util import init_worker, write_result
 
 ctx = init_worker()            # jax.distributed is up; ctx.process_id, ctx.args, ...
 ...
@@ -11,9 +11,12 @@ write_result({"loss": 0.1})    # JSON, written atomically where the harness look
 ```
 
 Fail by raising: `init_worker` installs an excepthook that prints the traceback and exits at
-once with status 1. A plain exit would run jax's atexit `distributed.shutdown()`, which waits for
-every other process and so would hang a failed run. Do not `sys.exit(1)` after `init_worker`
-for the same reason.
+once with status 1. A plain exit runs jax's atexit `distributed.shutdown()`, a barrier that waits
+for every other process, so it would hang a failed run; do not `sys.exit(1)` after `init_worker`.
+The same barrier keeps process 0 (the coordination service) alive until the others are done.
+
+A worker that must finish although a peer is dead (the test killed it) writes its result and
+calls `exit_now()`, which skips that barrier.
 
 This module imports nothing from jax at import time, so the harness can share its constants.
 """
@@ -27,7 +30,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 ENV_COORDINATOR = "KERAS_ORBAX_TEST_COORDINATOR"
 ENV_NUM_PROCESSES = "KERAS_ORBAX_TEST_NUM_PROCESSES"
@@ -67,11 +70,13 @@ def worker_context() -> WorkerContext:
         ) from None
 
 
-def init_worker(*, initialization_timeout: int = 60) -> WorkerContext:
+def init_worker(*, initialization_timeout: int = 60, shutdown_timeout: int = 120) -> WorkerContext:
     """Installs the fail-fast excepthook and joins the `jax.distributed` cluster.
 
     Args:
         initialization_timeout: Seconds to wait for all processes to connect.
+        shutdown_timeout: Seconds the exit-time shutdown barrier waits for the other processes
+            before jax aborts this one (SIGABRT, naming the missing processes in its log).
 
     Returns:
         The worker's context.
@@ -85,6 +90,7 @@ def init_worker(*, initialization_timeout: int = 60) -> WorkerContext:
         num_processes=ctx.num_processes,
         process_id=ctx.process_id,
         initialization_timeout=initialization_timeout,
+        shutdown_timeout_seconds=shutdown_timeout,
         coordinator_bind_address=ctx.coordinator_address if ctx.process_id == 0 else None,
     )
     return ctx
@@ -109,10 +115,15 @@ def _to_json(value: Any) -> Any:
     raise TypeError(f"write_result: {type(value).__name__} is not JSON serializable: {value!r}")
 
 
+def exit_now(code: int = 0) -> NoReturn:
+    """Exits at once, skipping the `jax.distributed` shutdown barrier (for when a peer is dead)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _exit_on_uncaught(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> None:
     traceback.print_exception(exc_type, exc, tb)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    exit_now(1)

@@ -4,7 +4,8 @@ import signal
 import time
 
 import pytest
-from _harness import WORKERS_DIR, WorkerFailed, run_workers, start_workers
+
+from tests._harness import WORKERS_DIR, WorkerFailed, run_workers, start_workers
 
 SMOKE = WORKERS_DIR / "harness_smoke.py"
 

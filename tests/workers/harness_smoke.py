@@ -5,8 +5,9 @@ args: {"fail_on": [process ids that raise right after joining the cluster]}
 
 import jax
 import numpy as np
-from _worker_util import init_worker, write_result
 from jax.experimental import multihost_utils
+
+from tests._worker_util import init_worker, write_result
 
 
 def main() -> None:
@@ -15,13 +16,15 @@ def main() -> None:
         raise RuntimeError(f"deliberate failure on process {ctx.process_id}")
     # A collective: blocks until every process joins, so it hangs if a peer died.
     gathered = multihost_utils.process_allgather(np.array([jax.process_index()]))
-    write_result({
-        "process_index": jax.process_index(),
-        "process_count": jax.process_count(),
-        "device_count": jax.device_count(),
-        "local_device_count": jax.local_device_count(),
-        "gathered": np.asarray(gathered).ravel(),
-    })
+    write_result(
+        {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(),
+            "gathered": np.asarray(gathered).ravel(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Small models, distributions and value helpers shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+from keras.distribution import DataParallel, DeviceMesh, LayoutMap, ModelParallel
+
+
+def model_parallel(shape: tuple[int, int], devices: list | None = None) -> ModelParallel:
+    """A (batch, model) mesh: Dense kernels sharded over both axes, embeddings over "model"."""
+    mesh = DeviceMesh(shape, ("batch", "model"), devices or jax.devices())
+    layout_map = LayoutMap(mesh)
+    layout_map[".*kernel"] = ("batch", "model")
+    layout_map[".*embeddings"] = (None, "model")
+    return ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def data_parallel() -> DataParallel:
+    return DataParallel(devices=jax.devices())
+
+
+def mlp(width: int = 32, dtype: str | None = None) -> keras.Model:
+    """Two Dense layers whose dimensions every mesh of 8 devices divides."""
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(width, name="hidden", dtype=dtype)(inputs)
+    outputs = keras.layers.Dense(8, name="head", dtype=dtype)(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+def full_model() -> keras.Model:
+    """Dense, Embedding, LayerNormalization, BatchNormalization and Dropout (with RNG state)."""
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(16, 8)(inputs)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(16)(x)
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Dropout(0.25)(x)
+    outputs = keras.layers.Dense(8)(x)
+    return keras.Model(inputs, outputs)
+
+
+def compile_adam(model: keras.Model) -> keras.Model:
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def training_data(n: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 16, (n, 4)).astype("int32"), rng.random((n, 8)).astype("float32")
+
+
+def fill_arange(model: keras.Model, limit: int | None = None) -> None:
+    """Gives every variable distinct `arange` values (modulo `limit`), so a misplaced shard cannot pass."""
+    offset = 0
+    for variable in model.variables:
+        size = int(np.prod(variable.shape))
+        values = np.arange(offset, offset + size, dtype="float32").reshape(variable.shape)
+        if limit is not None:
+            values %= limit
+        variable.assign(values.astype(variable.dtype))
+        offset += size
+
+
+def values(variables: list[keras.Variable]) -> list[np.ndarray]:
+    return [np.asarray(v.value) for v in variables]
