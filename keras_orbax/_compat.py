@@ -102,21 +102,6 @@ def initialize_deferred(variable: keras.Variable) -> None:
     variable._deferred_initialize()
 
 
-def uninitialized_variables() -> list[keras.Variable]:
-    """Why private: Keras keeps deferred variables in a thread-local registry with no public accessor."""
-    return list(global_state.get_global_attribute(_REGISTRY, []) or [])
-
-
-def forget_uninitialized(variables: list[keras.Variable]) -> None:
-    """Removes `variables` from Keras's registry of deferred variables.
-
-    Why private: otherwise the next traced train/predict step re-runs deferred initialization of
-    variables that restore already filled (see shared/FACTS.md)."""
-    ids = {id(v) for v in variables}
-    remaining = [v for v in uninitialized_variables() if id(v) not in ids]
-    global_state.set_global_attribute(_REGISTRY, remaining)
-
-
 class _Registry(list):
     """Keras's deferred-variable registry, calling `on_create` for each variable as it is made."""
 
@@ -137,6 +122,11 @@ def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None
     (`register_uninitialized_variable`) and offers no creation hook; swapping that list for one
     whose `append` calls back is the least invasive way to give a variable its layout the moment it
     is created (optimizer slots copy their reference's layout at creation).
+
+    The variables made inside are taken out of that registry on exit: Keras would otherwise
+    initialize them at the end of the next outermost StatelessScope (every traced train or predict
+    step opens one), silently, or re-run initialization after restore (see shared/FACTS.md), and a
+    deferred model that is thrown away would break every later `fit` in the process.
     """
     previous = global_state.get_global_attribute(_REGISTRY, []) or []
     if isinstance(previous, _Registry):  # nested: the outer scope already hooks creation
@@ -147,5 +137,4 @@ def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
-        registry = global_state.get_global_attribute(_REGISTRY, []) or []
-        global_state.set_global_attribute(_REGISTRY, list(registry))
+        global_state.set_global_attribute(_REGISTRY, list(previous))

@@ -35,7 +35,9 @@ def deferred_init() -> Iterator[None]:
     ```
     """
     if keras.backend.backend() != "jax":
-        raise RuntimeError(f"keras-orbax needs the JAX backend. Received: backend={keras.backend.backend()}")
+        raise RuntimeError(
+            f"keras-orbax needs the JAX backend. Received: backend={keras.backend.backend()}"
+        )
     depth = getattr(_state, "depth", 0)
     _state.depth = depth + 1
     try:

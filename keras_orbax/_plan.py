@@ -13,7 +13,6 @@ from keras_orbax._keys import MODEL, OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax._read import ReadRequest
 
-
 _STRICT_GROUPS = {MODEL, OPTIMIZER}
 
 
@@ -56,8 +55,12 @@ def make_plan(record: StepRecord, variables: dict[str, keras.Variable], *, stric
             reads[key] = ReadRequest(saved, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     if strict:
         groups = {_group(key) for key in variables} & _STRICT_GROUPS | {MODEL}
-        problems += [f"{k}: in the model, not in the checkpoint" for k in missing if _group(k) in groups]
-        problems += [f"{k}: in the checkpoint, not in the model" for k in unexpected if _group(k) in groups]
+        problems += [
+            f"{k}: in the model, not in the checkpoint" for k in missing if _group(k) in groups
+        ]
+        problems += [
+            f"{k}: in the checkpoint, not in the model" for k in unexpected if _group(k) in groups
+        ]
     return Plan(reads, missing, unexpected, problems)
 
 

@@ -14,7 +14,9 @@ Either way no host or device ever holds a full copy of a sharded array.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -32,7 +34,9 @@ from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax.errors import CorruptCheckpointError
 
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
-_INDEX_BYTES = 16 + 4  # one (offset, nbytes) uint64 pair + crc32c: the shard index at the file's end
+_INDEX_BYTES = (
+    16 + 4
+)  # one (offset, nbytes) uint64 pair + crc32c: the shard index at the file's end
 _MISSING = 2**64 - 1
 _TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
 
@@ -55,18 +59,22 @@ def read_arrays(
     """
     direct, via_orbax = [], []
     for request in requests:
-        layout = _direct_layout(step_dir, request)
-        (direct if layout is not None else via_orbax).append((request, layout))
-    _check_files(step_dir, direct)
+        files = _fast_format_files(step_dir, request.record)
+        if files is not None:
+            _check_files(request, files)
+        if files is not None and files.chunk_shape == _shard_shape(request):
+            direct.append((request, files))
+        else:
+            via_orbax.append(request)
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        for request, layout in direct:
-            arrays[request.record.key], nbytes = _read_direct(step_dir, request, layout, pool.map)
+        for request, files in direct:
+            arrays[request.record.key], nbytes = _read_direct(request, files, pool.map)
             bytes_read += nbytes
     if via_orbax:
-        loaded, nbytes = _read_with_orbax(step_dir, [r for r, _ in via_orbax])
+        loaded, nbytes = _read_with_orbax(step_dir, via_orbax)
         arrays.update(loaded)
         bytes_read += nbytes
     return arrays, bytes_read
@@ -74,22 +82,33 @@ def read_arrays(
 
 @dataclasses.dataclass(frozen=True)
 class _ShardFiles:
+    """An array in the "fast" format: one uncompressed shard file per chunk."""
+
     directory: Path
+    shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
+    itemsize: int
 
     def file(self, index: tuple[slice, ...]) -> Path:
         coords = [str((s.start or 0) // n) for s, n in zip(index, self.chunk_shape, strict=True)]
         return self.directory.joinpath("c", *coords)
 
+    def all_files(self) -> list[Path]:
+        grid = [range(n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True)]
+        return [self.directory.joinpath("c", *map(str, ix)) for ix in itertools.product(*grid)]
 
-def _direct_layout(step_dir: Path, request: ReadRequest) -> _ShardFiles | None:
-    """The array's shard files if they can be read directly onto the target shards, else None."""
-    directory = step_dir / STATE / request.record.array
+    @property
+    def file_bytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.itemsize + _INDEX_BYTES
+
+
+def _fast_format_files(step_dir: Path, record: VariableRecord) -> _ShardFiles | None:
+    """The array's shard files if it was saved in the "fast" format, else None."""
+    directory = step_dir / STATE / record.array
     try:
         spec = json.loads((directory / "zarr.json").read_text())
     except (OSError, ValueError):
         return None  # OCDBT, remote or foreign layout: Orbax knows how to read it
-    shape = tuple(spec.get("shape", ()))
     chunk = tuple(spec.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", ()))
     raw = {"name": "bytes", "configuration": {"endian": "little"}}
     plain_shard = {
@@ -104,32 +123,31 @@ def _direct_layout(step_dir: Path, request: ReadRequest) -> _ShardFiles | None:
         spec.get("zarr_format") == 3
         and spec.get("codecs") == [plain_shard]
         and spec.get("chunk_key_encoding") == {"name": "default"}
-        and spec.get("data_type") == request.record.dtype
-        and shape == request.record.shape
-        and chunk == tuple(request.target.sharding.shard_shape(shape))
+        and spec.get("data_type") == record.dtype
+        and tuple(spec.get("shape", ())) == record.shape
+        and all(n % c == 0 for n, c in zip(record.shape, chunk, strict=True))
     )
-    return _ShardFiles(directory, chunk) if fits else None
+    itemsize = np_dtype(record.dtype).itemsize
+    return _ShardFiles(directory, record.shape, chunk, itemsize) if fits else None
 
 
-def _check_files(step_dir: Path, direct: Sequence[tuple[ReadRequest, Any]]) -> None:
+def _check_files(request: ReadRequest, files: _ShardFiles) -> None:
+    """Every shard file is there and whole (Orbax writes every chunk, even all-zero ones)."""
     problems = []
-    for request, layout in direct:
-        expected = _shard_nbytes(request) + _INDEX_BYTES
-        for index in _local_indices(request):
-            path = layout.file(index)
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                problems.append(f"  {request.record.key}: missing file {path}")
-                continue
-            if size != expected:
-                problems.append(
-                    f"  {request.record.key}: {path} has {size} bytes, expected {expected}"
-                )
+    for path in files.all_files():
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"  {request.record.key}: missing file {path}")
+            continue
+        if size != files.file_bytes:
+            problems.append(
+                f"  {request.record.key}: {path} has {size} bytes, expected {files.file_bytes}"
+            )
     if problems:
         raise CorruptCheckpointError(
-            f"Checkpoint step '{step_dir}' is damaged; {len(problems)} shard files are missing "
-            "or truncated:\n" + "\n".join(problems[:20]) + "\nNo variable was modified."
+            f"Checkpoint array '{files.directory}' is damaged; {len(problems)} shard files are "
+            "missing or truncated:\n" + "\n".join(problems[:20]) + "\nNo variable was modified."
         )
 
 
@@ -142,13 +160,16 @@ def _local_indices(request: ReadRequest) -> list[tuple[slice, ...]]:
     return list(unique.values())
 
 
+def _shard_shape(request: ReadRequest) -> tuple[int, ...]:
+    return tuple(request.target.sharding.shard_shape(request.record.shape))
+
+
 def _shard_nbytes(request: ReadRequest) -> int:
-    shard = request.target.sharding.shard_shape(request.record.shape)
-    return int(np.prod(shard, dtype=np.int64)) * np_dtype(request.record.dtype).itemsize
+    return math.prod(_shard_shape(request)) * np_dtype(request.record.dtype).itemsize
 
 
 def _read_direct(
-    step_dir: Path, request: ReadRequest, layout: _ShardFiles, map_fn: Callable
+    request: ReadRequest, files: _ShardFiles, map_fn: Callable
 ) -> tuple[jax.Array, int]:
     sharding = request.target.sharding
     by_device = sharding.addressable_devices_indices_map(request.target.shape)
@@ -156,7 +177,7 @@ def _read_direct(
     buffers = dict(
         zip(
             (repr(i) for i in indices),
-            map_fn(lambda i: _read_shard(layout.file(i), request), indices),
+            map_fn(lambda i: _read_shard(files.file(i), request), indices),
             strict=True,
         )
     )
@@ -168,7 +189,7 @@ def _read_direct(
 def _read_shard(path: Path, request: ReadRequest) -> np.ndarray:
     """One shard file's data, read once into an aligned buffer, cast to the target dtype."""
     saved = np_dtype(request.record.dtype)
-    shape = request.target.sharding.shard_shape(request.record.shape)
+    shape = _shard_shape(request)
     nbytes = _shard_nbytes(request)
     with open(path, "rb", buffering=0) as file:
         fd = file.fileno()
@@ -179,7 +200,7 @@ def _read_shard(path: Path, request: ReadRequest) -> np.ndarray:
                 f"({stored} bytes, expected {nbytes})."
             )
         buffer = _aligned_empty(nbytes)
-        view = memoryview(buffer)
+        view = buffer.data  # a writable memoryview of the aligned buffer
         done = 0
         while done < nbytes:
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -217,7 +238,7 @@ def _read_with_orbax(
         context.pytree.loading.partial_load = True
         with context:
             loaded = ocp.load(step_dir, abstract, checkpointable_name=STATE)
-    except (OSError, ValueError) as error:
+    except Exception as error:  # tensorstore raises plain Exceptions; re-raised, never swallowed
         keys = ", ".join(r.record.key for r in requests[:10])
         raise CorruptCheckpointError(
             f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): {error}. "

@@ -94,7 +94,6 @@ def restore_sharded(
     initialized = [k for k in plan.missing if _deferred.is_deferred(variables[k])]
     for key in initialized:
         _deferred.initialize(variables[key])
-    _compat.forget_uninitialized([variables[k] for k in (*arrays, *initialized)])
     return RestoreResult(
         step=step,
         epoch=record.epoch,

@@ -11,7 +11,7 @@ import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _keys, _shardings, _steps
-from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
+from keras_orbax._metadata import FORMAT_NAME, StepRecord, VariableRecord, versions
 from keras_orbax.errors import DeferredVariableError, StepExistsError
 
 SaveFormat = Literal["fast", "compact"]

@@ -11,16 +11,18 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import keras
+import pytest
 
 N_DEVICES = 8
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if keras.backend.backend() != "jax":
-        raise pytest.UsageError(f"keras-orbax tests need KERAS_BACKEND=jax, got {keras.backend.backend()}")
+        raise pytest.UsageError(
+            f"keras-orbax tests need KERAS_BACKEND=jax, got {keras.backend.backend()}"
+        )
     if jax.device_count() < N_DEVICES:
         raise pytest.UsageError(
             f"keras-orbax tests need {N_DEVICES} devices, got {jax.device_count()}: "

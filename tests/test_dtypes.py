@@ -58,7 +58,9 @@ def test_integer_to_float_is_refused(tmp_path, distribution):
     keras_orbax.save(model("float32"), tmp_path, step=1)
     target = model("int32")
     before = np.asarray(target.layers[0].embeddings.value)
-    message = r"embeddings \(seq/embedding/embeddings\): checkpoint dtype float32, model dtype int32"
+    message = (
+        r"embeddings \(seq/embedding/embeddings\): checkpoint dtype float32, model dtype int32"
+    )
     with pytest.raises(CheckpointMismatchError, match=message):
         keras_orbax.restore_sharded(target, tmp_path)
     np.testing.assert_array_equal(np.asarray(target.layers[0].embeddings.value), before)

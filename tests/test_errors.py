@@ -1,0 +1,171 @@
+"""Bad input: a clear error that names the directory, step, variables or files; the model untouched."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import keras
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+import pytest
+
+import keras_orbax
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StepExistsError,
+)
+from tests import _models
+
+
+@pytest.fixture
+def saved(tmp_path, distribution) -> Path:
+    """A checkpoint of `_models.mlp()` at step 3, saved on a (2, 4) mesh."""
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    _models.fill_arange(model)
+    keras_orbax.save(model, tmp_path / "ckpt", step=3)
+    return tmp_path / "ckpt"
+
+
+def _restore_fails(model: keras.Model, directory: Path, error: type, match: str, **kwargs) -> None:
+    before = _models.values(model.variables)
+    with pytest.raises(error, match=match):
+        keras_orbax.restore_sharded(model, directory, **kwargs)
+    for variable, want in zip(model.variables, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), want, err_msg=variable.path)
+
+
+def test_missing_directory(tmp_path):
+    _restore_fails(
+        _models.mlp(), tmp_path / "nope", CheckpointNotFoundError, r"does not exist: '.*nope'"
+    )
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    _restore_fails(_models.mlp(), tmp_path, CheckpointNotFoundError, "No committed checkpoint step")
+
+
+def test_directory_with_only_an_interrupted_save(tmp_path):
+    (tmp_path / "5.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+    _restore_fails(_models.mlp(), tmp_path, CheckpointNotFoundError, "No committed checkpoint step")
+
+
+def test_step_that_does_not_exist(saved):
+    match = r"Step 7 is not a committed step of .*Committed steps: \[3\]"
+    _restore_fails(_models.mlp(), saved, CheckpointNotFoundError, match, step=7)
+
+
+def test_other_architecture_lists_every_offending_variable(saved):
+    model = _models.mlp(width=24)
+    _restore_fails(
+        model,
+        saved,
+        CheckpointMismatchError,
+        r"(?s)'mlp' from .*/3': 3 problems.*No variable was modified",
+    )
+    with pytest.raises(CheckpointMismatchError) as caught:
+        keras_orbax.restore_sharded(model, saved)
+    assert caught.value.problems == (
+        "model/layers/dense/kernel (hidden/kernel): checkpoint shape (16, 32), model shape (16, 24)",
+        "model/layers/dense/bias (hidden/bias): checkpoint shape (32,), model shape (24,)",
+        "model/layers/dense_1/kernel (head/kernel): checkpoint shape (32, 8), model shape (24, 8)",
+    )
+
+
+def test_missing_and_unexpected_keys(saved):
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, name="hidden")(inputs)
+    extra = keras.layers.LayerNormalization(name="extra")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="head")(extra), name="mlp")
+    _restore_fails(model, saved, CheckpointMismatchError, r"pass strict=False")
+    with pytest.raises(CheckpointMismatchError) as caught:
+        keras_orbax.restore_sharded(model, saved)
+    assert caught.value.problems == (
+        "model/layers/layer_normalization/gamma: in the model, not in the checkpoint",
+        "model/layers/layer_normalization/beta: in the model, not in the checkpoint",
+    )
+
+    result = keras_orbax.restore_sharded(model, saved, strict=False)
+    assert result.skipped == (
+        "model/layers/layer_normalization/gamma",
+        "model/layers/layer_normalization/beta",
+    )
+    np.testing.assert_array_equal(np.asarray(model.get_layer("extra").gamma.value), np.ones(32))
+    assert float(model.get_layer("hidden").kernel.value[0, 1]) == 1.0  # arange, restored
+
+
+def test_truncated_array_file(saved):
+    shard = saved / "3" / "state" / "model.layers.dense.kernel" / "c" / "1" / "2"
+    with open(shard, "r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+    _restore_fails(
+        _models.mlp(),
+        saved,
+        CorruptCheckpointError,
+        r"model/layers/dense/kernel: .*c/1/2 has \d+ bytes",
+    )
+
+
+def test_missing_array_file(saved):
+    shard = saved / "3" / "state" / "model.layers.dense_1.kernel" / "c" / "0" / "3"
+    shard.unlink()
+    _restore_fails(
+        _models.mlp(),
+        saved,
+        CorruptCheckpointError,
+        r"model/layers/dense_1/kernel: missing file .*c/0/3",
+    )
+
+
+def test_missing_file_on_the_resharding_path(saved, distribution):
+    shard = saved / "3" / "state" / "model.layers.dense_1.kernel" / "c" / "0" / "3"
+    shard.unlink()
+    distribution(_models.model_parallel((4, 2)))
+    _restore_fails(
+        _models.mlp(), saved, CorruptCheckpointError, r"model/layers/dense_1/kernel: missing file"
+    )
+
+
+def test_missing_file_in_the_compact_format(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    keras_orbax.save(_models.mlp(), tmp_path, step=1, format="compact")
+    data = [p for p in (tmp_path / "1" / "state").rglob("d/*") if p.is_file()]
+    assert data, "the compact format keeps its chunks in OCDBT data files"
+    for path in data:
+        path.unlink()
+    _restore_fails(
+        _models.mlp(), tmp_path, CorruptCheckpointError, r"Cannot read arrays of checkpoint step"
+    )
+
+
+def test_layout_the_mesh_does_not_divide(tmp_path, distribution):
+    distribution(None)
+    keras_orbax.save(_models.mlp(width=6), tmp_path, step=1)
+    distribution(_models.model_parallel((2, 4)))
+    with keras_orbax.deferred_init():
+        model = _models.mlp(width=6)  # hidden kernel (16, 6): 6 columns over 4 devices
+    with pytest.raises(
+        CheckpointMismatchError, match=r"hidden/kernel.*dimension 1 \(size 6\) into 4 parts"
+    ):
+        keras_orbax.restore_sharded(model, tmp_path, strict=False)
+    assert all(v._value is None for v in model.variables)
+
+
+def test_orbax_checkpoint_not_written_by_keras_orbax(tmp_path):
+    ocp.save(tmp_path / "1", {"w": np.ones(3)})
+    _restore_fails(_models.mlp(), tmp_path, CorruptCheckpointError, "not written by keras-orbax")
+
+
+def test_saving_a_committed_step_again_is_refused(saved, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    modified = os.path.getmtime(saved / "3")
+    with pytest.raises(StepExistsError, match=r"Step 3 is already committed in .*overwrite=True"):
+        keras_orbax.save(model, saved, step=3)
+    assert os.path.getmtime(saved / "3") == modified
+    keras_orbax.save(model, saved, step=3, overwrite=True)
+    assert float(keras_orbax.restore_sharded(model, saved).step) == 3
