@@ -14,6 +14,7 @@ keras_orbax.restore_sharded(model, "/ckpt")
 """
 
 from keras_orbax import errors
+from keras_orbax._callback import ModelCheckpoint
 from keras_orbax._deferred import deferred_init
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
@@ -21,6 +22,7 @@ from keras_orbax._save import save
 __version__ = "0.1.0"
 
 __all__ = [
+    "ModelCheckpoint",
     "RestoreResult",
     "deferred_init",
     "errors",

@@ -11,6 +11,11 @@ from typing import Any
 
 import keras
 from keras.src.backend.common import global_state
+
+# Why private: `MonitorCallback` is the base of Keras's own `ModelCheckpoint`, `EarlyStopping` and
+# `OrbaxCheckpoint` but is not exported; subclassing it gives our callback exactly Keras's
+# `monitor`/`mode="auto"` handling (a metric's `_direction`), `min_delta` and `best` bookkeeping.
+from keras.src.callbacks.monitor_callback import MonitorCallback as MonitorCallback
 from keras.src.saving import saving_lib
 from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -100,6 +105,15 @@ def initialize_deferred(variable: keras.Variable) -> None:
     Why private: `_deferred_initialize` is the only way to initialize one variable (the public
     path initializes every registered variable at once)."""
     variable._deferred_initialize()
+
+
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
+    """Makes the `fit` call that is starting begin at `epoch` (None: at fit's own `initial_epoch`).
+
+    Why private: Keras has no public way for a callback to resume `fit` mid-way; `fit` reads
+    `model._initial_epoch` right after `on_train_begin`, and `BackupAndRestore` sets it the same way.
+    """
+    model._initial_epoch = epoch
 
 
 class _Registry(list):

@@ -97,9 +97,16 @@ def write_step(
     extra: dict[str, Any] | None = None,
     overwrite: bool = False,
     blocking: bool = True,
+    weights_only: bool = False,
 ) -> ocp.AsyncResponse | None:
-    """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed."""
+    """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
+
+    `weights_only` keeps the model's own variables (trainable, non-trainable, seed-generator state)
+    and leaves out optimizer and metric state.
+    """
     variables = _keys.keyed_variables(model)
+    if weights_only:
+        variables = {k: v for k, v in variables.items() if k.startswith(f"{_keys.MODEL}/")}
     unset = [v.path for v in variables.values() if not _compat.is_allocated(v)]
     if unset:
         raise DeferredVariableError(

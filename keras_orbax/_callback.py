@@ -1,0 +1,447 @@
+"""`ModelCheckpoint`: sharded, asynchronous checkpoints during `fit`, with retention, resume and preemption."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+from jax.experimental import multihost_utils
+
+from keras_orbax import _compat, _save, _steps
+from keras_orbax._preemption import PreemptionWatcher
+from keras_orbax._restore import RestoreResult, restore_sharded
+from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
+
+logger = logging.getLogger("keras_orbax")
+_policies = ocp.training.preservation_policies
+
+
+class ModelCheckpoint(_compat.MonitorCallback):
+    """Saves sharded checkpoints of the whole training state during `fit`, in the background.
+
+    Each checkpoint is `<directory>/<step>`, where the step is the global training step
+    (`model.optimizer.iterations`), so steps never collide across restarts. Every process writes
+    only the shards its devices own, while `fit` goes on (`save_on_background=True`); a step
+    appears on disk only once it is fully written, and older steps are deleted only after that.
+    Weights, optimizer state, metric and seed-generator state are saved (see `keras_orbax.save`).
+
+    Position in training: a save at the end of epoch `e` (0-based) records `epoch=e + 1`, the next
+    epoch to run. A save after batch `b` of epoch `e` records `epoch=e, batch=b + 1`; Keras cannot
+    skip batches, so resuming from it replays epoch `e` from its first batch (the steps keep
+    counting up from the checkpoint's step). A save on an epoch's last batch counts as the end of
+    that epoch.
+
+    Resuming (`resume=True`): at the start of `fit`, the latest committed step is restored into
+    the model with `keras_orbax.restore_sharded` (sharded under the active distribution; the
+    optimizer is built if needed) and `fit` continues from the recorded epoch. Calling the same
+    `fit(epochs=N, callbacks=[ModelCheckpoint(directory, resume=True)])` after a crash or a
+    preemption therefore finishes the run; once the run is complete, it trains no further.
+
+    Preemption (`save_on_preemption=True`): on SIGTERM, a checkpoint is saved at the next batch
+    boundary (waiting until it is committed), `fit` stops and returns normally, and
+    `callback.preempted` is True. The process does not exit by itself; check the flag and exit.
+    A second SIGTERM goes to the handler that was there before (by default: terminate). Under
+    `jax.distributed`, JAX's preemption service is used instead, so every process saves at the
+    same step.
+
+    Retention: a step is kept if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
+    by `monitor`, every step that is a multiple of `keep_every`. The logs of each save are stored
+    with it, so the best steps are known after a restart. With `save_best_only`, the best value
+    so far is read back from the directory when `fit` starts, and the best step is always kept.
+
+    Args:
+        directory: Where checkpoints go. Use one directory per training run.
+        monitor: The metric that `save_best_only` and `keep_best` rank by, e.g. `"val_loss"`.
+        verbose: 1 prints one line per save (on process 0 only).
+        save_best_only: Save only when `monitor` improves on the best value so far.
+        save_weights_only: Save only the model's variables: no optimizer or metric state (such
+            a checkpoint cannot be resumed from).
+        mode: `"auto"`, `"min"` or `"max"`: whether a lower or higher `monitor` is better.
+        save_freq: `"epoch"`, or an int N: save whenever the global step reaches a multiple of N.
+        initial_value_threshold: With `save_best_only`, a value of `monitor` to beat first.
+        max_to_keep: Keep the latest N steps; `None` keeps every step.
+        keep_best: Also keep the N best steps by `monitor`.
+        keep_every: Also keep every step that is a multiple of K.
+        resume: Restore the latest committed step when `fit` starts, and continue from there.
+        save_on_background: Write checkpoints while training continues. A failed background
+            save raises `SaveFailedError` at the next save or when `fit` ends.
+        format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
+        save_on_preemption: Save and stop at the next batch boundary on SIGTERM.
+
+    Raises:
+        SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
+
+    Example:
+    ```python
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    model = build_model()
+    model.compile(optimizer="adam", loss="mse")
+    checkpoint = keras_orbax.ModelCheckpoint("/ckpt", max_to_keep=3, resume=True)
+    model.fit(x, y, epochs=10, callbacks=[checkpoint])
+    if checkpoint.preempted:
+        sys.exit(0)  # rerun the same script to continue
+    ```
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+        *,
+        max_to_keep: int | None = 1,
+        keep_best: int | None = None,
+        keep_every: int | None = None,
+        resume: bool = False,
+        save_on_background: bool = True,
+        format: _save.SaveFormat = "fast",
+        save_on_preemption: bool = True,
+    ) -> None:
+        super().__init__(monitor, mode, initial_value_threshold)
+        _validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
+        if resume and save_weights_only:
+            raise ValueError(
+                "resume=True needs the optimizer state, which save_weights_only=True leaves out. "
+                f"Received: resume={resume}, save_weights_only={save_weights_only}"
+            )
+        self.directory = os.fspath(directory)
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.save_freq = save_freq
+        self.initial_value_threshold = initial_value_threshold
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.keep_every = keep_every
+        self.resume = resume
+        self.save_on_background = save_on_background
+        self.format = format
+        self.save_on_preemption = save_on_preemption
+        self.preempted = False
+        """True once a preemption notice made this callback save and stop `fit`."""
+        self.restored: RestoreResult | None = None
+        """What `resume=True` restored when `fit` started; None if nothing was."""
+        self._checkpointer: ocp.training.Checkpointer | None = None
+        self._pending: tuple[int, Any] | None = None
+        self._last_saved_step: int | None = None
+        self._candidates: list[float] = []
+        self._watcher = PreemptionWatcher()
+        self._set_epoch = False
+        self._warned_missing = False
+        self._step = 0
+        self._epoch = 0
+        self._last_batch: int | None = None
+
+    # -- fit hooks -------------------------------------------------------------------------------
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.preempted, self.restored, self._pending = False, None, None
+        steps = _steps.committed_steps(self.directory)
+        if self.resume and steps:
+            self._restore()
+        self._step = int(self.model.optimizer.iterations)
+        if steps and steps[-1] > self._step:
+            raise ValueError(
+                f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
+                f"step {self._step}: new checkpoints would be mixed with a different run's. Pass "
+                f"resume=True to continue that run, or use a new directory. Received: "
+                f"directory='{self.directory}', resume={self.resume}"
+            )
+        self._last_saved_step = steps[-1] if steps else None
+        self._checkpointer = _save.open_checkpointer(
+            self.directory, self.format, preservation_policy=self._preservation_policy()
+        )
+        self.best = self.initial_value_threshold
+        self._candidates = [
+            value
+            for checkpoint in self._checkpointer.checkpoints
+            if (value := _metric(checkpoint.metrics, self.monitor)) is not None
+        ]
+        if self.save_on_preemption:
+            self._watcher.start()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch, self._last_batch = epoch, None
+        if self._set_epoch:  # fit has read it by now; a later fit must not start there again
+            _compat.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        previous = self._step
+        self._step += batch + 1 if self._last_batch is None else batch - self._last_batch
+        self._last_batch = batch
+        preempted = self.save_on_preemption and self._watcher.reached()
+        if (
+            isinstance(self.save_freq, int)
+            and self._step // self.save_freq > previous // self.save_freq
+        ):
+            self._consider_save(logs or {}, "batch")
+        if preempted:
+            self._save_for_preemption()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.preempted:
+            return  # saved and stopping already; this epoch did not finish
+        if self.save_freq == "epoch":
+            self._consider_save(logs or {}, "epoch")
+        if self.save_on_preemption and self._watcher.requested:
+            self._save_for_preemption()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        try:
+            self.wait_until_finished()
+        except SaveFailedError:
+            self._close(failing=True)
+            raise
+        self._close(failing=False)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in progress, if any, is committed.
+
+        Raises:
+            SaveFailedError: it failed; the previous committed step is intact.
+        """
+        if self._pending is None:
+            return
+        step, response = self._pending
+        self._pending = None
+        try:
+            response.result()
+        except Exception as error:
+            raise SaveFailedError(
+                f"Saving step {step} to '{self.directory}' failed in the background: "
+                f"{type(error).__name__}: {error}. {self._intact_note()}"
+            ) from error
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def _consider_save(self, logs: dict, reason: str) -> None:
+        if self.save_best_only or self.keep_best:
+            self._ensure_monitor_op()
+        note = ""
+        if self.save_best_only:
+            current = logs.get(self.monitor)
+            if not isinstance(current, int | float):
+                self._warn_missing(current)
+                improved = False
+            else:
+                improved = bool(self._is_improvement(current, self.best))
+            if not _agree(improved):
+                return
+            previous = "None" if self.best is None else f"{self.best:.5f}"
+            note = f" ({self.monitor} improved from {previous} to {current:.5f})"
+            self.best = current
+        self._save(_loggable(logs), reason, blocking=not self.save_on_background, note=note)
+
+    def _save_for_preemption(self) -> None:
+        self._save(None, "preemption", blocking=True)
+        self.wait_until_finished()  # the step may have been started just before, in the background
+        self.preempted = True
+        self.model.stop_training = True
+
+    def _save(
+        self, metrics: dict[str, float] | None, reason: str, *, blocking: bool, note: str = ""
+    ) -> None:
+        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
+        step = int(self.model.optimizer.iterations)
+        if step == self._last_saved_step:
+            return
+        self.wait_until_finished()
+        epoch, batch = self._position()
+        assert self._checkpointer is not None, "on_train_begin opens the checkpointer"
+        try:
+            response = _save.write_step(
+                self._checkpointer,
+                self.model,
+                step=step,
+                epoch=epoch,
+                batch=batch,
+                metrics=metrics,
+                extra={"reason": reason},
+                blocking=blocking,
+                weights_only=self.save_weights_only,
+            )
+        except KerasOrbaxError:
+            raise
+        except Exception as error:
+            raise SaveFailedError(
+                f"Saving step {step} to '{self.directory}' failed: {type(error).__name__}: "
+                f"{error}. {self._intact_note()}"
+            ) from error
+        self._last_saved_step = step
+        if not blocking:
+            self._pending = (step, response)
+        self._report(step, epoch, batch, reason, note)
+
+    def _position(self) -> tuple[int, int | None]:
+        """(epoch, batch) to record: the next epoch to run, or the batches done in this one."""
+        steps = self.params.get("steps") if self.params else None
+        done = 0 if self._last_batch is None else self._last_batch + 1
+        if steps is not None and done < steps:
+            return self._epoch, done
+        return self._epoch + 1, None
+
+    # -- resume, retention, monitoring -----------------------------------------------------------
+
+    def _restore(self) -> None:
+        self.restored = restore_sharded(self.model, self.directory)
+        record = self.restored.record
+        where = f"epoch {record.epoch}" + (f", batch {record.batch}" if record.batch else "")
+        logger.info(
+            "Resuming from step %d of '%s' (%s).", self.restored.step, self.directory, where
+        )
+        if record.batch:
+            logger.info(
+                "Step %d was saved mid-epoch: Keras cannot skip batches, so epoch %d restarts "
+                "from its first batch.",
+                self.restored.step,
+                record.epoch,
+            )
+        if record.epoch is not None:
+            _compat.set_initial_epoch(self.model, record.epoch)
+            self._set_epoch = True
+
+    def _preservation_policy(self) -> Any:
+        policies: list[Any] = [_policies.LatestN(self.max_to_keep)]
+        best = self.keep_best or (1 if self.save_best_only else None)
+        if best:
+            policies.append(
+                _policies.BestN(
+                    get_metric_fn=self._rank, n=best, keep_checkpoints_without_metrics=False
+                )
+            )
+        if self.keep_every:
+            policies.append(_policies.EveryNSteps(self.keep_every))
+        return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
+
+    def _rank(self, metrics: Any) -> float:
+        """Higher is better: `monitor`'s value, negated in "min" mode; -inf where it is missing."""
+        value = _metric(metrics, self.monitor)
+        if value is None:
+            return -math.inf
+        return value if self.monitor_op is keras.ops.greater else -value
+
+    def _ensure_monitor_op(self) -> None:
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        for value in self._candidates:  # the best values in the directory when fit started
+            if self.best is None or self.monitor_op(value, self.best):
+                self.best = value
+        self._candidates = []
+
+    def _warn_missing(self, current: Any) -> None:
+        if not self._warned_missing:
+            self._warned_missing = True
+            warnings.warn(
+                f"ModelCheckpoint(save_best_only=True) skips saves while '{self.monitor}' is not "
+                f"a number in the logs. Received: {self.monitor}={current!r}",
+                KerasOrbaxWarning,
+                stacklevel=3,
+            )
+
+    # -- reporting and cleanup -------------------------------------------------------------------
+
+    def _report(self, step: int, epoch: int, batch: int | None, reason: str, note: str) -> None:
+        if jax.process_index() != 0:
+            return
+        # Numbered from 1, as Keras prints epochs: `epoch` epochs are done, or `batch` batches of
+        # the 0-based epoch `epoch`.
+        where = f"Epoch {epoch}" if batch is None else f"Epoch {epoch + 1}, batch {batch}"
+        action = "preempted, saved" if reason == "preemption" else "saving"
+        line = f"{where}: {action} step {step} to '{self.directory}'{note}"
+        logger.info(line)
+        if self.verbose > 0:
+            print(line, flush=True)
+
+    def _intact_note(self) -> str:
+        steps = _steps.committed_steps(self.directory)
+        if not steps:
+            return "No step is committed in the directory."
+        return f"The last committed step, {steps[-1]}, is intact."
+
+    def _close(self, *, failing: bool) -> None:
+        """Closes the checkpointer and puts back what on_train_begin changed."""
+        checkpointer, self._checkpointer = self._checkpointer, None
+        self._watcher.stop()
+        if self._set_epoch:
+            _compat.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+        if checkpointer is None:
+            return
+        try:
+            checkpointer.close()
+        except Exception as error:
+            if failing:  # the save failure already being raised is the one to report
+                logger.warning(
+                    "Closing the checkpointer of '%s' failed too: %s", self.directory, error
+                )
+                return
+            raise SaveFailedError(
+                f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
+                f"{error}. {self._intact_note()}"
+            ) from error
+
+
+def _agree(decision: bool) -> bool:
+    """Process 0's decision, on every process: they must all enter the collective save together."""
+    if jax.process_count() == 1:
+        return decision
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
+
+
+def _metric(metrics: Any, name: str) -> float | None:
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _loggable(logs: dict) -> dict[str, float] | None:
+    """The logs as JSON-safe numbers, stored with the step (Orbax's `metrics`)."""
+    values = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
+    return {k: v for k, v in values.items() if math.isfinite(v)} or None
+
+
+def _validate(
+    directory: Any,
+    save_freq: Any,
+    max_to_keep: Any,
+    keep_best: Any,
+    keep_every: Any,
+    format: Any,
+) -> None:
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(
+            f"keras-orbax needs the JAX backend. Received: backend={keras.backend.backend()}"
+        )
+    if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
+        raise ValueError(f"directory must be a non-empty path. Received: directory={directory!r}")
+    if save_freq != "epoch" and not _positive_int(save_freq):
+        raise ValueError(
+            f"save_freq must be 'epoch' or a positive int. Received: save_freq={save_freq!r}"
+        )
+    for name, value in (
+        ("max_to_keep", max_to_keep),
+        ("keep_best", keep_best),
+        ("keep_every", keep_every),
+    ):
+        if value is not None and not _positive_int(value):
+            raise ValueError(f"{name} must be None or a positive int. Received: {name}={value!r}")
+    if format not in ("fast", "compact"):
+        raise ValueError(f"format must be 'fast' or 'compact'. Received: format={format!r}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

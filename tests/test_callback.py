@@ -1,0 +1,350 @@
+"""`keras_orbax.ModelCheckpoint` in real fits on 8 devices under ModelParallel."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax import _steps
+from keras_orbax.errors import SaveFailedError
+from tests import _models
+from tests._harness import REPO_ROOT, WORKERS_DIR
+
+BATCHES = 4  # per epoch: 32 samples, batch size 8
+
+
+def _data(model: keras.Model) -> tuple[np.ndarray, np.ndarray]:
+    if model.name == "mlp":
+        rng = np.random.default_rng(0)
+        return rng.random((32, 16), dtype="float32"), rng.random((32, 8), dtype="float32")
+    return _models.training_data()
+
+
+def _fit(model: keras.Model, epochs: int, callbacks: list, **kwargs) -> keras.callbacks.History:
+    x, y = _data(model)
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks, **kwargs
+    )
+
+
+def _state(model: keras.Model) -> list[np.ndarray]:
+    return _models.values(model.variables + model.optimizer.variables)
+
+
+def _assert_equal(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def _mlp() -> keras.Model:
+    return _models.compile_adam(_models.mlp())
+
+
+class _Scores(keras.callbacks.Callback):
+    """Puts a scripted `score` for each epoch into the logs; list it before the checkpoint."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        assert logs is not None
+        logs["score"] = self.scores[epoch]
+
+
+@pytest.fixture
+def mp(distribution):
+    return distribution(_models.model_parallel((2, 4)))
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+def test_resumed_fit_ends_exactly_where_an_uninterrupted_fit_does(tmp_path, mp, capsys):
+    keras.utils.set_random_seed(1)
+    uninterrupted = _models.compile_adam(_models.full_model())  # with Dropout: seed state matters
+    _fit(uninterrupted, 4, [])
+
+    keras.utils.set_random_seed(1)
+    first = _models.compile_adam(_models.full_model())
+    _fit(first, 2, [keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, verbose=1)])
+    assert _steps.committed_steps(tmp_path) == [4, 8]
+
+    keras.utils.set_random_seed(2)  # a different init: the restore must overwrite all of it
+    fresh = _models.compile_adam(_models.full_model())
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True, verbose=1)
+    history = _fit(fresh, 4, [checkpoint])
+
+    assert checkpoint.restored is not None and checkpoint.restored.step == 8
+    assert history.epoch == [2, 3]
+    assert _steps.committed_steps(tmp_path) == [4, 8, 12, 16]  # global steps: none collide
+    assert int(fresh.optimizer.iterations) == 16
+    _assert_equal(_state(fresh), _state(uninterrupted))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"Epoch {e}: saving step {4 * e} to '{tmp_path}'" for e in (1, 2, 3, 4)]
+
+
+def test_mid_epoch_async_saves_hold_their_step_and_resume_replays_the_epoch(tmp_path, mp):
+    keras.utils.set_random_seed(3)
+    model = _models.compile_adam(_models.full_model())
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def record(batch: int, logs: dict | None = None) -> None:
+        model.jax_state_sync()
+        seen[int(model.optimizer.iterations)] = _state(model)
+
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None)
+    _fit(model, 3, [checkpoint, keras.callbacks.LambdaCallback(on_train_batch_end=record)])
+
+    assert _steps.committed_steps(tmp_path) == [3, 6, 9, 12]
+    positions = {}
+    for step in (3, 6, 9, 12):
+        fresh = _models.compile_adam(_models.full_model())
+        result = keras_orbax.restore_sharded(fresh, tmp_path, step)
+        positions[step] = (result.record.epoch, result.record.batch)
+        _assert_equal(_state(fresh), seen[step])  # training went on while it was written
+    # (epochs done, batches done in the next one); step 12 ends epoch 2: "3 epochs done".
+    assert positions == {3: (0, 3), 6: (1, 2), 9: (2, 1), 12: (3, None)}
+
+    shutil.rmtree(tmp_path / "9")
+    shutil.rmtree(tmp_path / "12")  # as if the process died after step 6 (epoch 1, batch 2)
+    resumed = _models.compile_adam(_models.full_model())
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None, resume=True)
+    history = _fit(resumed, 3, [checkpoint])
+    assert history.epoch == [1, 2]  # epoch 1 replayed from its first batch
+    assert int(resumed.optimizer.iterations) == 6 + 2 * BATCHES
+    assert _steps.committed_steps(tmp_path) == [3, 6, 9, 12]
+
+
+# -- retention ------------------------------------------------------------------------------------
+
+
+SCORES = {0: 0.2, 1: 0.9, 2: 0.1, 3: 0.7, 4: 0.8}
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [
+        ({"max_to_keep": 2}, [16, 20]),
+        ({"keep_best": 2}, [4, 12, 20]),  # best: 0.1 (step 12), 0.2 (step 4); and the latest
+        ({"keep_every": 8}, [8, 16, 20]),
+        ({"max_to_keep": 2, "keep_best": 1, "keep_every": 8}, [8, 12, 16, 20]),
+        ({"max_to_keep": None, "keep_best": 1}, [4, 8, 12, 16, 20]),
+    ],
+)
+def test_retention_keeps_exactly_the_steps_of_its_rules(tmp_path, mp, options, kept):
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, monitor="score", mode="min", **options)
+    _fit(_mlp(), 5, [_Scores(SCORES), checkpoint])
+    assert _steps.committed_steps(tmp_path) == kept
+
+
+def test_retention_across_a_restart_keeps_the_first_runs_best(tmp_path, mp):
+    def checkpoint(**kwargs):
+        return keras_orbax.ModelCheckpoint(
+            tmp_path, monitor="score", mode="max", keep_best=1, keep_every=8, **kwargs
+        )
+
+    scores = {0: 0.9, 1: 0.1, 2: 0.5, 3: 0.4, 4: 0.7, 5: 0.3}
+    _fit(_mlp(), 3, [_Scores(scores), checkpoint()])
+    assert _steps.committed_steps(tmp_path) == [4, 8, 12]  # best, every 8th, latest
+
+    _fit(_mlp(), 6, [_Scores(scores), checkpoint(resume=True)])
+    assert _steps.committed_steps(tmp_path) == [4, 8, 16, 24]
+
+
+def test_save_best_only_recovers_the_best_value_after_a_restart(tmp_path, mp):
+    def checkpoint(**kwargs):
+        return keras_orbax.ModelCheckpoint(
+            tmp_path, monitor="score", mode="min", save_best_only=True, **kwargs
+        )
+
+    scores = {0: 0.5, 1: 0.1, 2: 0.3, 3: 0.2, 4: 0.4, 5: 0.05}
+    _fit(_mlp(), 3, [_Scores(scores), checkpoint(max_to_keep=None)])
+    assert _steps.committed_steps(tmp_path) == [4, 8]
+
+    restarted = checkpoint(max_to_keep=None, resume=True)
+    history = _fit(_mlp(), 6, [_Scores(scores), restarted])
+    # Resumed at epoch 2, after step 8. Without the recovered best (0.1), epoch 2's 0.3 and
+    # epoch 3's 0.2 would have been saved as new bests (steps 12 and 16).
+    assert history.epoch == [2, 3, 4, 5]
+    assert _steps.committed_steps(tmp_path) == [4, 8, 24]
+    assert restarted.best == 0.05
+
+
+def test_save_best_only_keeps_the_best_step_past_a_preemption_save(tmp_path, mp):
+    checkpoint = keras_orbax.ModelCheckpoint(
+        tmp_path, monitor="score", mode="min", save_best_only=True
+    )
+
+    def preempt(epoch: int, logs: dict | None = None) -> None:
+        if epoch == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next batch end: step 13
+
+    scores = {0: 0.5, 1: 0.1, 2: 0.3, 3: 0.2}
+    history = _fit(
+        _mlp(),
+        4,
+        [_Scores(scores), checkpoint, keras.callbacks.LambdaCallback(on_epoch_end=preempt)],
+    )
+    assert checkpoint.preempted and history.epoch == [0, 1, 2, 3]
+    # The preemption save is the latest (to resume from) but not a "best": step 8 stays.
+    assert _steps.committed_steps(tmp_path) == [8, 13]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# -- failures -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    """Real write failures (EFBIG), even as root: no file of this process may grow past `nbytes`."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_failed_background_save_raises_at_train_end_and_the_last_step_survives(tmp_path, mp):
+    model = _models.compile_adam(_models.mlp(width=16384))  # shard files of 64 KiB and more
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path)
+    after_first: list[np.ndarray] = []
+
+    with _file_size_limit(32 * 1024) as limit_file_size:
+
+        def fail_from_now_on(epoch: int, logs: dict | None = None) -> None:
+            if epoch == 0:
+                checkpoint.wait_until_finished()
+                after_first.extend(_state(model))
+                limit_file_size()
+
+        with pytest.raises(SaveFailedError, match=r"step 8 .* in the background") as info:
+            _fit(
+                model,
+                2,
+                [checkpoint, keras.callbacks.LambdaCallback(on_epoch_end=fail_from_now_on)],
+            )
+
+    message = str(info.value)  # Keras's fit drops the exception chain: the message says it all
+    assert "File too large" in message
+    assert message.endswith("The last committed step, 4, is intact.")
+    assert _steps.committed_steps(tmp_path) == [4]
+    fresh = _models.compile_adam(_models.mlp(width=16384))
+    assert keras_orbax.restore_sharded(fresh, tmp_path).step == 4
+    _assert_equal(_state(fresh), after_first)
+
+
+def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, mp):
+    from tests.workers import preempt_train
+
+    directory, ready, result = tmp_path / "ckpt", tmp_path / "ready", tmp_path / "result.json"
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    script = WORKERS_DIR / "preempt_train.py"
+    log = tmp_path / "worker.log"
+    with (
+        log.open("wb") as out,
+        subprocess.Popen(
+            [sys.executable, str(script), str(directory), str(ready), str(result)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ) as proc,
+    ):
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert proc.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the worker never reached epoch 1"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+    # It stopped at the batch end right after the signal: step 12, batch 4 of epoch 1.
+    assert json.loads(result.read_text()) == {"preempted": True, "step": 12, "epochs": [0, 1]}
+    assert _steps.committed_steps(directory) == [8, 12]
+    record = _steps.read_record(directory / "12")
+    assert (record.epoch, record.batch, record.extra) == (1, 4, {"reason": "preemption"})
+
+    model = preempt_train.build()
+    checkpoint = keras_orbax.ModelCheckpoint(directory, max_to_keep=None, resume=True)
+    x, y = preempt_train.data()
+    history = model.fit(
+        x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
+    )
+    assert checkpoint.restored is not None and checkpoint.restored.step == 12
+    assert history.epoch == [1, 2]
+    assert int(model.optimizer.iterations) == 12 + 2 * preempt_train.BATCHES_PER_EPOCH
+    assert _steps.committed_steps(directory) == [8, 12, 20, 28]
+
+
+# -- arguments and misuse -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"save_freq": "batch"},
+            r"save_freq must be 'epoch' or a positive int\. Received: save_freq='batch'",
+        ),
+        ({"save_freq": 0}, r"Received: save_freq=0"),
+        (
+            {"max_to_keep": 0},
+            r"max_to_keep must be None or a positive int\. Received: max_to_keep=0",
+        ),
+        ({"keep_best": -1}, r"Received: keep_best=-1"),
+        ({"keep_every": 2.5}, r"Received: keep_every=2\.5"),
+        ({"format": "zip"}, r"Received: format='zip'"),
+        (
+            {"resume": True, "save_weights_only": True},
+            r"Received: resume=True, save_weights_only=True",
+        ),
+    ],
+)
+def test_bad_arguments_are_refused_with_keras_manners(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        keras_orbax.ModelCheckpoint(tmp_path, **kwargs)
+
+
+def test_a_directory_ahead_of_the_model_is_refused_without_resume(tmp_path, mp):
+    _fit(_mlp(), 2, [keras_orbax.ModelCheckpoint(tmp_path)])
+    with pytest.raises(
+        ValueError, match=r"already holds steps up to 8, but the model is at step 0"
+    ):
+        _fit(_mlp(), 1, [keras_orbax.ModelCheckpoint(tmp_path)])
+
+
+def test_weights_only_checkpoints_hold_no_optimizer_state(tmp_path, mp):
+    model = _mlp()
+    _fit(model, 1, [keras_orbax.ModelCheckpoint(tmp_path, save_weights_only=True)])
+    record = _steps.read_record(tmp_path / "4")
+    assert len(record.variables) == 4  # two kernels, two biases
+    assert all(key.startswith("model/") for key in record.variables)
+    bare = _models.mlp()
+    keras_orbax.restore_sharded(bare, tmp_path)
+    _assert_equal(_models.values(bare.variables), _models.values(model.variables))
