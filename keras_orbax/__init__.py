@@ -16,6 +16,7 @@ keras_orbax.restore_sharded(model, "/ckpt")
 from keras_orbax import errors
 from keras_orbax._callback import ModelCheckpoint
 from keras_orbax._deferred import deferred_init
+from keras_orbax._load_model import load_model
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
 
@@ -26,6 +27,7 @@ __all__ = [
     "RestoreResult",
     "deferred_init",
     "errors",
+    "load_model",
     "restore_sharded",
     "save",
 ]

@@ -61,8 +61,9 @@ def restore_sharded(
             that is not built yet, it is built so that its state can be restored.
         directory: The root given to `save` or to the `ModelCheckpoint` callback.
         step: The step to restore; `None` means the latest committed one.
-        strict: If False, variables the checkpoint lacks keep their values (deferred ones are
-            initialized), and checkpoint entries the model lacks are ignored.
+        strict: If False, restore what matches: variables the checkpoint lacks or holds with another
+            shape or dtype keep their values (deferred ones are initialized), and checkpoint
+            entries the model lacks are ignored. `RestoreResult.skipped` lists them.
 
     Returns:
         A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read.
@@ -91,7 +92,8 @@ def restore_sharded(
     # Every array is read: from here on nothing can fail halfway.
     for key, array in arrays.items():
         _compat.set_value(variables[key], array)
-    initialized = [k for k in plan.missing if _deferred.is_deferred(variables[k])]
+    not_read = [*plan.missing, *plan.mismatched]
+    initialized = [k for k in not_read if _deferred.is_deferred(variables[k])]
     for key in initialized:
         _deferred.initialize(variables[key])
     return RestoreResult(
@@ -99,7 +101,7 @@ def restore_sharded(
         epoch=record.epoch,
         restored=tuple(arrays),
         initialized=tuple(initialized),
-        skipped=tuple(k for k in (*plan.missing, *plan.unexpected) if k not in initialized),
+        skipped=tuple(k for k in (*not_read, *plan.unexpected) if k not in initialized),
         bytes_read=bytes_read,
         record=record,
     )
@@ -117,8 +119,8 @@ def _build_optimizer_if_needed(model: keras.Model, record: StepRecord) -> None:
 def _mismatch_message(model: keras.Model, path: os.PathLike, plan: _plan.Plan, strict: bool) -> str:
     lines = "\n".join(f"  {p}" for p in plan.problems)
     hint = (
-        " If the model changed on purpose, pass strict=False to skip keys missing on either side."
-        if strict and (plan.missing or plan.unexpected)
+        " If the model changed on purpose, pass strict=False to restore only what matches."
+        if strict and (plan.missing or plan.unexpected or plan.mismatched)
         else ""
     )
     return (
