@@ -167,5 +167,5 @@ def test_load_model_never_runs_code_from_the_checkpoint(tmp_path):
     doubled = keras.layers.Lambda(lambda t: t * 2)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(2)(doubled))
     keras_orbax.save(model, tmp_path, step=1)
-    with pytest.raises(ValueError, match="(?i)unsafe|safe_mode"):
+    with pytest.raises(ValueError, match=r"(?i)unsafe|safe_mode"):
         keras_orbax.load_model(tmp_path)
