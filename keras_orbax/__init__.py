@@ -16,6 +16,7 @@ keras_orbax.restore_sharded(model, "/ckpt")
 from keras_orbax import errors
 from keras_orbax._callback import ModelCheckpoint
 from keras_orbax._deferred import deferred_init
+from keras_orbax._inspect import CheckpointInfo, inspect
 from keras_orbax._load_model import load_model
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
@@ -23,10 +24,12 @@ from keras_orbax._save import save
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointInfo",
     "ModelCheckpoint",
     "RestoreResult",
     "deferred_init",
     "errors",
+    "inspect",
     "load_model",
     "restore_sharded",
     "save",

@@ -1,0 +1,49 @@
+"""`inspect` and the command line describe a checkpoint from its metadata alone."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import keras_orbax
+from tests import _models
+
+
+def test_inspect_describes_every_variable(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    keras_orbax.save(model, tmp_path, step=5, epoch=2)
+    keras_orbax.save(model, tmp_path, step=9, epoch=3)
+
+    info = keras_orbax.inspect(tmp_path, step=5)
+    assert info.steps == (5, 9) and info.step == 5 and info.record.epoch == 2
+    kernel = info.record.variables["model/layers/dense/kernel"]
+    assert (kernel.path, kernel.shape, kernel.dtype) == ("hidden/kernel", (16, 32), "float32")
+    assert kernel.layout == {
+        "mesh_shape": [2, 4],
+        "axis_names": ["batch", "model"],
+        "partition": ["batch", "model"],
+    }
+    assert info.nbytes == (16 * 32 + 32 + 32 * 8 + 8) * 4
+    assert info.record.model_config["class_name"] == "Functional"
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "keras_orbax", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "steps [5, 9]; step 9, epoch 3, 4 variables, 3.2 KiB" in printed
+    assert re.search(r"model/layers/dense/kernel +float32 +\(16, 32\) +mesh \(2, 4\)", printed)
+    assert "partition ('batch', 'model')" in printed
+
+
+def test_command_line_reports_a_missing_directory(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_orbax", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert "does not exist" in done.stderr
