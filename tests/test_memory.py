@@ -1,0 +1,39 @@
+"""Peak memory of a deferred restore, measured in a fresh process: one sharded copy of the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).parent / "workers" / "memory_restore.py"
+ROOT = Path(__file__).parent.parent
+
+
+def _run(mode: str, directory: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="1048576")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, str(WORKER), mode, str(directory)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if mode == "restore" else {}
+
+
+def test_deferred_restore_peaks_at_one_copy_of_the_model(tmp_path):
+    _run("save", tmp_path)
+    figures = _run("restore", tmp_path)
+    model_bytes = (2048 * 4096 + 4096 + 4096 * 2048 + 2048) * 4
+    # Sharded kernels are held once; the two biases are replicated on 8 devices but share one read.
+    assert figures["resident"] >= model_bytes
+    assert figures["bytes_read"] == model_bytes
+    growth = figures["peak"] - figures["after_imports"]
+    # A full copy of either kernel on one device, or a second copy of the model, would add >= 32 MiB.
+    assert growth <= 1.15 * model_bytes, figures

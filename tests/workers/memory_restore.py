@@ -1,0 +1,61 @@
+"""Saves (`save DIR`) or restores deferred (`restore DIR`) a 64 MiB model; prints JSON with RSS figures.
+
+Run in a fresh process so that the peak RSS (VmHWM) belongs to this restore alone.
+"""
+
+import json
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax
+import keras
+from keras.distribution import DeviceMesh, LayoutMap, ModelParallel
+
+import keras_orbax
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def build() -> keras.Model:
+    inputs = keras.Input((2048,))
+    x = keras.layers.Dense(4096, name="wide")(inputs)  # 32 MiB kernel
+    outputs = keras.layers.Dense(2048, name="narrow")(x)  # 32 MiB kernel
+    return keras.Model(inputs, outputs)
+
+
+def main(mode: str, directory: str) -> None:
+    mesh = DeviceMesh((2, 4), ("batch", "model"), jax.devices())
+    layout_map = LayoutMap(mesh)
+    layout_map[".*kernel"] = ("batch", "model")
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    if mode == "save":
+        keras_orbax.save(build(), directory, step=1)
+        return
+    after_imports = _status_kib("VmRSS") * 1024
+    with keras_orbax.deferred_init():
+        model = build()
+    result = keras_orbax.restore_sharded(model, directory)
+    resident = sum(s.data.nbytes for v in model.variables for s in v.value.addressable_shards)
+    print(
+        json.dumps(
+            {
+                "after_imports": after_imports,
+                "peak": _status_kib("VmHWM") * 1024,
+                "resident": resident,
+                "bytes_read": result.bytes_read,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
