@@ -125,7 +125,8 @@ def _print_device_reads(model) -> None:
             continue
         for shard in value.addressable_shards:
             region = ", ".join(
-                f"{s.start or 0}:{s.stop or n}" for s, n in zip(shard.index, value.shape)
+                f"{s.start or 0}:{s.stop or n}"
+                for s, n in zip(shard.index, value.shape, strict=True)
             )
             per_device.setdefault(shard.device.id, []).append(f"{variable.path}[{region}]")
             totals[shard.device.id] = totals.get(shard.device.id, 0) + shard.data.nbytes
