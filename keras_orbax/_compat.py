@@ -152,3 +152,18 @@ def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None
             yield
     finally:
         global_state.set_global_attribute(_REGISTRY, list(previous))
+
+
+def distributed_client() -> Any:
+    """JAX's client of the coordination service that `jax.distributed.initialize` started.
+
+    Why private: its key-value store (`key_value_set`, `blocking_key_value_get` with a timeout) is
+    only reachable as `jax._src.distributed.global_state.client`; the public `multihost_utils`
+    collectives have no timeout and hang when a process is gone.
+    """
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized, yet jax.process_count() > 1.")
+    return client

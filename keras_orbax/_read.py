@@ -49,13 +49,20 @@ class ReadRequest:
     target: jax.ShapeDtypeStruct  # the variable's shape, stored dtype and target sharding
 
 
-def read_arrays(
-    step_dir: Path, requests: Sequence[ReadRequest], *, max_workers: int | None = None
-) -> tuple[dict[str, jax.Array], int]:
-    """Reads every requested array; returns them by key and the bytes this process read.
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """How each array of one step will be read by this process; its files checked already."""
+
+    step_dir: Path
+    direct: list[tuple[ReadRequest, _ShardFiles]]
+    via_orbax: list[ReadRequest]
+
+
+def plan_reads(step_dir: Path, requests: Sequence[ReadRequest]) -> ReadPlan:
+    """Chooses the read path of each array and checks the files this process will read.
 
     Raises:
-        CorruptCheckpointError: an array file is missing, truncated or unreadable.
+        CorruptCheckpointError: a shard file this process needs is missing or truncated.
     """
     direct, via_orbax = [], []
     for request in requests:
@@ -66,15 +73,29 @@ def read_arrays(
             direct.append((request, files))
         else:
             via_orbax.append(request)
+    return ReadPlan(step_dir, direct, via_orbax)
+
+
+def read_arrays(
+    plan: ReadPlan, *, max_workers: int | None = None
+) -> tuple[dict[str, jax.Array], int]:
+    """Reads every planned array; returns them by key and the bytes this process read.
+
+    Collective when some arrays go through Orbax (resharding, the compact format): call on every
+    process.
+
+    Raises:
+        CorruptCheckpointError: an array file is unreadable.
+    """
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        for request, files in direct:
+        for request, files in plan.direct:
             arrays[request.record.key], nbytes = _read_direct(request, files, pool.map)
             bytes_read += nbytes
-    if via_orbax:
-        loaded, nbytes = _read_with_orbax(step_dir, via_orbax)
+    if plan.via_orbax:
+        loaded, nbytes = _read_with_orbax(plan.step_dir, plan.via_orbax)
         arrays.update(loaded)
         bytes_read += nbytes
     return arrays, bytes_read
@@ -93,9 +114,17 @@ class _ShardFiles:
         coords = [str((s.start or 0) // n) for s, n in zip(index, self.chunk_shape, strict=True)]
         return self.directory.joinpath("c", *coords)
 
-    def all_files(self) -> list[Path]:
-        grid = [range(n // c) for n, c in zip(self.shape, self.chunk_shape, strict=True)]
-        return [self.directory.joinpath("c", *map(str, ix)) for ix in itertools.product(*grid)]
+    def files_for(self, indices: Sequence[tuple[slice, ...]]) -> list[Path]:
+        """The shard files that hold any part of the given regions, each once."""
+        found: dict[Path, None] = {}
+        for index in indices:
+            ranges = []
+            for s, n, c in zip(index, self.shape, self.chunk_shape, strict=True):
+                start, stop = s.start or 0, n if s.stop is None else s.stop
+                ranges.append(range(start // c, (stop - 1) // c + 1))
+            for coords in itertools.product(*ranges):
+                found[self.directory.joinpath("c", *map(str, coords))] = None
+        return list(found)
 
     @property
     def file_bytes(self) -> int:
@@ -132,9 +161,10 @@ def _fast_format_files(step_dir: Path, record: VariableRecord) -> _ShardFiles | 
 
 
 def _check_files(request: ReadRequest, files: _ShardFiles) -> None:
-    """Every shard file is there and whole (Orbax writes every chunk, even all-zero ones)."""
+    """Every shard file this process reads is there and whole (Orbax writes every chunk, even
+    all-zero ones, so a missing file is damage, not a fill value)."""
     problems = []
-    for path in files.all_files():
+    for path in files.files_for(_local_indices(request)):
         try:
             size = path.stat().st_size
         except FileNotFoundError:

@@ -7,7 +7,7 @@ import os
 
 import keras
 
-from keras_orbax import _compat, _deferred, _keys, _plan, _read, _steps
+from keras_orbax import _compat, _deferred, _keys, _multihost, _plan, _read, _steps
 from keras_orbax._keys import OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax.errors import CheckpointMismatchError
@@ -81,14 +81,14 @@ def restore_sharded(
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
-    step, path = _steps.step_path(directory, step)
-    record = _steps.read_record(path)
-    _build_optimizer_if_needed(model, record)
-    variables = _keys.keyed_variables(model)
-    plan = _plan.make_plan(record, variables, strict=strict)
-    if plan.problems:
-        raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
-    arrays, bytes_read = _read.read_arrays(path, list(plan.reads.values()))
+    # Collective: every process checks what it will read, then reads its shards; all raise if any
+    # fails, and only then does any process assign.
+    step, record, variables, plan, reads = _multihost.run_collectively(
+        "restore_sharded/plan", _prepare, model, directory, step, strict
+    )
+    arrays, bytes_read = _multihost.run_collectively(
+        "restore_sharded/read", _read.read_arrays, reads
+    )
     # Every array is read: from here on nothing can fail halfway.
     for key, array in arrays.items():
         _compat.set_value(variables[key], array)
@@ -105,6 +105,21 @@ def restore_sharded(
         bytes_read=bytes_read,
         record=record,
     )
+
+
+def _prepare(
+    model: keras.Model, directory: str | os.PathLike, step: int | None, strict: bool
+) -> tuple[int, StepRecord, dict[str, keras.Variable], _plan.Plan, _read.ReadPlan]:
+    """Everything a restore decides before reading: the step, the plan, the files checked."""
+    step, path = _steps.step_path(directory, step)
+    record = _steps.read_record(path)
+    _build_optimizer_if_needed(model, record)
+    variables = _keys.keyed_variables(model)
+    plan = _plan.make_plan(record, variables, strict=strict)
+    if plan.problems:
+        raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
+    reads = _read.plan_reads(path, list(plan.reads.values()))
+    return step, record, variables, plan, reads
 
 
 def _build_optimizer_if_needed(model: keras.Model, record: StepRecord) -> None:
