@@ -52,16 +52,22 @@ def training_data(n: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, 16, (n, 4)).astype("int32"), rng.random((n, 8)).astype("float32")
 
 
-def fill_arange(model: keras.Model, limit: int | None = None) -> None:
-    """Gives every variable distinct `arange` values (modulo `limit`), so a misplaced shard cannot pass."""
-    offset = 0
-    for variable in model.variables:
-        size = int(np.prod(variable.shape))
-        values = np.arange(offset, offset + size, dtype="float32").reshape(variable.shape)
-        if limit is not None:
-            values %= limit
-        variable.assign(values.astype(variable.dtype))
+def arange_values(shapes: list[tuple[int, ...]], limit: int | None = None) -> list[np.ndarray]:
+    """Distinct `arange` values for each shape in turn (modulo `limit`): what `fill_arange` assigns."""
+    arrays, offset = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape))
+        values = np.arange(offset, offset + size, dtype="float32").reshape(shape)
+        arrays.append(values % limit if limit is not None else values)
         offset += size
+    return arrays
+
+
+def fill_arange(model: keras.Model, limit: int | None = None) -> None:
+    """Gives every variable distinct `arange` values, so a misplaced shard cannot pass."""
+    shapes = [tuple(v.shape) for v in model.variables]
+    for variable, values in zip(model.variables, arange_values(shapes, limit), strict=True):
+        variable.assign(values.astype(variable.dtype))
 
 
 def values(variables: list[keras.Variable]) -> list[np.ndarray]:

@@ -1,0 +1,153 @@
+"""Several processes under `jax.distributed` on 127.0.0.1: each writes and reads only its own shards.
+
+Launches are few and shared (module-scoped fixtures): a 2-process writer, then readers on other
+topologies, and two fault scenarios.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keras_orbax
+from tests import _models
+from tests._harness import WORKERS_DIR, WorkerFailed, run_workers, start_workers
+
+WORKER = WORKERS_DIR / "multihost.py"
+SLACK = 256 * 1024  # bytes a process may read beyond its shards: zarr.json and metadata files
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """Checkpoints written by 2 processes x 4 devices on a (2, 4) mesh: `arange/1` and `trained/*`."""
+    root = tmp_path_factory.mktemp("multihost")
+    results = run_workers(
+        WORKER, 2, 4, {"action": "write", "directory": str(root)}, workdir=_dir(root / "w")
+    )
+    assert results[0]["steps"] == results[1]["steps"] == [4, 8]
+    return root
+
+
+def _dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _assert_read(report: dict, layout: str) -> None:
+    entry = report[layout]
+    assert entry["mismatches"] == [], layout
+    assert entry["sharding_ok"], layout
+    assert entry["bytes_read"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
+    assert entry["rchar"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
+
+
+def test_four_processes_read_what_two_wrote(written):
+    results = run_workers(
+        WORKER,
+        4,
+        2,
+        {
+            "action": "read",
+            "directory": str(written / "arange"),
+            "layouts": ["2x4", "4x2"],
+            "trained": str(written / "trained"),
+            "reference": str(written / "w" / "trained.npz"),
+        },
+        workdir=_dir(written / "w4"),
+    )
+    total = 0
+    for report in results:
+        _assert_read(report, "2x4")
+        _assert_read(report, "4x2")
+        # The writer's layout: every shard is one file, read once by the process that owns it.
+        assert report["2x4"]["bytes_read"] == report["2x4"]["own_shard_bytes"]
+        total += report["2x4"]["bytes_read"]
+        assert report["load_model"] == {"wrong": [], "iterations": 8}
+    model_bytes = (16 * 32 + 32 + 32 * 8 + 8) * 4
+    replicated = (32 + 8) * 4
+    assert total == model_bytes + 3 * replicated  # biases: one copy per process, kernels: once
+
+
+def test_one_process_reads_what_two_wrote(written, distribution):
+    distribution(_models.model_parallel((4, 2)))
+    with keras_orbax.deferred_init():
+        model = _models.mlp()
+    keras_orbax.restore_sharded(model, written / "arange")
+    for variable, want in zip(
+        model.variables, _models.arange_values([v.shape for v in model.variables]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(variable.value), want)
+
+
+def test_two_processes_read_with_another_layout_map_and_what_one_wrote(
+    written, tmp_path, distribution
+):
+    distribution(_models.model_parallel((2, 4)))
+    single = _models.mlp()
+    _models.fill_arange(single)
+    keras_orbax.save(single, tmp_path / "single", step=1)
+
+    for directory in (written / "arange", tmp_path / "single"):
+        results = run_workers(
+            WORKER,
+            2,
+            4,
+            {"action": "read", "directory": str(directory), "layouts": ["transposed", "1x8"]},
+            workdir=_dir(tmp_path / f"w_{directory.name}"),
+        )
+        for report in results:
+            _assert_read(report, "transposed")
+            _assert_read(report, "1x8")
+
+
+def test_process_killed_during_save_leaves_the_previous_step(tmp_path):
+    directory = tmp_path / "ckpt"
+    with start_workers(
+        WORKER,
+        2,
+        4,
+        {"action": "save_big", "directory": str(directory)},
+        workdir=_dir(tmp_path / "w"),
+    ) as workers:
+        workers.wait_for_file(tmp_path / "w" / "saving", timeout=180)
+        deadline = time.monotonic() + 60
+        while not list(directory.glob("2.orbax-checkpoint-tmp*")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        workers.kill(1, signal.SIGKILL)
+        with pytest.raises(WorkerFailed):
+            workers.wait(timeout=120)
+    assert keras_orbax.inspect(directory).steps == (1,)
+    with keras_orbax.deferred_init():
+        model = _models.mlp()
+    assert keras_orbax.restore_sharded(model, directory).step == 1
+
+
+def test_missing_file_on_one_process_fails_everywhere_without_hanging(written, tmp_path):
+    import shutil
+
+    directory = tmp_path / "damaged"
+    shutil.copytree(written / "arange", directory)
+    # On the (2, 4) mesh, row 1 of the kernel's shards belongs to process 1's devices only.
+    (directory / "1" / "state" / "model.layers.dense.kernel" / "c" / "1" / "2").unlink()
+    start = time.monotonic()
+    results = run_workers(
+        WORKER,
+        2,
+        4,
+        {"action": "read_expect_error", "directory": str(directory)},
+        timeout=150,
+        workdir=_dir(tmp_path / "w"),
+    )
+    assert time.monotonic() - start < 120
+    messages = {r["message"] for r in results}
+    assert len(messages) == 1, messages  # the same error on every process
+    message = messages.pop()
+    assert [r["type"] for r in results] == ["CorruptCheckpointError"] * 2
+    assert "failed on 1 of 2 processes" in message
+    assert "process 1: CorruptCheckpointError" in message
+    assert "model/layers/dense/kernel: missing file" in message and "c/1/2" in message
+    assert all(r["untouched"] for r in results)

@@ -1,0 +1,179 @@
+"""Worker for tests/test_multihost.py: one process of a `jax.distributed` cluster.
+
+args: {"action": ..., "directory": ..., plus what the action needs}
+- "write": save `mlp` (arange values) at step 1 on a (2, 4) mesh, then train it with `ModelCheckpoint`
+  (resume, async) and write every trained variable (gathered) to <workdir>/trained.npz from process 0.
+- "read": restore step 1 under each of args["layouts"]; report per layout the values that differ and
+  the bytes read (ours and /proc/self/io) against this process's shard bytes. With args["trained"]
+  and args["reference"] (the writer's npz), also `load_model` the latest trained step and compare.
+- "save_big": save a small step, then a large one, writing <workdir>/saving before it (for SIGKILL).
+- "read_expect_error": restore step 1; report the error each process got.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+
+import keras_orbax
+from tests import _models
+from tests._worker_util import init_worker, write_result
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+
+
+def _own_shard_bytes(model: keras.Model) -> int:
+    """Bytes of the distinct shards this process's devices hold."""
+    total = 0
+    for variable in model.variables:
+        shards = {repr(s.index): s.data.nbytes for s in variable.value.addressable_shards}
+        total += sum(shards.values())
+    return total
+
+
+def _distribution(layout: str) -> keras.distribution.Distribution:
+    if layout == "transposed":  # another LayoutMap: kernels split the other way round
+        mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), jax.devices())
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*kernel"] = ("model", "batch")
+        return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    rows, cols = (int(n) for n in layout.split("x"))
+    return _models.model_parallel((rows, cols))
+
+
+def write(directory: Path, workdir: Path) -> dict:
+    distribution = _models.model_parallel((2, 4))
+    distribution.auto_shard_dataset = False  # each process feeds its own rows (_local_batches)
+    keras.distribution.set_distribution(distribution)
+    model = _models.mlp()
+    _models.fill_arange(model)
+    keras_orbax.save(model, directory / "arange", step=1)
+
+    trained = _models.compile_adam(_models.mlp())
+    checkpoint = keras_orbax.ModelCheckpoint(directory / "trained", monitor="loss", max_to_keep=2)
+    x = np.linspace(0, 1, 32 * 16, dtype="float32").reshape(32, 16)
+    y = np.linspace(1, 0, 32 * 8, dtype="float32").reshape(32, 8)
+    data = _local_batches(x, y)
+    trained.fit(data, epochs=2, steps_per_epoch=4, callbacks=[checkpoint], verbose=0)
+    gathered = {
+        v.path: np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+        for v in trained.variables + trained.optimizer.variables
+    }
+    if jax.process_index() == 0:
+        np.savez(workdir / "trained.npz", **{k.replace("/", "|"): v for k, v in gathered.items()})
+    return {"steps": keras_orbax.inspect(directory / "trained").steps}
+
+
+def _local_batches(x: np.ndarray, y: np.ndarray):
+    """Global batches of 8 rows; each process yields its own rows, Keras assembles the global arrays."""
+    per_process = 8 // jax.process_count()
+    start = jax.process_index() * per_process
+    while True:
+        for i in range(0, len(x), 8):
+            rows = slice(i + start, i + start + per_process)
+            yield x[rows], y[rows]
+
+
+def read(directory: Path, layouts: list[str], trained: str | None, reference: str | None) -> dict:
+    report: dict = {}
+    for layout in layouts:
+        keras.distribution.set_distribution(_distribution(layout))
+        with keras_orbax.deferred_init():
+            model = _models.mlp()
+        before = _rchar()
+        result = keras_orbax.restore_sharded(model, directory)
+        read_by_os = _rchar() - before
+        mismatches = _compare_with_arange(model)
+        report[layout] = {
+            "bytes_read": result.bytes_read,
+            "rchar": read_by_os,
+            "own_shard_bytes": _own_shard_bytes(model),
+            "mismatches": mismatches,
+            "sharding_ok": all(
+                v.value.sharding.is_equivalent_to(
+                    keras.distribution.distribution().get_variable_layout(v).backend_layout,
+                    v.value.ndim,
+                )
+                for v in model.variables
+            ),
+        }
+    if trained and reference:
+        keras.distribution.set_distribution(_models.model_parallel((4, 2)))
+        model = keras_orbax.load_model(trained)
+        saved = np.load(reference)
+        wrong = []
+        for variable in model.variables + model.optimizer.variables:
+            want = saved[variable.path.replace("/", "|")]
+            for shard in variable.value.addressable_shards:
+                if not np.array_equal(np.asarray(shard.data), want[shard.index]):
+                    wrong.append(variable.path)
+        report["load_model"] = {"wrong": wrong, "iterations": int(model.optimizer.iterations)}
+    return report
+
+
+def _compare_with_arange(model: keras.Model) -> list[str]:
+    expected = _models.arange_values([v.shape for v in model.variables])
+    wrong = []
+    for variable, want in zip(model.variables, expected, strict=True):
+        for shard in variable.value.addressable_shards:
+            if not np.array_equal(np.asarray(shard.data), want[shard.index]):
+                wrong.append(f"{variable.path} on device {shard.device.id}")
+    return wrong
+
+
+def save_big(directory: Path, workdir: Path) -> dict:
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    keras_orbax.save(model, directory, step=1)
+    big = keras.Sequential([keras.Input((4096,))] + [keras.layers.Dense(4096) for _ in range(4)])
+    if jax.process_index() == 1:
+        (workdir / "saving").write_text("")
+    keras_orbax.save(big, directory, step=2)  # ~256 MiB: process 1 is killed while it writes
+    return {"finished": True}
+
+
+def read_expect_error(directory: Path) -> dict:
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    with keras_orbax.deferred_init():
+        model = _models.mlp()
+    start = time.monotonic()
+    try:
+        keras_orbax.restore_sharded(model, directory)
+    except keras_orbax.errors.KerasOrbaxError as error:
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "seconds": time.monotonic() - start,
+            "untouched": all(v._value is None for v in model.variables),
+        }
+    return {"type": None}
+
+
+def main() -> None:
+    ctx = init_worker()
+    keras.utils.set_random_seed(0)  # every process must initialize the same values
+    args = ctx.args
+    directory = Path(args["directory"])
+    action = args["action"]
+    if action == "write":
+        write_result(write(directory, ctx.workdir))
+    elif action == "read":
+        write_result(read(directory, args["layouts"], args.get("trained"), args.get("reference")))
+    elif action == "save_big":
+        write_result(save_big(directory, ctx.workdir))
+    elif action == "read_expect_error":
+        write_result(read_expect_error(directory))
+    else:
+        raise ValueError(f"unknown action {action!r}")
+
+
+if __name__ == "__main__":
+    main()
