@@ -130,7 +130,7 @@ def _slot_key(name: str, references: dict[str, str]) -> str:
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
 
 
 def _unique(name: str, used: dict[str, int]) -> str:

@@ -18,7 +18,7 @@ from tests import _models
 from tests._harness import WORKERS_DIR, WorkerFailed, run_workers, start_workers
 
 WORKER = WORKERS_DIR / "multihost.py"
-SLACK = 256 * 1024  # bytes a process may read beyond its shards: zarr.json and metadata files
+SLACK = 32 * 1024  # bytes a process may read beyond its shards: zarr.json and metadata files
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,9 @@ def _assert_read(report: dict, layout: str) -> None:
     entry = report[layout]
     assert entry["mismatches"] == [], layout
     assert entry["sharding_ok"], layout
-    assert entry["bytes_read"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
+    # Array bytes: exactly the distinct shards this process's devices own, whatever the layout.
+    assert entry["bytes_read"] == entry["own_shard_bytes"], (layout, entry)
+    # All bytes the process read from files (/proc/self/io), metadata included.
     assert entry["rchar"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
 
 
@@ -63,19 +65,17 @@ def test_four_processes_read_what_two_wrote(written):
     for report in results:
         _assert_read(report, "2x4")
         _assert_read(report, "4x2")
-        # The writer's layout: every shard is one file, read once by the process that owns it.
-        assert report["2x4"]["bytes_read"] == report["2x4"]["own_shard_bytes"]
         total += report["2x4"]["bytes_read"]
         assert report["load_model"] == {"wrong": [], "iterations": 8}
-    model_bytes = (16 * 32 + 32 + 32 * 8 + 8) * 4
-    replicated = (32 + 8) * 4
+    model_bytes = (16 * 4096 + 4096 + 4096 * 8 + 8) * 4
+    replicated = (4096 + 8) * 4
     assert total == model_bytes + 3 * replicated  # biases: one copy per process, kernels: once
 
 
 def test_one_process_reads_what_two_wrote(written, distribution):
     distribution(_models.model_parallel((4, 2)))
     with keras_orbax.deferred_init():
-        model = _models.mlp()
+        model = _models.mlp(width=4096)
     keras_orbax.restore_sharded(model, written / "arange")
     for variable, want in zip(
         model.variables, _models.arange_values([v.shape for v in model.variables]), strict=True
@@ -87,7 +87,7 @@ def test_two_processes_read_with_another_layout_map_and_what_one_wrote(
     written, tmp_path, distribution
 ):
     distribution(_models.model_parallel((2, 4)))
-    single = _models.mlp()
+    single = _models.mlp(width=4096)
     _models.fill_arange(single)
     keras_orbax.save(single, tmp_path / "single", step=1)
 

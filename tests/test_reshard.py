@@ -81,3 +81,45 @@ def test_each_device_shard_comes_from_the_checkpoint(tmp_path, distribution, sav
     for shard in kernel.addressable_shards:
         assert shard.data.shape == (8, 8)  # (16, 32) split (2, 4): never the full shape
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+
+
+class _Cube(keras.layers.Layer):
+    def build(self, input_shape):
+        self.cube = self.add_weight(shape=(4, 8, 16), name="cube")
+
+    def call(self, x):
+        return x
+
+
+def _cube_distribution(mesh_shape: tuple[int, int], axes: tuple) -> keras.distribution.Distribution:
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*cube"] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map)
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored"),
+    [
+        (((2, 4), (None, "batch", "model")), ((4, 2), ("batch", None, "model"))),
+        (((2, 4), ("batch", "model", None)), ((2, 4), (None, "model", "batch"))),
+        (((8, 1), (None, None, "batch")), ((1, 8), (None, None, "model"))),
+        (((8, 1), (None, "batch", None)), ((4, 2), ("model", None, "batch"))),
+    ],
+)
+def test_three_dimensional_variable_any_split_to_any_split(tmp_path, distribution, saved, restored):
+    distribution(_cube_distribution(*saved))
+    source = keras.Sequential([keras.Input((3,)), _Cube(name="cube")], name="c")
+    _models.fill_arange(source)
+    keras_orbax.save(source, tmp_path, step=1)
+    full = np.asarray(source.layers[0].cube.value)
+
+    distribution(_cube_distribution(*restored))
+    with keras_orbax.deferred_init():
+        target = keras.Sequential([keras.Input((3,)), _Cube(name="cube")], name="c")
+    result = keras_orbax.restore_sharded(target, tmp_path)
+    cube = target.layers[0].cube.value
+    np.testing.assert_array_equal(np.asarray(cube), full)
+    assert tuple(cube.sharding.spec) == restored[1]
+    distinct = {repr(s.index): s.data.nbytes for s in cube.addressable_shards}
+    assert result.bytes_read == sum(distinct.values())  # exactly the distinct target shards

@@ -24,6 +24,9 @@ import keras_orbax
 from tests import _models
 from tests._worker_util import init_worker, write_result
 
+# Kernels (16, 4096) and (4096, 8): 384 KiB, far more than the metadata a restore reads.
+WIDTH = 4096
+
 
 def _rchar() -> int:
     with open("/proc/self/io") as io:
@@ -53,7 +56,7 @@ def write(directory: Path, workdir: Path) -> dict:
     distribution = _models.model_parallel((2, 4))
     distribution.auto_shard_dataset = False  # each process feeds its own rows (_local_batches)
     keras.distribution.set_distribution(distribution)
-    model = _models.mlp()
+    model = _models.mlp(width=WIDTH)
     _models.fill_arange(model)
     keras_orbax.save(model, directory / "arange", step=1)
 
@@ -87,7 +90,7 @@ def read(directory: Path, layouts: list[str], trained: str | None, reference: st
     for layout in layouts:
         keras.distribution.set_distribution(_distribution(layout))
         with keras_orbax.deferred_init():
-            model = _models.mlp()
+            model = _models.mlp(width=WIDTH)
         before = _rchar()
         result = keras_orbax.restore_sharded(model, directory)
         read_by_os = _rchar() - before
@@ -143,7 +146,7 @@ def save_big(directory: Path, workdir: Path) -> dict:
 def read_expect_error(directory: Path) -> dict:
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     with keras_orbax.deferred_init():
-        model = _models.mlp()
+        model = _models.mlp(width=WIDTH)
     start = time.monotonic()
     try:
         keras_orbax.restore_sharded(model, directory)

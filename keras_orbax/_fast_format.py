@@ -1,0 +1,211 @@
+"""Reading keras-orbax's `"fast"` array format: exactly the bytes of one region, into an aligned buffer.
+
+An array saved in the fast format is a zarr v3 array whose chunks are the saved shards, each in its own
+file: the raw little-endian bytes in C order, followed by a 20-byte zarr shard index (docs/format.md).
+A region of the array (one target shard) is read from each file it overlaps with `preadv`, straight
+into a 64-byte-aligned host buffer: the CPU backend adopts such a buffer without a copy, and an
+accelerator copies it to device memory once. When the region is a saved shard, that is one read.
+Anything else (compressed, OCDBT, remote) is not this format and goes through Orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from keras_orbax._dtypes import np_dtype
+from keras_orbax._metadata import STATE, VariableRecord
+from keras_orbax.errors import CorruptCheckpointError
+
+Index = tuple[slice, ...]
+_ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
+_INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
+_MISSING = 2**64 - 1
+_RAW = {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class FastArray:
+    """One array in the fast format: where its shard files are and how they are laid out."""
+
+    key: str
+    directory: Path
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def open(cls, step_dir: Path, record: VariableRecord) -> FastArray | None:
+        """The array if it was saved in the fast format, else None (Orbax will read it)."""
+        directory = step_dir / STATE / record.array
+        try:
+            spec = json.loads((directory / "zarr.json").read_text())
+        except (OSError, ValueError):
+            return None
+        chunk = tuple(spec.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", ()))
+        plain = {
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(chunk),
+                "codecs": [_RAW],
+                "index_codecs": [_RAW, {"name": "crc32c"}],
+            },
+        }
+        fits = (
+            spec.get("zarr_format") == 3
+            and spec.get("codecs") == [plain]
+            and spec.get("chunk_key_encoding") == {"name": "default"}
+            and spec.get("data_type") == record.dtype
+            and tuple(spec.get("shape", ())) == record.shape
+            and all(n % c == 0 for n, c in zip(record.shape, chunk, strict=True))
+        )
+        return (
+            cls(record.key, directory, record.shape, chunk, np_dtype(record.dtype))
+            if fits
+            else None
+        )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
+
+    def file(self, coords: tuple[int, ...]) -> Path:
+        return self.directory.joinpath("c", *map(str, coords))
+
+    def chunks_of(self, index: Index) -> list[tuple[int, ...]]:
+        """Coordinates of the saved chunks that hold any part of the region `index`."""
+        ranges = [
+            range(lo // c, (hi - 1) // c + 1)
+            for (lo, hi), c in zip(self._bounds(index), self.chunk_shape, strict=True)
+        ]
+        return list(itertools.product(*ranges))
+
+    def check(self, indices: list[Index]) -> None:
+        """Every file holding part of `indices` is there and whole (Orbax writes every chunk, even an
+        all-zero one, so a missing file is damage, not a fill value).
+
+        Raises:
+            CorruptCheckpointError: listing each missing or truncated file.
+        """
+        problems = []
+        coords = dict.fromkeys(c for index in indices for c in self.chunks_of(index))
+        for path in map(self.file, coords):
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"  {self.key}: missing file {path}")
+                continue
+            if size != self.chunk_bytes + _INDEX_BYTES:
+                problems.append(
+                    f"  {self.key}: {path} has {size} bytes, expected {self.chunk_bytes + _INDEX_BYTES}"
+                )
+        if problems:
+            raise CorruptCheckpointError(
+                f"Checkpoint array '{self.directory}' is damaged; {len(problems)} shard files are "
+                "missing or truncated:\n" + "\n".join(problems[:20]) + "\nNo variable was modified."
+            )
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        """The region `index`, read once into a 64-byte-aligned buffer, cast to `dtype`."""
+        bounds = self._bounds(index)
+        shape = tuple(hi - lo for lo, hi in bounds)
+        out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
+        for coords in self.chunks_of(index):
+            origin = [c * n for c, n in zip(coords, self.chunk_shape, strict=True)]
+            lo = [max(b[0], o) for b, o in zip(bounds, origin, strict=True)]
+            hi = [
+                min(b[1], o + n) for b, o, n in zip(bounds, origin, self.chunk_shape, strict=True)
+            ]
+            box = _Box(
+                extent=[h - low for h, low in zip(hi, lo, strict=True)],
+                src_start=[low - o for low, o in zip(lo, origin, strict=True)],
+                dst_start=[low - b[0] for low, b in zip(lo, bounds, strict=True)],
+            )
+            self._read_box(self.file(coords), box, out, shape)
+        data = out.view(self.dtype).reshape(shape)
+        if np.dtype(dtype) == self.dtype:
+            return data
+        cast = aligned_empty(data.size * np.dtype(dtype).itemsize).view(dtype).reshape(shape)
+        np.copyto(cast, data, casting="unsafe")
+        return cast
+
+    def _bounds(self, index: Index) -> list[tuple[int, int]]:
+        return [
+            (s.start or 0, n if s.stop is None else s.stop)
+            for s, n in zip(index, self.shape, strict=True)
+        ]
+
+    def _read_box(self, path: Path, box: _Box, out: np.ndarray, out_shape: tuple[int, ...]) -> None:
+        item = self.dtype.itemsize
+        with open(path, "rb", buffering=0) as file:
+            fd = file.fileno()
+            offset, stored = struct.unpack("<QQ", os.pread(fd, 16, self.chunk_bytes))
+            if offset == _MISSING or stored != self.chunk_bytes:
+                raise CorruptCheckpointError(
+                    f"{self.key}: shard file {path} has no data or a bad index."
+                )
+            view = out.data
+            for src, dst, length in box.runs(self.chunk_shape, out_shape):
+                _pread_exactly(
+                    fd, view[dst * item : (dst + length) * item], offset + src * item, path
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Box:
+    """The part of one chunk a region needs: its extent, where it starts in the chunk and in the region."""
+
+    extent: list[int]
+    src_start: list[int]
+    dst_start: list[int]
+
+    def runs(
+        self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
+    ) -> list[tuple[int, int, int]]:
+        """(source element offset, destination element offset, length) of each contiguous run.
+
+        Trailing dimensions the box covers whole in both the chunk and the region merge into one run,
+        so reading a whole saved shard is a single run.
+        """
+        ndim = len(self.extent)
+        if ndim == 0:
+            return [(0, 0, 1)]
+        split = ndim - 1
+        while split > 0 and self.extent[split] == src_shape[split] == dst_shape[split]:
+            split -= 1
+        length = self.extent[split] * math.prod(src_shape[split + 1 :])
+        src_strides, dst_strides = _strides(src_shape), _strides(dst_shape)
+        runs = []
+        for outer in itertools.product(*(range(n) for n in self.extent[:split])):
+            position = (*outer, 0)
+            src = sum((self.src_start[d] + position[d]) * src_strides[d] for d in range(split + 1))
+            dst = sum((self.dst_start[d] + position[d]) * dst_strides[d] for d in range(split + 1))
+            runs.append((src, dst, length))
+        return runs
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+
+
+def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(f"{path} is truncated.")
+        done += n
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 buffer whose data starts on a 64-byte boundary."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + nbytes]
