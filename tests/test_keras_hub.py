@@ -1,0 +1,51 @@
+"""A keras-hub backbone under `deferred_init`, restored on another mesh with its own layout map.
+
+keras-hub is an optional extra (`pip install keras-orbax[hub]`; it pulls in TensorFlow Text), so this
+module is skipped where it is not installed, as in CI.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+
+keras_hub = pytest.importorskip("keras_hub")
+
+
+def _gemma() -> keras.Model:
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+    )
+
+
+def _distribution(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), jax.devices())
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def test_gemma_backbone_restores_deferred_on_another_mesh(tmp_path, distribution):
+    distribution(_distribution((2, 4)))
+    source = _gemma()
+    keras_orbax.save(source, tmp_path, step=1)
+
+    distribution(_distribution((4, 2)))
+    with keras_orbax.deferred_init():
+        target = _gemma()
+    assert all(v._value is None for v in target.variables)
+    result = keras_orbax.restore_sharded(target, tmp_path)
+    assert result.num_variables == len(target.variables)
+    for want, got in zip(source.variables, target.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+    inputs = {"token_ids": np.ones((2, 8), "int32"), "padding_mask": np.ones((2, 8), "int32")}
+    np.testing.assert_allclose(target(inputs), source(inputs), rtol=1e-5, atol=1e-6)
