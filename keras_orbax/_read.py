@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,7 @@ class ReadRequest:
 
     def local_indices(self) -> list[Index]:
         """The distinct regions this process's devices hold, in a stable order."""
-        mapping = self.target.sharding.addressable_devices_indices_map(self.target.shape)
-        return list({repr(index): index for index in mapping.values()}.values())
+        return [index for index, _ in _devices_by_index(self)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,18 +75,30 @@ def read_arrays(
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
+    Fast-format shards are read by a pool of threads across all arrays at once, each handed to its
+    devices as soon as it is read, so few host buffers are in flight where a device copies them.
     Collective when some arrays go through Orbax (the compact format): call on every process.
 
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
-    arrays: dict[str, jax.Array] = {}
-    bytes_read = 0
+    tasks = [
+        (request, array, index, devices)
+        for request, array in plan.fast
+        for index, devices in _devices_by_index(request)
+    ]
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        for request, array in plan.fast:
-            arrays[request.record.key], nbytes = _read_fast(request, array, pool.map)
-            bytes_read += nbytes
+        pieces = list(pool.map(lambda task: _read_piece(*task), tasks))
+    shards: dict[str, dict[Any, jax.Array]] = {r.record.key: {} for r, _ in plan.fast}
+    bytes_read = 0
+    for (request, _, _, _), (on_devices, nbytes) in zip(tasks, pieces, strict=True):
+        shards[request.record.key].update(on_devices)
+        bytes_read += nbytes
+    arrays = {
+        request.record.key: _assemble(request, shards[request.record.key])
+        for request, _ in plan.fast
+    }
     if plan.via_orbax:
         loaded, nbytes = _read_with_orbax(plan.step_dir, plan.via_orbax)
         arrays.update(loaded)
@@ -95,17 +106,28 @@ def read_arrays(
     return arrays, bytes_read
 
 
-def _read_fast(request: ReadRequest, array: FastArray, map_fn: Callable) -> tuple[jax.Array, int]:
+def _devices_by_index(request: ReadRequest) -> list[tuple[Index, list[jax.Device]]]:
+    """This process's devices grouped by the region of the array each holds, in a stable order."""
+    mapping = request.target.sharding.addressable_devices_indices_map(request.target.shape)
+    grouped: dict[str, tuple[Index, list[jax.Device]]] = {}  # by repr: slices are not hashable
+    for device, index in mapping.items():
+        grouped.setdefault(repr(index), (index, []))[1].append(device)
+    return list(grouped.values())
+
+
+def _read_piece(
+    request: ReadRequest, array: FastArray, index: Index, devices: list[jax.Device]
+) -> tuple[dict[jax.Device, jax.Array], int]:
+    """One region read once and put on every device that holds it; the bytes read."""
+    data = array.read(index, np.dtype(request.target.dtype))
+    on_devices = jax.device_put([data] * len(devices), devices)
+    return dict(zip(devices, on_devices, strict=True)), math.prod(data.shape) * array.dtype.itemsize
+
+
+def _assemble(request: ReadRequest, on_devices: dict[jax.Device, jax.Array]) -> jax.Array:
     sharding, shape = request.target.sharding, request.target.shape
-    indices = request.local_indices()
-    dtype = np.dtype(request.target.dtype)
-    buffers = dict(
-        zip(map(repr, indices), map_fn(lambda i: array.read(i, dtype), indices), strict=True)
-    )
-    by_device = sharding.addressable_devices_indices_map(shape)
-    shards = [jax.device_put(buffers[repr(index)], device) for device, index in by_device.items()]
-    nbytes = sum(math.prod(b.shape) for b in buffers.values()) * array.dtype.itemsize
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards), nbytes
+    ordered = [on_devices[device] for device in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
 
 
 def _read_with_orbax(
