@@ -25,12 +25,17 @@ def deferred_init() -> Iterator[None]:
     that own them: peak memory is one sharded copy of the model. Using a deferred variable before
     it is restored raises `DeferredVariableError` instead of silently initializing it.
 
+    Compile after the block, or pass an optimizer object made before it: Keras makes an optimizer's
+    step counter from a number, which it cannot defer. The optimizer's slots are built, deferred and
+    sharded like their variables, by `restore_sharded`. For a subclassed model, build it inside with a
+    symbolic call, `model(keras.Input(shape))`.
+
     Example:
     ```python
     keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
     with keras_orbax.deferred_init():
         model = build_model()
-        model.compile(optimizer="adam", loss="mse")
+    model.compile(optimizer="adam", loss="mse")
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
@@ -43,6 +48,15 @@ def deferred_init() -> Iterator[None]:
     try:
         with _compat.deferred_scope(_prepare):
             yield
+    except ValueError as error:
+        if "while in a stateless scope" not in str(error):
+            raise
+        raise ValueError(
+            "A variable that Keras cannot defer (made from a number, not an initializer) was "
+            "created inside keras_orbax.deferred_init(). This is usually `model.compile(optimizer="
+            "'adam')`, whose optimizer makes its step counter from 0: compile after the "
+            "`with` block, or create the optimizer before it and pass the object."
+        ) from error
     finally:
         _state.depth = depth
 

@@ -169,3 +169,26 @@ def test_load_model_never_runs_code_from_the_checkpoint(tmp_path):
     keras_orbax.save(model, tmp_path, step=1)
     with pytest.raises(ValueError, match=r"(?i)unsafe|safe_mode"):
         keras_orbax.load_model(tmp_path)
+
+
+def test_compiling_with_an_optimizer_name_inside_says_what_to_do():
+    with (
+        pytest.raises(ValueError, match=r"compile after the `with` block"),
+        keras_orbax.deferred_init(),
+    ):
+        model = _models.mlp()
+        model.compile(optimizer="adam", loss="mse")
+
+
+def test_an_optimizer_made_before_can_be_compiled_inside(trained, distribution):
+    source, directory = trained
+    distribution(_models.model_parallel((2, 4)))
+    optimizer = keras.optimizers.Adam(1e-2)
+    with keras_orbax.deferred_init():
+        model = _models.full_model()
+        model.compile(optimizer=optimizer, loss="mse")
+    keras_orbax.restore_sharded(model, directory)
+    for want, got in zip(_state(source), _state(model), strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got.value), np.asarray(want.value), err_msg=got.path
+        )
