@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH_SHAPE = (2, 4)
@@ -43,9 +44,10 @@ class ModelSpec:
 
     @property
     def width(self) -> int:
-        """Width w with (layers + 1) * w * w float32 parameters ~ params_gib (rounded to 64)."""
+        """Width w with (layers + 1) * w * w float32 parameters ~ params_gib (a multiple of 32,
+        which every mesh axis here divides)."""
         params = self.params_gib * 2**30 / 4
-        return max(64, round(math.sqrt(params / (self.layers + 1)) / 64) * 64)
+        return max(32, round(math.sqrt(params / (self.layers + 1)) / 32) * 32)
 
     @property
     def tag(self) -> str:
@@ -76,8 +78,12 @@ def make_distribution(devices=None, mesh_shape=MESH_SHAPE, axes=MESH_AXES, rules
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=axes[0])
 
 
-def build_model(spec: ModelSpec, build_optimizer: bool = True):
-    """Builds and compiles the model (and Adam's slots). Set the distribution first."""
+def build_model(spec: ModelSpec, optimizer=None, build_optimizer: bool = True):
+    """Builds and compiles the model (and Adam's slots). Set the distribution first.
+
+    Under `keras_orbax.deferred_init()` pass an optimizer made outside the scope: an optimizer's
+    `iteration` and `learning_rate` variables come from numbers, which a deferred scope refuses.
+    """
     import keras
     from keras import layers
 
@@ -89,7 +95,7 @@ def build_model(spec: ModelSpec, build_optimizer: bool = True):
         x = layers.Dense(w, activation="relu", name=f"block_{i}")(x)
     out = layers.Dense(1, name="head")(x)
     model = keras.Model(tokens, out, name="bench")
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), loss="mse")
     if build_optimizer:
         model.optimizer.build(model.trainable_variables)
     return model
@@ -122,13 +128,37 @@ def checksums(named_arrays) -> dict[str, float]:
     return {k: float(np.sum(jax.device_get(a), dtype=np.float64)) for k, a in named_arrays}
 
 
-def compare_checksums(got: dict, want: dict, rtol: float = 1e-5) -> list[str]:
-    """Names missing from `got` or whose sum differs from `want`."""
+def compare_checksums(got: dict, want: dict, rtol: float = 1e-9) -> list[str]:
+    """Names missing from `got` or whose sum differs from `want` (a bit-exact restore gives the
+    very same float64 sum: numpy sums the host copy in a fixed order)."""
     bad = []
     for name, value in want.items():
-        if name not in got or not math.isclose(got[name], value, rel_tol=rtol, abs_tol=1e-6):
+        if name not in got or not math.isclose(got[name], value, rel_tol=rtol):
             bad.append(name)
     return bad
+
+
+def compare_checksum_values(got: dict, want: dict, rtol: float = 1e-9) -> list[str]:
+    """Like `compare_checksums` for differently named arrays: each wanted sum must match a
+    distinct restored one."""
+    left = sorted(got.values())
+    bad = []
+    for name, value in want.items():
+        hit = next((i for i, g in enumerate(left) if math.isclose(g, value, rel_tol=rtol)), None)
+        if hit is None:
+            bad.append(name)
+        else:
+            left.pop(hit)
+    return bad
+
+
+def clock() -> tuple[float, float]:
+    """(wall, process CPU) seconds now; `since(clock())` gives both elapsed."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    return time.perf_counter() - start[0], time.process_time() - start[1]
 
 
 def read_status_kib(field: str) -> int:
