@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
+import threading
 import warnings
 from typing import Any
 
@@ -134,10 +136,11 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self.restored: RestoreResult | None = None
         """What `resume=True` restored when `fit` started; None if nothing was."""
         self._checkpointer: ocp.training.Checkpointer | None = None
-        self._pending: tuple[int, Any] | None = None
+        self._pending: _PendingSave | None = None
         self._last_saved_step: int | None = None
         self._candidates: list[float] = []
         self._watcher = PreemptionWatcher()
+        self._saves: _Collector | None = None
         self._set_epoch = False
         self._warned_missing = False
         self._step = 0
@@ -169,6 +172,8 @@ class ModelCheckpoint(_compat.MonitorCallback):
             for checkpoint in self._checkpointer.checkpoints
             if (value := _metric(checkpoint.metrics, self.monitor)) is not None
         ]
+        if self.save_on_background and self._saves is None:
+            self._saves = _Collector()
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -213,15 +218,13 @@ class ModelCheckpoint(_compat.MonitorCallback):
         Raises:
             SaveFailedError: it failed; the previous committed step is intact.
         """
-        if self._pending is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        step, response = self._pending
-        self._pending = None
-        try:
-            response.result()
-        except Exception as error:
+        error = pending.join()
+        if error is not None:
             raise SaveFailedError(
-                f"Saving step {step} to '{self.directory}' failed in the background: "
+                f"Saving step {pending.step} to '{self.directory}' failed in the background: "
                 f"{type(error).__name__}: {error}. {self._intact_note()}"
             ) from error
 
@@ -282,7 +285,8 @@ class ModelCheckpoint(_compat.MonitorCallback):
             ) from error
         self._last_saved_step = step
         if not blocking:
-            self._pending = (step, response)
+            assert self._saves is not None, "on_train_begin starts the collector"
+            self._pending = self._saves.submit(step, response)
         self._report(step, epoch, batch, reason, note)
 
     def _position(self) -> tuple[int, int | None]:
@@ -375,6 +379,9 @@ class ModelCheckpoint(_compat.MonitorCallback):
         """Closes the checkpointer and puts back what on_train_begin changed."""
         checkpointer, self._checkpointer = self._checkpointer, None
         self._watcher.stop()
+        if self._saves is not None:
+            self._saves.close()
+            self._saves = None
         if self._set_epoch:
             _compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
@@ -392,6 +399,52 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
                 f"{error}. {self._intact_note()}"
             ) from error
+
+
+class _PendingSave:
+    """A background save in flight; `join()` waits for it and returns its error, if any."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def join(self) -> BaseException | None:
+        self.done.wait()
+        return self.error
+
+
+class _Collector:
+    """One thread that collects the results of background saves.
+
+    Collecting an Orbax response joins Orbax's own threads, and starting a thread takes 10-20 ms
+    on a host whose cores were just busy training: a long-lived collector keeps both off the
+    training loop, which only hands over the response and later waits on an event.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[_PendingSave, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="keras_orbax_saves", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, response: Any) -> _PendingSave:
+        pending = _PendingSave(step)
+        self._queue.put((pending, response))
+        return pending
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            pending, response = item
+            try:
+                response.result()
+            except BaseException as error:  # handed to the training thread by join()
+                pending.error = error
+            finally:
+                pending.done.set()
 
 
 def _agree(decision: bool) -> bool:

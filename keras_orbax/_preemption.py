@@ -70,7 +70,16 @@ class PreemptionWatcher:
         """Whether to save and stop now. Call once per training batch, on every process."""
         if not self._distributed:
             return self.requested
-        if multihost_utils.reached_preemption_sync_point(next(_sync_counter)):
+        try:
+            reached = multihost_utils.reached_preemption_sync_point(next(_sync_counter))
+        except RuntimeError as error:  # jax_enable_preemption_service=False
+            logger.warning(
+                "save_on_preemption is off: JAX's preemption service is not running (%s)", error
+            )
+            self._distributed = False
+            self._installed = False
+            return False
+        if reached:
             self.requested = True
         return self.requested
 

@@ -21,7 +21,7 @@ import keras_orbax
 from keras_orbax import _steps
 from keras_orbax.errors import SaveFailedError
 from tests import _models
-from tests._harness import REPO_ROOT, WORKERS_DIR
+from tests._harness import REPO_ROOT, WORKERS_DIR, start_workers
 
 BATCHES = 4  # per epoch: 32 samples, batch size 8
 
@@ -348,3 +348,25 @@ def test_weights_only_checkpoints_hold_no_optimizer_state(tmp_path, mp):
     bare = _models.mlp()
     keras_orbax.restore_sharded(bare, tmp_path)
     _assert_equal(_models.values(bare.variables), _models.values(model.variables))
+
+
+def test_processes_agree_on_best_saves_and_on_the_preemption_step(tmp_path):
+    ready = tmp_path / "ready"
+    args = {"directory": str(tmp_path / "ckpt"), "ready": str(ready)}
+    with start_workers(WORKERS_DIR / "callback_multiprocess.py", 2, 4, args) as workers:
+        workers.wait_for_file(ready, timeout=240)
+        workers.kill(1, signal.SIGTERM)  # a preemption notice to one process only
+        results = workers.wait(timeout=240)
+
+    for result in results:
+        assert result["process_count"] == 2
+        # Process 0's decisions (its scores improve at epochs 0, 1, 3), whatever process 1 saw.
+        assert result["best_steps"] == [4, 8, 16]
+        assert result["preempted"]
+    assert results[0]["best"] == 0.3
+    # Both saved the same step, the one JAX's preemption service agreed on, and stopped there.
+    step = results[0]["step"]
+    assert results[1]["step"] == step
+    assert step > results[0]["start_step"] + 6
+    assert results[0]["preempt_steps"] == results[1]["preempt_steps"]
+    assert results[0]["preempt_steps"][-1] == step

@@ -1,0 +1,90 @@
+"""Worker for tests/test_callback.py: `ModelCheckpoint` under jax.distributed (run by tests/_harness.py).
+
+args: {"directory": str, "ready": str}
+
+1. save_best_only with a monitored value that differs per process (process 1 sees the opposite
+   trend): every process must follow process 0's decisions, or they would enter the collective
+   save at different steps and hang.
+2. save_on_preemption: after writing `ready`, trains on until the test sends SIGTERM to one
+   process; JAX's preemption service must make both save at the same step and stop.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+
+import keras_orbax
+from keras_orbax import _steps
+from tests import _models
+from tests._worker_util import init_worker, write_result
+
+
+class _Scores(keras.callbacks.Callback):
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        assert logs is not None
+        logs["score"] = self.scores[epoch]
+
+
+def main() -> None:
+    ctx = init_worker()
+    directory = Path(ctx.args["directory"])
+    distribution = _models.model_parallel((2, 4))
+    distribution.auto_shard_dataset = False  # each process feeds its own half of every batch
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = _models.compile_adam(_models.mlp())
+    rng = np.random.default_rng(ctx.process_id)
+    x, y = rng.random((16, 16), dtype="float32"), rng.random((16, 8), dtype="float32")
+
+    # Epochs 0..3: process 0 improves at epochs 0, 1 and 3; process 1 only at epoch 0 and 2.
+    scores = [0.5, 0.4, 0.45, 0.3] if ctx.process_id == 0 else [0.5, 0.6, 0.4, 0.7]
+    best_only = keras_orbax.ModelCheckpoint(
+        directory / "best", monitor="score", mode="min", save_best_only=True, max_to_keep=None
+    )
+    fit_kwargs = {"batch_size": 4, "shuffle": False, "verbose": 0}
+    model.fit(x, y, epochs=4, callbacks=[_Scores(scores), best_only], **fit_kwargs)
+    best_steps = _steps.committed_steps(directory / "best")
+
+    preemptible = keras_orbax.ModelCheckpoint(directory / "preempt", max_to_keep=None)
+    batches = 0
+
+    def pace(batch: int, logs: dict | None = None) -> None:
+        nonlocal batches
+        batches += 1
+        if batches == 6:
+            Path(ctx.args["ready"]).touch()
+        time.sleep(0.02)
+
+    start_step = int(model.optimizer.iterations)
+    history = model.fit(
+        x,
+        y,
+        epochs=200,
+        callbacks=[preemptible, keras.callbacks.LambdaCallback(on_train_batch_end=pace)],
+        **fit_kwargs,
+    )
+    write_result(
+        {
+            "best_steps": best_steps,
+            "best": best_only.best,
+            "start_step": start_step,
+            "preempted": preemptible.preempted,
+            "step": int(model.optimizer.iterations),
+            "epochs_run": len(history.epoch),
+            "preempt_steps": _steps.committed_steps(directory / "preempt"),
+            "process_count": jax.process_count(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
