@@ -8,7 +8,7 @@ import os
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import keras
@@ -28,41 +28,22 @@ _policies = ocp.training.preservation_policies
 class ModelCheckpoint(_compat.MonitorCallback):
     """Saves sharded checkpoints of the whole training state during `fit`, in the background.
 
-    Each checkpoint is `<directory>/<step>`, where the step is the global training step
+    Each checkpoint is `<directory>/<step>` with the global training step
     (`model.optimizer.iterations`), so steps never collide across restarts. Every process writes
-    only the shards its devices own, while `fit` goes on (`save_on_background=True`); a step
-    appears on disk only once it is fully written, and older steps are deleted only after that.
-    Weights, optimizer state, metric and seed-generator state are saved (see `keras_orbax.save`).
-
-    Position in training: a save at the end of epoch `e` (0-based) records `epoch=e + 1`, the next
-    epoch to run. A save after batch `b` of epoch `e` records `epoch=e, batch=b + 1`; Keras cannot
-    skip batches, so resuming from it replays epoch `e` from its first batch (the steps keep
-    counting up from the checkpoint's step). A save on an epoch's last batch counts as the end of
-    that epoch.
-
-    Resuming (`resume=True`): at the start of `fit`, the latest committed step is restored into
-    the model with `keras_orbax.restore_sharded` (sharded under the active distribution; the
-    optimizer is built if needed) and `fit` continues from the recorded epoch. Calling the same
-    `fit(epochs=N, callbacks=[ModelCheckpoint(directory, resume=True)])` after a crash or a
-    preemption therefore finishes the run; once the run is complete, it trains no further.
-
-    Preemption (`save_on_preemption=True`): on SIGTERM, a checkpoint is saved at the next batch
-    boundary (waiting until it is committed), `fit` stops and returns normally, and
-    `callback.preempted` is True. The process does not exit by itself; check the flag and exit.
-    A second SIGTERM goes to the handler that was there before (by default: terminate). Under
-    `jax.distributed`, JAX's preemption service is used instead, so every process saves at the
-    same step.
-
-    Retention: a step is kept if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
-    by `monitor`, every step that is a multiple of `keep_every`. The logs of each save are stored
-    with it, so the best steps are known after a restart. With `save_best_only`, the best value
-    so far is read back from the directory when `fit` starts, and the best step is always kept.
+    only its own shards while `fit` goes on; a step appears only once fully written, and older
+    steps are deleted only after that. A save at the end of epoch `e` (0-based) records
+    `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e, batch=b + 1`,
+    and resuming from it replays epoch `e` from its first batch (Keras cannot skip batches).
+    Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
+    by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
+    of `keep_every`. See docs/callback.md.
 
     Args:
         directory: Where checkpoints go. Use one directory per training run.
         monitor: The metric that `save_best_only` and `keep_best` rank by, e.g. `"val_loss"`.
         verbose: 1 prints one line per save (on process 0 only).
-        save_best_only: Save only when `monitor` improves on the best value so far.
+        save_best_only: Save only when `monitor` improves on the best value so far (read back
+            from the directory when `fit` starts); the best step is always kept.
         save_weights_only: Save only the model's variables: no optimizer or metric state (such
             a checkpoint cannot be resumed from).
         mode: `"auto"`, `"min"` or `"max"`: whether a lower or higher `monitor` is better.
@@ -71,11 +52,15 @@ class ModelCheckpoint(_compat.MonitorCallback):
         max_to_keep: Keep the latest N steps; `None` keeps every step.
         keep_best: Also keep the N best steps by `monitor`.
         keep_every: Also keep every step that is a multiple of K.
-        resume: Restore the latest committed step when `fit` starts, and continue from there.
+        resume: When `fit` starts, restore the latest committed step (`restore_sharded`) and
+            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run.
         save_on_background: Write checkpoints while training continues. A failed background
             save raises `SaveFailedError` at the next save or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
-        save_on_preemption: Save and stop at the next batch boundary on SIGTERM.
+        save_on_preemption: On SIGTERM, save at the next batch boundary (waiting until it is
+            committed) and stop `fit`, which returns normally with `preempted` set; exiting is
+            left to the caller. Under `jax.distributed`, JAX's preemption service makes every
+            process save at the same step.
 
     Raises:
         SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
@@ -205,11 +190,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
             self._save_for_preemption()
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        try:
-            self.wait_until_finished()
-        except SaveFailedError:
-            self._close(failing=True)
-            raise
+        self.wait_until_finished()
         self._close(failing=False)
 
     def wait_until_finished(self) -> None:
@@ -223,10 +204,9 @@ class ModelCheckpoint(_compat.MonitorCallback):
             return
         error = pending.join()
         if error is not None:
-            raise SaveFailedError(
-                f"Saving step {pending.step} to '{self.directory}' failed in the background: "
-                f"{type(error).__name__}: {error}. {self._intact_note()}"
-            ) from error
+            self._fail(
+                f"Saving step {pending.step} to '{self.directory}' failed in the background", error
+            )
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -263,7 +243,11 @@ class ModelCheckpoint(_compat.MonitorCallback):
             return
         self.wait_until_finished()
         epoch, batch = self._position()
-        assert self._checkpointer is not None, "on_train_begin opens the checkpointer"
+        if self._checkpointer is None:
+            raise SaveFailedError(
+                f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
+                "on_train_begin has not run."
+            )
         try:
             response = _save.write_step(
                 self._checkpointer,
@@ -279,10 +263,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         except KerasOrbaxError:
             raise
         except Exception as error:
-            raise SaveFailedError(
-                f"Saving step {step} to '{self.directory}' failed: {type(error).__name__}: "
-                f"{error}. {self._intact_note()}"
-            ) from error
+            self._fail(f"Saving step {step} to '{self.directory}' failed", error)
         self._last_saved_step = step
         if not blocking:
             assert self._saves is not None, "on_train_begin starts the collector"
@@ -340,8 +321,9 @@ class ModelCheckpoint(_compat.MonitorCallback):
     def _ensure_monitor_op(self) -> None:
         if self.monitor_op is None:
             self._set_monitor_op()
-        for value in self._candidates:  # the best values in the directory when fit started
-            if self.best is None or self.monitor_op(value, self.best):
+        higher = self.monitor_op is keras.ops.greater
+        for value in self._candidates:  # the values stored in the directory when fit started
+            if self.best is None or (value > self.best if higher else value < self.best):
                 self.best = value
         self._candidates = []
 
@@ -374,6 +356,13 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if not steps:
             return "No step is committed in the directory."
         return f"The last committed step, {steps[-1]}, is intact."
+
+    def _fail(self, what: str, error: BaseException) -> NoReturn:
+        """Raises SaveFailedError after closing: Orbax re-raises the same failure at every later
+        save, and fit calls no on_train_end when a callback raises."""
+        failure = SaveFailedError(f"{what}: {type(error).__name__}: {error}. {self._intact_note()}")
+        self._close(failing=True)
+        raise failure from error
 
     def _close(self, *, failing: bool) -> None:
         """Closes the checkpointer and puts back what on_train_begin changed."""

@@ -221,7 +221,8 @@ def _file_size_limit(nbytes: int) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, old_handler)
 
 
-def test_failed_background_save_raises_at_train_end_and_the_last_step_survives(tmp_path, mp):
+@pytest.mark.parametrize("epochs", [2, 3], ids=["at_train_end", "at_the_next_save"])
+def test_failed_background_save_raises_and_the_last_step_survives(tmp_path, mp, epochs):
     model = _models.compile_adam(_models.mlp(width=16384))  # shard files of 64 KiB and more
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path)
     after_first: list[np.ndarray] = []
@@ -237,7 +238,7 @@ def test_failed_background_save_raises_at_train_end_and_the_last_step_survives(t
         with pytest.raises(SaveFailedError, match=r"step 8 .* in the background") as info:
             _fit(
                 model,
-                2,
+                epochs,
                 [checkpoint, keras.callbacks.LambdaCallback(on_epoch_end=fail_from_now_on)],
             )
 
@@ -245,6 +246,7 @@ def test_failed_background_save_raises_at_train_end_and_the_last_step_survives(t
     assert "File too large" in message
     assert message.endswith("The last committed step, 4, is intact.")
     assert _steps.committed_steps(tmp_path) == [4]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # cleaned up although fit raised
     fresh = _models.compile_adam(_models.mlp(width=16384))
     assert keras_orbax.restore_sharded(fresh, tmp_path).step == 4
     _assert_equal(_state(fresh), after_first)
