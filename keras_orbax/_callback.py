@@ -294,9 +294,16 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 self.restored.step,
                 record.epoch,
             )
-        if record.epoch is not None:
-            _compat.set_initial_epoch(self.model, record.epoch)
-            self._set_epoch = True
+        if record.epoch is None:
+            logger.warning(
+                "Step %d of '%s' records no epoch (it was not written by ModelCheckpoint): fit "
+                "starts at its own initial_epoch.",
+                self.restored.step,
+                self.directory,
+            )
+            return
+        _compat.set_initial_epoch(self.model, record.epoch)
+        self._set_epoch = True
 
     def _preservation_policy(self) -> Any:
         policies: list[Any] = [_policies.LatestN(self.max_to_keep)]
