@@ -15,7 +15,7 @@ members by class name, uniquified per list:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import keras
@@ -139,3 +139,26 @@ def _unique(name: str, used: dict[str, int]) -> str:
         return name
     used[name] += 1
     return f"{name}_{used[name]}"
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"a/b": x}` -> `{"a": {"b": x}}`: the PyTree Orbax saves, one array per key."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten(tree: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """The leaves of a tree made by `nest`, by key."""
+    flat = {}
+    for key in keys:
+        node: Any = tree
+        for part in key.split("/"):
+            node = node[part]
+        flat[key] = node
+    return flat

@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
+from keras_orbax import _keys
 from keras_orbax._fast_format import FastArray, Index
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax.errors import CorruptCheckpointError
@@ -133,13 +134,7 @@ def _assemble(request: ReadRequest, on_devices: dict[jax.Device, jax.Array]) -> 
 def _read_with_orbax(
     step_dir: Path, requests: Sequence[ReadRequest]
 ) -> tuple[dict[str, jax.Array], int]:
-    abstract: dict[str, Any] = {}
-    for request in requests:
-        node = abstract
-        *parents, leaf = request.record.key.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = request.target
+    abstract = _keys.nest({r.record.key: r.target for r in requests})
     before = _tensorstore_bytes_read()
     try:
         context = ocp.Context()
@@ -152,14 +147,8 @@ def _read_with_orbax(
             f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): {error}. "
             "No variable was modified."
         ) from error
-    flat = {r.record.key: _lookup(loaded, r.record.key) for r in requests}
+    flat = _keys.flatten(loaded, [r.record.key for r in requests])
     return flat, _tensorstore_bytes_read() - before
-
-
-def _lookup(tree: dict[str, Any], key: str) -> jax.Array:
-    for part in key.split("/"):
-        tree = tree[part]
-    return tree  # type: ignore[return-value]
 
 
 def _tensorstore_bytes_read() -> int:

@@ -129,7 +129,7 @@ def write_step(
     )
     response = checkpointer.save_async(
         step,
-        _nested({key: _compat.current_value(v) for key, v in variables.items()}),
+        _keys.nest({key: _compat.current_value(v) for key, v in variables.items()}),
         force=True,
         overwrite=overwrite,
         metrics=metrics,
@@ -150,17 +150,6 @@ def _record(key: str, variable: keras.Variable) -> VariableRecord:
         array=key.replace("/", "."),  # Orbax names a nested parameter by its keys joined with "."
         layout=_shardings.describe(value.sharding),
     )
-
-
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 def _model_config(model: keras.Model) -> dict[str, Any] | None:
