@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import json
 import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -26,6 +27,7 @@ from keras_orbax.errors import CorruptCheckpointError
 
 Index = tuple[slice, ...]
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
+_OWN_MAPPING_BYTES = 1 << 20
 _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
 _MISSING = 2**64 - 1
 _RAW = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -205,7 +207,14 @@ def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 buffer whose data starts on a 64-byte boundary."""
+    """An uninitialized uint8 buffer whose data starts on a 64-byte boundary.
+
+    A large buffer is its own anonymous memory mapping: page-aligned, and given back to the OS the
+    moment it is freed (glibc keeps large freed blocks resident once its mmap threshold has grown,
+    which inflates peak memory and slows the next allocations).
+    """
+    if nbytes >= _OWN_MAPPING_BYTES:
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
     return raw[start : start + nbytes]
