@@ -214,7 +214,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     which inflates peak memory and slows the next allocations).
     """
     if nbytes >= _OWN_MAPPING_BYTES:
-        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(mapping, dtype=np.uint8)
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
     return raw[start : start + nbytes]
