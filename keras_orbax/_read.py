@@ -12,13 +12,13 @@ Either way no host or device ever holds a full copy of a sharded array.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import math
+import itertools
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -26,11 +26,13 @@ import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
 from keras_orbax import _keys
+from keras_orbax._dtypes import np_dtype
 from keras_orbax._fast_format import FastArray, Index
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
+_Task = tuple["ReadRequest", FastArray, Index]  # one region of one array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,8 @@ class ReadRequest:
 
     def local_indices(self) -> list[Index]:
         """The distinct regions this process's devices hold, in a stable order."""
-        return [index for index, _ in _devices_by_index(self)]
+        mapping = self.target.sharding.addressable_devices_indices_map(self.target.shape)
+        return list({repr(index): index for index in mapping.values()}.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,30 +79,25 @@ def read_arrays(
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
-    Fast-format shards are read by a pool of threads across all arrays at once, each handed to its
-    devices as soon as it is read, so few host buffers are in flight where a device copies them.
+    Fast-format shards are read by a pool of threads across all arrays at once, a little ahead of
+    the arrays being put on their devices, so few host buffers wait where a device copies them.
     Collective when some arrays go through Orbax (the compact format): call on every process.
 
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
     tasks = [
-        (request, array, index, devices)
-        for request, array in plan.fast
-        for index, devices in _devices_by_index(request)
+        (request, array, index) for request, array in plan.fast for index in request.local_indices()
     ]
-    workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        pieces = list(pool.map(lambda task: _read_piece(*task), tasks))
-    shards: dict[str, dict[Any, jax.Array]] = {r.record.key: {} for r, _ in plan.fast}
+    arrays: dict[str, jax.Array] = {}
     bytes_read = 0
-    for (request, _, _, _), (on_devices, nbytes) in zip(tasks, pieces, strict=True):
-        shards[request.record.key].update(on_devices)
-        bytes_read += nbytes
-    arrays = {
-        request.record.key: _assemble(request, shards[request.record.key])
-        for request, _ in plan.fast
-    }
+    workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
+    pieces = _read_ahead(tasks, workers)
+    for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
+        regions = {repr(index): data for (_, _, index), data in group}
+        arrays[request.record.key] = _on_devices(request, regions)
+        stored = np_dtype(request.record.dtype).itemsize
+        bytes_read += sum(data.size for data in regions.values()) * stored
     if plan.via_orbax:
         loaded, nbytes = _read_with_orbax(plan.step_dir, plan.via_orbax)
         arrays.update(loaded)
@@ -107,28 +105,33 @@ def read_arrays(
     return arrays, bytes_read
 
 
-def _devices_by_index(request: ReadRequest) -> list[tuple[Index, list[jax.Device]]]:
-    """This process's devices grouped by the region of the array each holds, in a stable order."""
-    mapping = request.target.sharding.addressable_devices_indices_map(request.target.shape)
-    grouped: dict[str, tuple[Index, list[jax.Device]]] = {}  # by repr: slices are not hashable
-    for device, index in mapping.items():
-        grouped.setdefault(repr(index), (index, []))[1].append(device)
-    return list(grouped.values())
+def _on_devices(request: ReadRequest, regions: dict[str, np.ndarray]) -> jax.Array:
+    """One call puts every region on the devices that hold it (adopted without a copy on CPU);
+    devices that hold the same region get the same buffer."""
+
+    def region(index: Index | None) -> np.ndarray:
+        return regions[repr(index)]
+
+    return jax.make_array_from_callback(request.target.shape, request.target.sharding, region)
 
 
-def _read_piece(
-    request: ReadRequest, array: FastArray, index: Index, devices: list[jax.Device]
-) -> tuple[dict[jax.Device, jax.Array], int]:
-    """One region read once and put on every device that holds it; the bytes read."""
-    data = array.read(index, np.dtype(request.target.dtype))
-    on_devices = jax.device_put([data] * len(devices), devices)
-    return dict(zip(devices, on_devices, strict=True)), math.prod(data.shape) * array.dtype.itemsize
+def _read_ahead(tasks: list[_Task], workers: int) -> Iterator[tuple[_Task, np.ndarray]]:
+    """Each task's region, in order, read by a pool of threads at most `2 * workers` tasks ahead:
+    few host buffers wait for their devices at any time."""
+    with ThreadPoolExecutor(workers) as pool:
 
+        def submit(task: _Task) -> tuple[_Task, Future[np.ndarray]]:
+            request, array, index = task
+            return task, pool.submit(array.read, index, np.dtype(request.target.dtype))
 
-def _assemble(request: ReadRequest, on_devices: dict[jax.Device, jax.Array]) -> jax.Array:
-    sharding, shape = request.target.sharding, request.target.shape
-    ordered = [on_devices[device] for device in sharding.addressable_devices_indices_map(shape)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, ordered)
+        queue = iter(tasks)
+        pending = collections.deque(submit(t) for t in itertools.islice(queue, 2 * workers))
+        while pending:
+            task, future = pending.popleft()
+            following = next(queue, None)
+            if following is not None:
+                pending.append(submit(following))
+            yield task, future.result()
 
 
 def _read_with_orbax(

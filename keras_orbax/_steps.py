@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orbax.checkpoint.experimental.v1 as ocp
 
+from keras_orbax import _compat
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -58,7 +59,7 @@ def read_record(path: Path) -> StepRecord:
         CorruptCheckpointError: the step has no readable keras-orbax record.
     """
     try:
-        custom = ocp.checkpointables_metadata(path).custom_metadata or {}
+        custom = _compat.step_custom_metadata(path) or {}
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
             f"Cannot read the metadata of checkpoint step '{path}': {error}"
