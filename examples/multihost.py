@@ -10,7 +10,7 @@ Each process is a `jax.distributed` host with its own virtual CPU devices, talki
 
 Run: `python examples/multihost.py [--directory DIR]`. On a real cluster, run the same code on every host
 with `jax.distributed.initialize(coordinator_address, num_processes, process_id)` and a directory that
-every host can reach (a shared file system, or `gs://` / `s3://`); see docs/multihost.md.
+every host can reach (a shared file system); see docs/multihost.md.
 """
 
 from __future__ import annotations
