@@ -30,7 +30,8 @@ def render_main(results: dict) -> str:
         + ".",
         "Medians of fresh processes per case; times as a ratio to `orbax_floor` with the same allocator. "
         f"1-minute load average at the end of the runs: up to {max_load(results):.1f} on {m['cpus']} cores "
-        "(above the core count, other work shared the machine and times are noisy; memory is not).",
+        "(threads blocked on reads count in it, the benchmark's own included; above the core count, "
+        "times are noisy, memory is not).",
         "`x resident` divides by the bytes the arrays occupy on all devices with replicas counted; "
         "on CPU, devices holding the same shard can share one host buffer, so it can fall below 1.",
         "",
