@@ -22,8 +22,8 @@ class RestoreResult:
         epoch: The epoch recorded with the step, if any.
         restored: Keys of the variables restored from the checkpoint.
         initialized: Keys of deferred variables the checkpoint lacked, initialized (strict=False).
-        skipped: Keys that were not restored: model variables the checkpoint lacks (kept as they
-            were) and checkpoint entries the model lacks.
+        skipped: Keys that were not restored: model variables the checkpoint lacks or holds with
+            another shape or dtype (kept as they were), and checkpoint entries the model lacks.
         bytes_read: Bytes of array data this process read.
         record: The checkpoint's full keras-orbax record.
     """
