@@ -10,13 +10,10 @@ import threading
 import warnings
 from typing import Any, NoReturn
 
-import jax
 import keras
-import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
-from jax.experimental import multihost_utils
 
-from keras_orbax import _compat, _save, _steps
+from keras_orbax import _compat, _multihost, _save, _steps
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
@@ -221,7 +218,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 improved = False
             else:
                 improved = bool(self._is_improvement(current, self.best))
-            if not _agree(improved):
+            if not _multihost.primary_decision(improved):
                 return
             previous = "None" if self.best is None else f"{self.best:.5f}"
             note = f" ({self.monitor} improved from {previous} to {current:.5f})"
@@ -347,7 +344,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
     # -- reporting and cleanup -------------------------------------------------------------------
 
     def _report(self, step: int, epoch: int, batch: int | None, reason: str, note: str) -> None:
-        if jax.process_index() != 0:
+        if not _multihost.is_primary():
             return
         # Numbered from 1, as Keras prints epochs: `epoch` epochs are done, or `batch` batches of
         # the 0-based epoch `epoch`.
@@ -441,13 +438,6 @@ class _Collector:
                 pending.error = error
             finally:
                 pending.done.set()
-
-
-def _agree(decision: bool) -> bool:
-    """Process 0's decision, on every process: they must all enter the collective save together."""
-    if jax.process_count() == 1:
-        return decision
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
 
 
 def _metric(metrics: Any, name: str) -> float | None:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from keras_orbax import _compat, errors
 from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
@@ -31,6 +33,13 @@ def process_count() -> int:
 def is_primary() -> bool:
     """True on the process that prints and writes shared files (process 0)."""
     return jax.process_index() == 0
+
+
+def primary_decision(decision: bool) -> bool:
+    """Process 0's decision, on every process, so that all enter a collective save together."""
+    if process_count() == 1:
+        return decision
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
 
 
 def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
