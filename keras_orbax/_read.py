@@ -53,7 +53,7 @@ class ReadPlan:
     """How this process will read each array of one step; the files it needs checked already."""
 
     step_dir: Path
-    fast: list[tuple[ReadRequest, FastArray]]
+    fast: list[tuple[ReadRequest, FastArray, list[Index]]]  # with the regions this process reads
     via_orbax: list[ReadRequest]
 
 
@@ -69,8 +69,9 @@ def plan_reads(step_dir: Path, requests: Sequence[ReadRequest]) -> ReadPlan:
         if array is None:
             via_orbax.append(request)
         else:
-            array.check(request.local_indices())
-            fast.append((request, array))
+            indices = request.local_indices()
+            array.check(indices)
+            fast.append((request, array, indices))
     return ReadPlan(step_dir, fast, via_orbax)
 
 
@@ -86,9 +87,7 @@ def read_arrays(
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
-    tasks = [
-        (request, array, index) for request, array in plan.fast for index in request.local_indices()
-    ]
+    tasks = [(request, array, index) for request, array, indices in plan.fast for index in indices]
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
