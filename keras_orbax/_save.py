@@ -107,6 +107,11 @@ def write_step(
     variables = _keys.keyed_variables(model)
     if weights_only:
         variables = {k: v for k, v in variables.items() if k.startswith(f"{_keys.MODEL}/")}
+    if not variables:
+        raise ValueError(
+            f"Model '{model.name}' has no variables to save: build it first. "
+            f"Received: model={model.name}"
+        )
     unset = [v.path for v in variables.values() if not _compat.is_allocated(v)]
     if unset:
         raise DeferredVariableError(

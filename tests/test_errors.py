@@ -169,3 +169,11 @@ def test_saving_a_committed_step_again_is_refused(saved, distribution):
     assert os.path.getmtime(saved / "3") == modified
     keras_orbax.save(model, saved, step=3, overwrite=True)
     assert float(keras_orbax.restore_sharded(model, saved).step) == 3
+
+
+def test_saving_a_model_without_variables_is_refused(tmp_path):
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Activation("relu")(inputs), name="empty")
+    with pytest.raises(ValueError, match="Model 'empty' has no variables to save"):
+        keras_orbax.save(model, tmp_path, step=1)
+    assert not (tmp_path / "1").exists()
