@@ -19,6 +19,7 @@ from keras.src.backend.common import global_state
 from keras.src.callbacks.monitor_callback import MonitorCallback as MonitorCallback
 from keras.src.saving import saving_lib
 from keras.src.saving.keras_saveable import KerasSaveable
+from keras.src.utils import naming
 
 _REGISTRY = "uninitialized_variables"
 
@@ -30,6 +31,23 @@ def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
     checkpoint keys that follow the same structure as `.weights.h5` (stable across rebuilds).
     """
     yield from saving_lib._walk_saveable(obj)
+
+
+def to_snake_case(name: str) -> str:
+    """Keras's snake case of a class name (`Conv2D` -> `conv2d`, `LSTM` -> `lstm`).
+
+    Why private: it names the groups of `.weights.h5` (`naming.to_snake_case`), and keys must match
+    them exactly; Keras does not export it.
+    """
+    return naming.to_snake_case(name)
+
+
+def unique_name(name: str, used: dict[str, int]) -> str:
+    """`name`, or `name_<n>` if used before in this container, as Keras uniquifies `.weights.h5` groups.
+
+    Why private: `saving_lib._get_unique_name` is the rule Keras's saving applies; it is not exported.
+    """
+    return saving_lib._get_unique_name(name, used)
 
 
 def is_saveable(obj: Any) -> bool:

@@ -51,7 +51,7 @@ def deferred_init() -> Iterator[None]:
     except ValueError as error:
         if "while in a stateless scope" not in str(error):
             raise
-        raise ValueError(
+        raise NotDeferrableError(
             "A variable that Keras cannot defer (made from a number, not an initializer) was "
             "created inside keras_orbax.deferred_init(). This is usually `model.compile(optimizer="
             "'adam')`, whose optimizer makes its step counter from 0: compile after the "
@@ -59,6 +59,10 @@ def deferred_init() -> Iterator[None]:
         ) from error
     finally:
         _state.depth = depth
+
+
+class NotDeferrableError(ValueError):
+    """Keras cannot create a variable inside `deferred_init()`: it is made from a number."""
 
 
 def is_deferred(variable: keras.Variable) -> bool:
@@ -76,13 +80,39 @@ def initialize(variable: keras.Variable) -> None:
 
 def build_optimizer(model: keras.Model) -> None:
     """Builds `model.optimizer` for its trainable variables, without allocating the slots if the
-    model itself is deferred."""
-    optimizer = model.optimizer
-    if any(is_deferred(v) for v in model.trainable_variables):
+    model itself is deferred and the optimizer allows it (see `deferred_copy`)."""
+    variables = model.trainable_variables
+    if any(is_deferred(v) for v in variables) and _defers(model.optimizer, variables):
         with deferred_init():
-            optimizer.build(model.trainable_variables)
+            model.optimizer.build(variables)
     else:
-        optimizer.build(model.trainable_variables)
+        model.optimizer.build(variables)
+
+
+def deferred_copy(
+    optimizer: keras.optimizers.Optimizer, variables: list[keras.Variable]
+) -> keras.optimizers.Optimizer:
+    """A copy of an unbuilt `optimizer`, built for `variables`: what building the real one would
+    create (shapes, dtypes, layouts, order), leaving the real one as it is.
+
+    Its slots are deferred (nothing allocated), except for optimizers whose `build` makes a
+    variable from a number (`Nadam`'s `_u_product`, `Adafactor`'s placeholders), which Keras cannot
+    defer: those are built normally, as their real build will be.
+    """
+    copy = type(optimizer).from_config(optimizer.get_config())
+    try:
+        with deferred_init():
+            copy.build(variables)
+    except NotDeferrableError:
+        copy = type(optimizer).from_config(optimizer.get_config())
+        copy.build(variables)
+    return copy
+
+
+def _defers(optimizer: keras.optimizers.Optimizer, variables: list[keras.Variable]) -> bool:
+    """Whether `optimizer.build` can run inside `deferred_init()` (tried on a copy: a failed build
+    would leave the real optimizer half-built)."""
+    return any(is_deferred(v) for v in deferred_copy(optimizer, variables).variables)
 
 
 def _prepare(variable: keras.Variable) -> None:

@@ -1,144 +1,169 @@
-"""Model state <-> stable checkpoint keys.
+"""Model state <-> stable checkpoint keys, in Keras's own saving structure.
 
-A key names a variable by where it sits in the model, not by `variable.path`, because paths carry Keras's
-global name counters (`dense_1`, `adam_1`, `seed_generator_3`) and change when the same model is built
-twice in one process. Keys follow the structure `.weights.h5` uses: children by attribute name, list
-members by class name, uniquified per list:
+A key names a variable by where Keras's `.weights.h5` saving puts it, not by `variable.path`, because
+paths carry Keras's global name counters (`dense_1`, `adam_1`, `seed_generator_3`) and change when
+the same model is built twice in one process. Groups are the ones `save_weights` writes (Keras's own
+walk, snake-cased class names uniquified per container, nested containers as `container`), and a
+variable is `vars/<i>` by its position in the layer's own variables, as `Layer.save_own_variables`
+numbers them:
 
-    model/layers/dense/kernel                 a layer's own variable, by its name
-    model/layers/dropout/seed_generator/state  a seed generator's state
-    optimizer/iteration                        an optimizer variable, by its name
-    optimizer/model/layers/dense/kernel/momentum   a slot, by its reference variable's key
-    metrics/loss/total                         a metric variable, by its path
+    layers/dense/vars/0                       a layer's variable (its kernel)
+    layers/lstm/cell/vars/1                   a nested layer's, under its attribute name
+    optimizer/vars/7                          an optimizer variable, in `optimizer.variables` order
+    layers/dropout/seed_generators/0          a seed generator's state (not in `.weights.h5`)
+    metrics/loss/total                        a metric variable, by its path (not in `.weights.h5`)
+
+Each key also has a role (`model`, `optimizer` or `metric`), which decides how strictly it is matched.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import keras
 
 from keras_orbax import _compat
 from keras_orbax.errors import DuplicateKeyError
 
-MODEL, OPTIMIZER, METRICS = "model", "optimizer", "metrics"
+Role = Literal["model", "optimizer", "metric"]
+MODEL: Role = "model"
+OPTIMIZER: Role = "optimizer"
+METRIC: Role = "metric"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedState:
+    """A model's state by key, in a deterministic order, with each key's role."""
+
+    variables: dict[str, keras.Variable]
+    roles: dict[str, Role]
+
+    def of_role(self, *roles: Role) -> dict[str, keras.Variable]:
+        return {k: v for k, v in self.variables.items() if self.roles[k] in roles}
+
+
+def keyed_state(
+    model: keras.Model, *, optimizer: keras.optimizers.Optimizer | None = None
+) -> KeyedState:
+    """Every piece of `model`'s state by key: its weights, its optimizer's variables (as far as they
+    exist), seed-generator states and metric variables.
+
+    Args:
+        model: The model.
+        optimizer: Keyed in place of `model.optimizer` (a stand-in for one not built yet).
+
+    Raises:
+        DuplicateKeyError: two different variables would share a key.
+    """
+    table = _KeyTable()
+    replace = {}
+    if optimizer is not None:
+        replace[id(model.optimizer)] = optimizer
+    else:
+        optimizer = getattr(model, "optimizer", None)
+    optimizer_ids = (
+        {id(v) for v in optimizer.variables}
+        if isinstance(optimizer, keras.optimizers.Optimizer)
+        else set()
+    )
+    for group, saveable in _walk(model, "", set(), replace):
+        for i, variable in enumerate(_own_variables(saveable)):
+            role: Role = OPTIMIZER if id(variable) in optimizer_ids else MODEL
+            table.add(_join(group, f"vars/{i}"), variable, role)
+        if isinstance(saveable, keras.Layer):
+            for i, generator in enumerate(_compat.seed_generators(saveable)):
+                table.add(_join(group, f"seed_generators/{i}"), generator.state, MODEL)
+    for variable in model.variables:  # anything Keras's walk does not reach
+        table.add_if_new(f"unreached/{variable.path}", variable, MODEL)
+    for variable in model.metrics_variables:
+        table.add_if_new(f"metrics/{variable.path}", variable, METRIC)
+    return KeyedState(table.variables, table.roles)
 
 
 def keyed_variables(model: keras.Model) -> dict[str, keras.Variable]:
-    """Every piece of `model`'s state by stable key, in a deterministic order.
+    """`keyed_state(model).variables`."""
+    return keyed_state(model).variables
 
-    Includes the optimizer's variables if the model has one and they exist, and the metric variables.
 
-    Raises:
-        DuplicateKeyError: two different variables would share a key (e.g. a layer with two
-            variables of the same name).
-    """
-    keys = _KeyTable()
-    for key, variable in _walk_layers(model, MODEL, set()):
-        keys.add(key, variable)
-    for variable in model.variables:  # anything the structural walk did not reach
-        keys.add_if_new(f"{MODEL}/unreached/{variable.path}", variable)
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        for key, variable in _optimizer_keys(optimizer, keys.key_of):
-            keys.add(key, variable)
-    for variable in model.metrics_variables:
-        keys.add_if_new(f"{METRICS}/{variable.path}", variable)
-    return keys.table
+def saveables(obj: Any) -> Iterator[tuple[str, Any]]:
+    """`(group, object)` for each Keras object holding state, in the order and under the names
+    that Keras's `save_weights` gives them (`saving_lib._save_state`)."""
+    yield from _walk(obj, "", set(), {})
+
+
+def _walk(
+    obj: Any, path: str, visited: set[int], replace: dict[int, Any]
+) -> Iterator[tuple[str, Any]]:
+    obj = replace.get(id(obj), obj)
+    if id(obj) in visited:
+        return
+    visited.add(id(obj))
+    yield path, obj
+    for attribute, child in _compat.walk_saveable(obj):
+        if _compat.is_saveable(child):
+            yield from _walk(child, _join(path, attribute), visited, replace)
+        elif isinstance(child, list | tuple | dict):
+            yield from _walk_container(child, _join(path, attribute), visited, replace, set())
+
+
+def _walk_container(
+    container: list | tuple | dict,
+    path: str,
+    visited: set[int],
+    replace: dict[int, Any],
+    containers: set[int],
+) -> Iterator[tuple[str, Any]]:
+    if id(container) in containers:
+        return
+    containers.add(id(container))
+    used: dict[str, int] = {}
+    for member in container.values() if isinstance(container, dict) else container:
+        if _compat.is_saveable(member):
+            name = _compat.unique_name(_compat.to_snake_case(type(member).__name__), used)
+            yield from _walk(member, _join(path, name), visited, replace)
+        elif isinstance(member, list | tuple | dict):
+            name = _compat.unique_name("container", used)
+            yield from _walk_container(member, _join(path, name), visited, replace, containers)
+
+
+def _own_variables(saveable: Any) -> list[keras.Variable]:
+    """What Keras's default `save_own_variables` numbers `vars/<i>`: a layer's own variables, an
+    optimizer's `variables` (a LossScaleOptimizer's include its inner optimizer's)."""
+    if isinstance(saveable, keras.Layer):
+        return _compat.own_variables(saveable)
+    if isinstance(saveable, keras.optimizers.Optimizer):
+        return list(saveable.variables)
+    return []
+
+
+def _join(group: str, name: str) -> str:
+    return f"{group}/{name}" if group else name
 
 
 class _KeyTable:
     def __init__(self) -> None:
-        self.table: dict[str, keras.Variable] = {}
-        self.key_of: dict[int, str] = {}
-        self._clashes: dict[str, list[str]] = {}
+        self.variables: dict[str, keras.Variable] = {}
+        self.roles: dict[str, Role] = {}
+        self._keys: dict[int, str] = {}
 
-    def add(self, key: str, variable: keras.Variable) -> None:
-        if id(variable) in self.key_of:
-            return  # shared variable, already keyed
-        if key in self.table:
+    def add(self, key: str, variable: keras.Variable, role: Role) -> None:
+        if id(variable) in self._keys:
+            return  # shared variable (or a LossScaleOptimizer's inner one), already keyed
+        if key in self.variables:
             raise DuplicateKeyError(
                 f"Two variables map to the checkpoint key '{key}': "
-                f"'{self.table[key].path}' and '{variable.path}'. keras-orbax cannot tell them apart "
-                "on restore. Give the variables distinct names within their layer. "
-                f"Received: paths=['{self.table[key].path}', '{variable.path}']"
+                f"'{self.variables[key].path}' and '{variable.path}'. keras-orbax cannot tell them "
+                f"apart on restore. Received: paths=['{self.variables[key].path}', '{variable.path}']"
             )
-        self.table[key] = variable
-        self.key_of[id(variable)] = key
+        self.variables[key] = variable
+        self.roles[key] = role
+        self._keys[id(variable)] = key
 
-    def add_if_new(self, key: str, variable: keras.Variable) -> None:
-        if id(variable) not in self.key_of:
-            self.add(key, variable)
-
-
-def _walk_layers(obj: Any, prefix: str, visited: set[int]) -> Iterator[tuple[str, keras.Variable]]:
-    if id(obj) in visited:
-        return
-    visited.add(id(obj))
-    if isinstance(obj, keras.Layer):
-        for variable in _compat.own_variables(obj):
-            yield f"{prefix}/{variable.name}", variable
-        generators = _compat.seed_generators(obj)
-        for i, generator in enumerate(generators):
-            name = "seed_generator" if len(generators) == 1 else f"seed_generator_{i}"
-            yield f"{prefix}/{name}/state", generator.state
-    if isinstance(obj, keras.optimizers.Optimizer | keras.metrics.Metric):
-        return  # keyed separately
-    for attribute, child in _compat.walk_saveable(obj):
-        if _compat.is_saveable(child):
-            yield from _walk_layers(child, f"{prefix}/{attribute}", visited)
-        elif isinstance(child, list | tuple | dict):
-            yield from _walk_container(child, f"{prefix}/{attribute}", visited)
-
-
-def _walk_container(
-    container: list | tuple | dict, prefix: str, visited: set[int]
-) -> Iterator[tuple[str, keras.Variable]]:
-    if id(container) in visited:
-        return
-    visited.add(id(container))
-    members = container.values() if isinstance(container, dict) else container
-    used: dict[str, int] = {}
-    for member in members:
-        if _compat.is_saveable(member):
-            name = _unique(_snake(type(member).__name__), used)
-            yield from _walk_layers(member, f"{prefix}/{name}", visited)
-        elif isinstance(member, list | tuple | dict):
-            yield from _walk_container(member, prefix, visited)
-
-
-def _optimizer_keys(
-    optimizer: keras.optimizers.Optimizer, key_of: dict[int, str]
-) -> Iterator[tuple[str, keras.Variable]]:
-    # Slots are named f"{reference.path.replace('/', '_')}_{slot}" (Optimizer.add_variable_from_reference).
-    references = {
-        variable.path.replace("/", "_"): key_of[id(variable)]
-        for variable in getattr(optimizer, "_trainable_variables", [])
-        if id(variable) in key_of
-    }
-    for variable in optimizer.variables:
-        yield f"{OPTIMIZER}/{_slot_key(variable.name, references)}", variable
-
-
-def _slot_key(name: str, references: dict[str, str]) -> str:
-    best = max((ref for ref in references if name.startswith(ref + "_")), key=len, default=None)
-    if best is None:
-        return name
-    return f"{references[best]}/{name[len(best) + 1 :]}"
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.lstrip("_")).lower()
-
-
-def _unique(name: str, used: dict[str, int]) -> str:
-    if name not in used:
-        used[name] = 0
-        return name
-    used[name] += 1
-    return f"{name}_{used[name]}"
+    def add_if_new(self, key: str, variable: keras.Variable, role: Role) -> None:
+        if id(variable) not in self._keys:
+            self.add(key, variable, role)
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_orbax import _steps
+from keras_orbax import _multihost, _steps
 from keras_orbax._deferred import deferred_init
 from keras_orbax._restore import restore_sharded
 from keras_orbax.errors import CheckpointMismatchError
@@ -48,6 +48,7 @@ def load_model(
     model = keras_orbax.load_model("/ckpt")
     ```
     """
+    step = _multihost.primary_value("load_model/step", _steps.resolve_step, directory, step)
     _, path = _steps.step_path(directory, step)
     config = _steps.read_record(path).model_config
     if config is None:
@@ -58,10 +59,30 @@ def load_model(
         )
     config = dict(config)
     compile_config = config.pop("compile_config", None)
-    with deferred_init(), keras.saving.custom_object_scope(custom_objects or {}):
-        model = keras.saving.deserialize_keras_object(config, safe_mode=safe_mode)
+    with deferred_init():
+        model = keras.saving.deserialize_keras_object(
+            config, custom_objects=custom_objects, safe_mode=safe_mode
+        )
     if compile and compile_config is not None:
-        # Outside deferred_init(): an optimizer's iteration counter is not made from an initializer.
-        model.compile_from_config(compile_config)
+        compile_deferred(model, compile_config, custom_objects, safe_mode)
     restore_sharded(model, directory, step, strict=strict)
     return model
+
+
+def compile_deferred(
+    model: keras.Model,
+    compile_config: dict[str, Any],
+    custom_objects: dict[str, Any] | None,
+    safe_mode: bool,
+) -> None:
+    """`model.compile_from_config`, deserialized in the same custom-object and safe-mode scopes as
+    the model, but leaving the optimizer unbuilt: `restore_sharded` builds its slots deferred, so
+    no initialized copy of the optimizer state is ever made. (Outside `deferred_init()`: an
+    optimizer's step counter is made from a number.)"""
+    if type(model).compile is not keras.Model.compile:
+        model.compile_from_config(compile_config)  # Keras warns that a custom compile is not called
+        return
+    arguments = keras.saving.deserialize_keras_object(
+        compile_config, custom_objects=custom_objects, safe_mode=safe_mode
+    )
+    model.compile(**arguments)

@@ -10,9 +10,12 @@ from typing import Any
 import numpy as np
 
 from keras_orbax._dtypes import np_dtype
+from keras_orbax._keys_v1 import role as v1_role
 
 FORMAT_NAME = "keras_orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = (
+    2  # 2: keys in Keras's saving structure (`_keys`); 1: keras-orbax 0.1's (`_keys_v1`)
+)
 STATE = "state"  # Orbax checkpointable that holds the arrays
 
 
@@ -26,6 +29,7 @@ class VariableRecord:
     dtype: str
     array: str  # Orbax parameter name: the array's directory under `<step>/state/`
     layout: dict[str, Any] | None = None  # mesh_shape, axis_names, partition; None: one device
+    role: str = "model"  # "model", "optimizer" or "metric"
 
     @property
     def nbytes(self) -> int:
@@ -52,12 +56,17 @@ class StepRecord:
 
     @classmethod
     def from_json(cls, record: Mapping[str, Any]) -> StepRecord:
+        """Parses a record as stored; raises KeyError, TypeError or ValueError if it is malformed."""
         record = dict(record)
         variables = {}
+        fields = {f.name for f in dataclasses.fields(VariableRecord)}
         for entry in record.pop("variables"):
-            entry = dict(entry, shape=tuple(entry["shape"]))
-            variables[entry["key"]] = VariableRecord(**entry)
+            entry = {k: v for k, v in entry.items() if k in fields}
+            entry["shape"] = tuple(int(n) for n in entry["shape"])
+            entry.setdefault("role", v1_role(entry["key"]))  # 0.1 wrote no role: it is the prefix
+            variables[str(entry["key"])] = VariableRecord(**entry)
         known = {f.name for f in dataclasses.fields(cls)}
+        record.setdefault("format_version", 1)
         return cls(variables=variables, **{k: v for k, v in record.items() if k in known})
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,12 +47,13 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
     """Every process reports how its part of `name` went; all raise if any failed.
 
     Single-process: re-raises `error` if given. Multi-process: each process publishes its outcome
-    under a key unique to this call, then waits up to `timeout_s` for every other process's.
+    under a key unique to this call, then waits for every other process's, all within one deadline
+    `timeout_s` from now.
 
     Raises:
         The failing process's error type (from `keras_orbax.errors`), with a message that names
-        each failed process, on every process; `ProcessSyncError` naming the processes that did
-        not report in time.
+        each failed process and its details (a mismatch's `problems` too), on every process;
+        `ProcessSyncError` naming the processes that did not report in time.
     """
     if process_count() == 1:
         if error is not None:
@@ -60,20 +62,14 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
     client = _compat.distributed_client()
     key = f"keras_orbax/{name}/{next(_calls)}"
     me = jax.process_index()
-    outcome: dict[str, Any] = {"ok": error is None}
-    if error is not None:
-        outcome |= {"type": type(error).__name__, "message": str(error)}
-    client.key_value_set(f"{key}/{me}", json.dumps(outcome))
+    client.key_value_set(f"{key}/{me}", json.dumps(_outcome(error)))
+    deadline = time.monotonic() + timeout_s
     failures, missing = {}, []
     for process in range(process_count()):
-        try:
-            found = json.loads(
-                client.blocking_key_value_get(f"{key}/{process}", int(timeout_s * 1000))
-            )
-        except Exception:  # the coordination service reports a timeout as a generic error
+        found = _get(client, f"{key}/{process}", deadline)
+        if found is None:
             missing.append(process)
-            continue
-        if not found["ok"]:
+        elif not found["ok"]:
             failures[process] = found
     if missing:
         raise ProcessSyncError(
@@ -82,6 +78,55 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
         ) from error
     if failures:
         raise _combined(name, failures) from error
+
+
+def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` as process 0 computes it, on every process (or its error, raised everywhere).
+
+    What process 0 decides (e.g. which step of a shared directory to restore) is what every process
+    does, even if the others would see the directory differently. The value must be JSON-safe.
+    """
+    if process_count() == 1:
+        return fn(*args)
+    client = _compat.distributed_client()
+    key = f"keras_orbax/{name}/{next(_calls)}/decision"
+    if jax.process_index() == 0:
+        try:
+            value = fn(*args)
+        except Exception as error:  # published to every process, then raised here too
+            client.key_value_set(key, json.dumps(_outcome(error)))
+            raise
+        client.key_value_set(key, json.dumps({"ok": True, "value": value}))
+        return value
+    found = _get(client, key, time.monotonic() + DEFAULT_TIMEOUT_S)
+    if found is None:
+        raise ProcessSyncError(
+            f"Process 0 did not decide '{name}' within {DEFAULT_TIMEOUT_S:.0f} s (this is process "
+            f"{jax.process_index()}). It may have crashed or be stuck; nothing was modified here."
+        )
+    if not found["ok"]:
+        raise _combined(name, {0: found})
+    return found["value"]
+
+
+def _outcome(error: BaseException | None) -> dict[str, Any]:
+    if error is None:
+        return {"ok": True}
+    return {
+        "ok": False,
+        "type": type(error).__name__,
+        "message": str(error),
+        "problems": list(getattr(error, "problems", ())),
+    }
+
+
+def _get(client: Any, key: str, deadline: float) -> dict[str, Any] | None:
+    """The JSON value under `key`, waiting until `deadline` at most; None if it never came."""
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+        return json.loads(client.blocking_key_value_get(key, remaining_ms))
+    except Exception:  # the coordination service reports a timeout as a generic error
+        return None
 
 
 def run_collectively(name: str, fn: Callable[..., T], *args: Any) -> T:
@@ -103,4 +148,8 @@ def _combined(name: str, failures: dict[int, dict]) -> KerasOrbaxError:
         error_type = KerasOrbaxError
     lines = [f"'{name}' failed on {len(failures)} of {process_count()} processes:"]
     lines += [f"process {p}: {f['type']}: {f['message']}" for p, f in sorted(failures.items())]
-    return error_type("\n".join(lines))
+    message = "\n".join(lines)
+    if issubclass(error_type, errors.CheckpointMismatchError):
+        problems = [p for f in failures.values() for p in f.get("problems", ())]
+        return error_type(message, list(dict.fromkeys(problems)))
+    return error_type(message)

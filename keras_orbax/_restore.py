@@ -7,7 +7,7 @@ import os
 
 import keras
 
-from keras_orbax import _compat, _deferred, _keys, _multihost, _plan, _read, _steps
+from keras_orbax import _compat, _deferred, _keys, _keys_v1, _multihost, _plan, _read, _steps
 from keras_orbax._keys import OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax.errors import CheckpointMismatchError
@@ -81,15 +81,17 @@ def restore_sharded(
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
-    # Collective: every process checks what it will read, then reads its shards; all raise if any
-    # fails, and only then does any process assign.
-    step, record, variables, plan, reads = _multihost.run_collectively(
+    # Collective: process 0 picks the step; every process checks what it will read, then reads its
+    # shards; all raise if any fails, and only then does any process change anything.
+    step = _multihost.primary_value("restore_sharded/step", _steps.resolve_step, directory, step)
+    record, state, plan, reads = _multihost.run_collectively(
         "restore_sharded/plan", _prepare, model, directory, step, strict
     )
     arrays, bytes_read = _multihost.run_collectively(
         "restore_sharded/read", _read.read_arrays, reads
     )
     # Every array is read: from here on nothing can fail halfway.
+    variables = _attach_optimizer(model, record, state)
     for key, array in arrays.items():
         _compat.set_value(variables[key], array)
     not_read = [*plan.missing, *plan.mismatched]
@@ -108,27 +110,61 @@ def restore_sharded(
 
 
 def _prepare(
-    model: keras.Model, directory: str | os.PathLike, step: int | None, strict: bool
-) -> tuple[int, StepRecord, dict[str, keras.Variable], _plan.Plan, _read.ReadPlan]:
-    """Everything a restore decides before reading: the step, the plan, the files checked."""
-    step, path = _steps.step_path(directory, step)
+    model: keras.Model, directory: str | os.PathLike, step: int, strict: bool
+) -> tuple[StepRecord, _keys.KeyedState, _plan.Plan, _read.ReadPlan]:
+    """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
+    an optimizer that is not built yet is planned through a deferred copy of it."""
+    _, path = _steps.step_path(directory, step)
     record = _steps.read_record(path)
-    _build_optimizer_if_needed(model, record)
-    variables = _keys.keyed_variables(model)
-    plan = _plan.make_plan(record, variables, strict=strict)
+    state = _key_state(model, record, _unbuilt_optimizer_stand_in(model, record))
+    plan = _plan.make_plan(record, state, strict=strict)
     if plan.problems:
         raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
     reads = _read.plan_reads(path, list(plan.reads.values()))
-    return step, record, variables, plan, reads
+    return record, state, plan, reads
 
 
-def _build_optimizer_if_needed(model: keras.Model, record: StepRecord) -> None:
+def _key_state(
+    model: keras.Model, record: StepRecord, optimizer: keras.optimizers.Optimizer | None = None
+) -> _keys.KeyedState:
+    """The model's state keyed by the scheme the step was written with."""
+    if record.format_version == 1:
+        return _keys_v1.keyed_state(model, optimizer=optimizer)
+    return _keys.keyed_state(model, optimizer=optimizer)
+
+
+def _unbuilt_optimizer_stand_in(
+    model: keras.Model, record: StepRecord
+) -> keras.optimizers.Optimizer | None:
+    """A deferred copy of `model.optimizer`, built, if the optimizer is not built yet and the step
+    holds optimizer slots: its variables have the shapes, layouts and keys the real ones will get,
+    and allocate nothing."""
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
-        return
-    slots = [k for k in record.variables if k.startswith(f"{OPTIMIZER}/{_keys.MODEL}/")]
-    if slots:
-        _deferred.build_optimizer(model)
+        return None
+    saved = sum(v.role == OPTIMIZER for v in record.variables.values())
+    if saved <= len(optimizer.variables):  # only what exists before build (the step counter...)
+        return None
+    return _deferred.deferred_copy(optimizer, model.trainable_variables)
+
+
+def _attach_optimizer(
+    model: keras.Model, record: StepRecord, planned: _keys.KeyedState
+) -> dict[str, keras.Variable]:
+    """Builds the model's optimizer if the plan went through a stand-in of it; the variables by key."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
+        return planned.variables
+    if sum(role == OPTIMIZER for role in planned.roles.values()) <= len(optimizer.variables):
+        return planned.variables  # planned without a stand-in: nothing of the optimizer is read
+    _deferred.build_optimizer(model)
+    variables = _key_state(model, record).variables
+    if list(variables) != list(planned.variables):  # a stand-in that differs is a bug of ours
+        raise RuntimeError(
+            f"keras-orbax: optimizer '{optimizer.name}' built with other variables than planned "
+            "for; no variable was modified."
+        )
+    return variables
 
 
 def _mismatch_message(model: keras.Model, path: os.PathLike, plan: _plan.Plan, strict: bool) -> str:

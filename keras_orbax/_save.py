@@ -104,9 +104,8 @@ def write_step(
     `weights_only` keeps the model's own variables (trainable, non-trainable, seed-generator state)
     and leaves out optimizer and metric state.
     """
-    variables = _keys.keyed_variables(model)
-    if weights_only:
-        variables = {k: v for k, v in variables.items() if k.startswith(f"{_keys.MODEL}/")}
+    state = _keys.keyed_state(model)
+    variables = state.of_role(_keys.MODEL) if weights_only else state.variables
     if not variables:
         raise ValueError(
             f"Model '{model.name}' has no variables to save: build it first. "
@@ -127,7 +126,7 @@ def write_step(
         step=step,
         epoch=epoch,
         batch=batch,
-        variables={key: _record(key, v) for key, v in variables.items()},
+        variables={key: _record(key, v, state.roles[key]) for key, v in variables.items()},
         model_config=_model_config(model),
         versions=versions(),
         extra=extra or {},
@@ -145,7 +144,7 @@ def write_step(
     return response
 
 
-def _record(key: str, variable: keras.Variable) -> VariableRecord:
+def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
     value = _compat.current_value(variable)
     return VariableRecord(
         key=key,
@@ -154,6 +153,7 @@ def _record(key: str, variable: keras.Variable) -> VariableRecord:
         dtype=_compat.stored_dtype(variable),
         array=key.replace("/", "."),  # Orbax names a nested parameter by its keys joined with "."
         layout=_shardings.describe(value.sharding),
+        role=role,
     )
 
 

@@ -52,6 +52,15 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
     return step, Path(_NAME_FORMAT.find_step(root, step).path)
 
 
+def resolve_step(directory: str | os.PathLike, step: int | None) -> int:
+    """`step`, or the latest committed one if None, checked to be committed.
+
+    Raises:
+        CheckpointNotFoundError: as `step_path`.
+    """
+    return step_path(directory, step)[0]
+
+
 def read_record(path: Path) -> StepRecord:
     """The keras-orbax record of the step at `path`.
 
@@ -70,9 +79,22 @@ def read_record(path: Path) -> StepRecord:
             f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
             f"(its metadata has no '{FORMAT_NAME}' record)."
         )
-    if record.get("format_version", 0) > FORMAT_VERSION:
+    if not isinstance(record, dict):
+        raise CorruptCheckpointError(f"The keras-orbax record of '{path}' is not a JSON object.")
+    if not isinstance(record.get("format_version", 1), int):
+        raise CorruptCheckpointError(
+            f"'{path}' has a keras-orbax record with an unreadable format_version: "
+            f"{record.get('format_version')!r}."
+        )
+    if record.get("format_version", 1) > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"'{path}' uses keras-orbax format {record['format_version']}; this version reads "
             f"up to {FORMAT_VERSION}. Upgrade keras-orbax."
         )
-    return StepRecord.from_json(record)
+    try:
+        return StepRecord.from_json(record)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"The keras-orbax record of checkpoint step '{path}' cannot be parsed "
+            f"({type(error).__name__}: {error})."
+        ) from error

@@ -59,7 +59,8 @@ def test_integer_to_float_is_refused(tmp_path, distribution):
     target = model("int32")
     before = np.asarray(target.layers[0].embeddings.value)
     message = (
-        r"embeddings \(seq/embedding/embeddings\): checkpoint dtype float32, model dtype int32"
+        r"layers/embedding/vars/0: checkpoint seq/embedding/embeddings \(16, 8\) float32, "
+        r"model seq/embedding/embeddings \(16, 8\) int32"
     )
     with pytest.raises(CheckpointMismatchError, match=message):
         keras_orbax.restore_sharded(target, tmp_path)

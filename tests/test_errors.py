@@ -70,9 +70,11 @@ def test_other_architecture_lists_every_offending_variable(saved):
     with pytest.raises(CheckpointMismatchError) as caught:
         keras_orbax.restore_sharded(model, saved)
     assert caught.value.problems == (
-        "model/layers/dense/kernel (hidden/kernel): checkpoint shape (16, 32), model shape (16, 24)",
-        "model/layers/dense/bias (hidden/bias): checkpoint shape (32,), model shape (24,)",
-        "model/layers/dense_1/kernel (head/kernel): checkpoint shape (32, 8), model shape (24, 8)",
+        "layers/dense/vars/0: checkpoint hidden/kernel (16, 32) float32, "
+        "model hidden/kernel (16, 24) float32",
+        "layers/dense/vars/1: checkpoint hidden/bias (32,) float32, model hidden/bias (24,) float32",
+        "layers/dense_1/vars/0: checkpoint head/kernel (32, 8) float32, "
+        "model head/kernel (24, 8) float32",
     )
 
 
@@ -85,48 +87,48 @@ def test_missing_and_unexpected_keys(saved):
     with pytest.raises(CheckpointMismatchError) as caught:
         keras_orbax.restore_sharded(model, saved)
     assert caught.value.problems == (
-        "model/layers/layer_normalization/gamma: in the model, not in the checkpoint",
-        "model/layers/layer_normalization/beta: in the model, not in the checkpoint",
+        "layers/layer_normalization/vars/0 (model: extra/gamma): in the model, not in the checkpoint",
+        "layers/layer_normalization/vars/1 (model: extra/beta): in the model, not in the checkpoint",
     )
 
     result = keras_orbax.restore_sharded(model, saved, strict=False)
     assert result.skipped == (
-        "model/layers/layer_normalization/gamma",
-        "model/layers/layer_normalization/beta",
+        "layers/layer_normalization/vars/0",
+        "layers/layer_normalization/vars/1",
     )
     np.testing.assert_array_equal(np.asarray(model.get_layer("extra").gamma.value), np.ones(32))
     assert float(model.get_layer("hidden").kernel.value[0, 1]) == 1.0  # arange, restored
 
 
 def test_truncated_array_file(saved):
-    shard = saved / "3" / "state" / "model.layers.dense.kernel" / "c" / "1" / "2"
+    shard = saved / "3" / "state" / "layers.dense.vars.0" / "c" / "1" / "2"
     with open(shard, "r+b") as file:
         file.truncate(shard.stat().st_size // 2)
     _restore_fails(
         _models.mlp(),
         saved,
         CorruptCheckpointError,
-        r"model/layers/dense/kernel: .*c/1/2 has \d+ bytes",
+        r"layers/dense/vars/0: .*c/1/2 has \d+ bytes",
     )
 
 
 def test_missing_array_file(saved):
-    shard = saved / "3" / "state" / "model.layers.dense_1.kernel" / "c" / "0" / "3"
+    shard = saved / "3" / "state" / "layers.dense_1.vars.0" / "c" / "0" / "3"
     shard.unlink()
     _restore_fails(
         _models.mlp(),
         saved,
         CorruptCheckpointError,
-        r"model/layers/dense_1/kernel: missing file .*c/0/3",
+        r"layers/dense_1/vars/0: missing file .*c/0/3",
     )
 
 
 def test_missing_file_on_the_resharding_path(saved, distribution):
-    shard = saved / "3" / "state" / "model.layers.dense_1.kernel" / "c" / "0" / "3"
+    shard = saved / "3" / "state" / "layers.dense_1.vars.0" / "c" / "0" / "3"
     shard.unlink()
     distribution(_models.model_parallel((4, 2)))
     _restore_fails(
-        _models.mlp(), saved, CorruptCheckpointError, r"model/layers/dense_1/kernel: missing file"
+        _models.mlp(), saved, CorruptCheckpointError, r"layers/dense_1/vars/0: missing file"
     )
 
 

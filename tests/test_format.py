@@ -18,11 +18,11 @@ def test_arrays_and_metadata_read_with_plain_orbax_and_tensorstore(tmp_path, dis
     kernel = np.asarray(model.get_layer("hidden").kernel.value)
 
     state = ocp.load(tmp_path / "24", checkpointable_name="state")
-    np.testing.assert_array_equal(np.asarray(state["model"]["layers"]["dense"]["kernel"]), kernel)
+    np.testing.assert_array_equal(np.asarray(state["layers"]["dense"]["vars"]["0"]), kernel)
     meta = ocp.checkpointables_metadata(tmp_path / "24").custom_metadata["keras_orbax"]
-    assert meta["format_version"] == 1 and meta["step"] == 24 and meta["epoch"] == 3
+    assert meta["format_version"] == 2 and meta["step"] == 24 and meta["epoch"] == 3
     entry = next(v for v in meta["variables"] if v["path"] == "hidden/kernel")
-    assert entry["array"] == "model.layers.dense.kernel"
+    assert entry["array"] == "layers.dense.vars.0"
 
     store = ts.open(
         {

@@ -18,7 +18,7 @@ def test_inspect_describes_every_variable(tmp_path, distribution):
 
     info = keras_orbax.inspect(tmp_path, step=5)
     assert info.steps == (5, 9) and info.step == 5 and info.record.epoch == 2
-    kernel = info.record.variables["model/layers/dense/kernel"]
+    kernel = info.record.variables["layers/dense/vars/0"]
     assert (kernel.path, kernel.shape, kernel.dtype) == ("hidden/kernel", (16, 32), "float32")
     assert kernel.layout == {
         "mesh_shape": [2, 4],
@@ -35,7 +35,7 @@ def test_inspect_describes_every_variable(tmp_path, distribution):
         check=True,
     ).stdout
     assert "steps [5, 9]; step 9, epoch 3, 4 variables, 3.2 KiB" in printed
-    assert re.search(r"model/layers/dense/kernel +float32 +\(16, 32\) +mesh \(2, 4\)", printed)
+    assert re.search(r"layers/dense/vars/0 +float32 +\(16, 32\) +mesh \(2, 4\)", printed)
     assert "partition ('batch', 'model')" in printed
 
 

@@ -1,15 +1,20 @@
-"""Checkpoint keys do not depend on Keras's global name counters; duplicates are refused."""
+"""Checkpoint keys are Keras's own saving structure, independent of Keras's global name counters."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
+import h5py
 import keras
 import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._keys import keyed_variables
-from keras_orbax.errors import DuplicateKeyError
+from keras_orbax._keys import keyed_state, keyed_variables
 from tests import _models
+
+DATA = Path(__file__).parent / "data"
 
 
 def _sequential() -> keras.Model:
@@ -23,31 +28,19 @@ def _sequential() -> keras.Model:
 
 def test_the_same_model_built_twice_has_the_same_keys(tmp_path):
     first, second = _sequential(), _sequential()
-    assert (
-        first.layers[0].kernel.path != second.layers[0].kernel.path
-    )  # sequential/dense vs sequential_1/dense_2
+    assert first.layers[0].kernel.path != second.layers[0].kernel.path  # dense vs dense_2
     assert first.optimizer.name != second.optimizer.name  # adam vs adam_1
     assert list(keyed_variables(first)) == list(keyed_variables(second))
     assert list(keyed_variables(first)) == [
-        "model/layers/dense/kernel",
-        "model/layers/dense/bias",
-        "model/layers/dropout/seed_generator/state",
-        "model/layers/dense_1/kernel",
-        "model/layers/dense_1/bias",
-        "optimizer/iteration",
-        "optimizer/learning_rate",
-        "optimizer/model/layers/dense/kernel/momentum",
-        "optimizer/model/layers/dense/kernel/velocity",
-        "optimizer/model/layers/dense/bias/momentum",
-        "optimizer/model/layers/dense/bias/velocity",
-        "optimizer/model/layers/dense_1/kernel/momentum",
-        "optimizer/model/layers/dense_1/kernel/velocity",
-        "optimizer/model/layers/dense_1/bias/momentum",
-        "optimizer/model/layers/dense_1/bias/velocity",
+        "layers/dense/vars/0",
+        "layers/dense/vars/1",
+        "layers/dropout/seed_generators/0",
+        "layers/dense_1/vars/0",
+        "layers/dense_1/vars/1",
+        *(f"optimizer/vars/{i}" for i in range(10)),
         "metrics/loss/total",
         "metrics/loss/count",
     ]
-
     keras_orbax.save(first, tmp_path, step=1)
     result = keras_orbax.restore_sharded(second, tmp_path)
     assert len(result.restored) == 17 and not result.skipped
@@ -59,6 +52,145 @@ def test_the_same_model_built_twice_has_the_same_keys(tmp_path):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
 
 
+class _Block(keras.layers.Layer):
+    """A layer holding sub-layers in a list, a dict and a nested list, plus a weight of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = None
+        self.stack = [keras.layers.Dense(4), keras.layers.Dense(4)]
+        self.by_name = {"b": keras.layers.LayerNormalization(), "a": keras.layers.Dense(4)}
+        self.nested = [[keras.layers.Dense(4)], [keras.layers.Dense(4), keras.layers.Dense(4)]]
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(4,), name="scale", initializer="ones")
+        for layer in self.stack:
+            layer.build(input_shape)
+        self.by_name["b"].build(input_shape)
+        self.by_name["a"].build(input_shape)
+        for group in self.nested:
+            for layer in group:
+                layer.build(input_shape)
+
+    def call(self, x):
+        for layer in self.stack:
+            x = layer(x)
+        x = self.by_name["a"](self.by_name["b"](x))
+        for group in self.nested:
+            for layer in group:
+                x = layer(x)
+        return x * self.scale
+
+
+class _Nested(keras.Model):
+    """Sub-layers under attribute names that sort before and after `layers`, in containers."""
+
+    def __init__(self):
+        super().__init__(name="nested")
+        self.aaa_blocks = [_Block(), _Block()]
+        self.zzz_head = keras.layers.Dense(2)
+        self.mmm = {"first": keras.layers.Dense(4), "second": [keras.layers.Dense(4)]}
+
+    def call(self, x):
+        for block in self.aaa_blocks:
+            x = block(x)
+        x = self.mmm["second"][0](self.mmm["first"](x))
+        return self.zzz_head(x)
+
+
+def _every_family() -> keras.Model:
+    """One layer of each Keras family that holds weights, in a functional model."""
+    image = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same")(image)
+    x = keras.layers.DepthwiseConv2D(3, padding="same")(x)
+    x = keras.layers.SeparableConv2D(4, 3, padding="same")(x)
+    x = keras.layers.Conv2DTranspose(4, 3, padding="same")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.GroupNormalization(groups=2)(x)
+    x = keras.layers.PReLU()(x)
+    x = keras.layers.Reshape((16, 16))(x)
+    x = keras.layers.Conv1D(8, 3, padding="same")(x)
+    x = keras.layers.Conv1DTranspose(8, 3, padding="same")(x)
+    x = keras.layers.LSTM(8, return_sequences=True)(x)
+    x = keras.layers.GRU(8, return_sequences=True)(x)
+    x = keras.layers.Bidirectional(keras.layers.SimpleRNN(4, return_sequences=True))(x)
+    x = keras.layers.MultiHeadAttention(2, 4)(x, x)
+    x = keras.layers.GroupQueryAttention(4, 4, 2)(x, x)
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.RMSNormalization()(x)
+    x = keras.layers.EinsumDense("abc,cd->abd", (16, 8), bias_axes="d")(x)
+    x = keras.layers.Dropout(0.1)(x)
+    x = keras.layers.TimeDistributed(keras.layers.Dense(4))(x)
+    x = keras.layers.Flatten()(x)
+    tokens = keras.Input((5,), dtype="int32")
+    t = keras.layers.Embedding(32, 4)(tokens)
+    t = keras.layers.Conv1D(4, 2)(t)
+    t = keras.layers.GlobalAveragePooling1D()(t)
+    x = keras.layers.Concatenate()([x, t])
+    x = keras.layers.UnitNormalization()(x)
+    outputs = keras.layers.Dense(3)(x)
+    return keras.Model([image, tokens], outputs)
+
+
+def _compiled(model: keras.Model, inputs) -> keras.Model:
+    """Built, compiled, its optimizer built, every variable holding distinct values."""
+    if not model.built:
+        model(inputs)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    state = model.variables + model.optimizer.variables
+    for i, variable in enumerate(state):
+        size = int(np.prod(variable.shape))
+        variable.assign(np.arange(i, i + size).reshape(variable.shape).astype(variable.dtype))
+    return model
+
+
+def _family_inputs():
+    rng = np.random.default_rng(0)
+    return [rng.random((4, 8, 8, 3), dtype="float32"), rng.integers(0, 32, (4, 5))]
+
+
+def _h5_datasets(path: Path) -> dict[str, np.ndarray]:
+    found: dict[str, np.ndarray] = {}
+    with h5py.File(path, "r") as file:
+        file.visititems(
+            lambda name, obj: (
+                found.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
+            )
+        )
+    return found
+
+
+@pytest.mark.parametrize(
+    ("build", "inputs"),
+    [
+        (_every_family, _family_inputs),
+        (_Nested, lambda: np.random.default_rng(0).random((4, 4), dtype="float32")),
+    ],
+    ids=["every_layer_family", "nested_containers"],
+)
+def test_keys_are_the_datasets_of_keras_save_weights(tmp_path, build, inputs):
+    model = _compiled(build(), inputs())
+    model.save_weights(tmp_path / "m.weights.h5")
+    datasets = _h5_datasets(tmp_path / "m.weights.h5")
+    state = keyed_state(model)
+    stored = {
+        key: variable
+        for key, variable in state.variables.items()
+        if state.roles[key] != "metric" and "/seed_generators/" not in key
+    }
+    assert sorted(stored) == sorted(datasets)
+    for key, variable in stored.items():
+        np.testing.assert_array_equal(np.asarray(variable.value), datasets[key], err_msg=key)
+    assert not [key for key in state.variables if key.startswith("unreached/")]
+
+
+def test_keras_snake_case_names_groups():
+    keys = list(keyed_variables(_compiled(_every_family(), _family_inputs())))
+    assert "layers/conv2d/vars/0" in keys and "layers/lstm/cell/vars/0" in keys
+    assert not [key for key in keys if "conv2_d" in key or "l_s_t_m" in key]
+
+
 class TwoWeights(keras.layers.Layer):
     def build(self, input_shape):
         self.a = self.add_weight(shape=(2,), name="w")
@@ -68,14 +200,17 @@ class TwoWeights(keras.layers.Layer):
         return x * self.a * self.b
 
 
-def test_duplicate_variable_paths_are_refused(tmp_path):
+def test_variables_with_the_same_path_are_told_apart_by_position(tmp_path):
     model = keras.Sequential([keras.Input((2,)), TwoWeights(name="twice")], name="dup")
-    assert model.layers[0].a.path == model.layers[0].b.path == "dup/twice/w"
-    with pytest.raises(
-        DuplicateKeyError, match=r"'model/layers/two_weights/w': 'dup/twice/w' and 'dup/twice/w'"
-    ):
-        keras_orbax.save(model, tmp_path, step=1)
-    assert not list(tmp_path.iterdir())
+    layer = model.layers[0]
+    assert layer.a.path == layer.b.path == "dup/twice/w"
+    layer.a.assign([1.0, 2.0])
+    layer.b.assign([3.0, 4.0])
+    keras_orbax.save(model, tmp_path, step=1)
+    target = keras.Sequential([keras.Input((2,)), TwoWeights(name="twice")], name="dup")
+    keras_orbax.restore_sharded(target, tmp_path)
+    np.testing.assert_array_equal(np.asarray(target.layers[0].a.value), [1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(target.layers[0].b.value), [3.0, 4.0])
 
 
 class _Twins(keras.Model):
@@ -109,3 +244,28 @@ def test_sub_layers_with_the_same_name_are_told_apart_by_attribute(tmp_path, dis
     assert not np.array_equal(
         np.asarray(target.left.kernel.value), np.asarray(target.right.kernel.value)
     )
+
+
+def _v0_1_model() -> keras.Model:
+    """The model tests/data/make_v0_1_checkpoint.py saved with keras-orbax 0.1 (uncompiled)."""
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="hidden")(inputs)
+    x = keras.layers.Dropout(0.25)(x)
+    outputs = keras.layers.Dense(4, name="head")(x)
+    return keras.Model(inputs, outputs, name="v01")
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["built", "deferred"])
+def test_a_checkpoint_written_by_0_1_restores(distribution, deferred):
+    distribution(_models.model_parallel((4, 2)))
+    assert keras_orbax.inspect(DATA / "v0_1_checkpoint").record.format_version == 1
+    with keras_orbax.deferred_init() if deferred else contextlib.nullcontext():
+        model = _v0_1_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    result = keras_orbax.restore_sharded(model, DATA / "v0_1_checkpoint")
+    assert result.step == 2 and result.epoch == 1
+    expected = np.load(DATA / "v0_1_expected.npz")
+    state = model.variables + model.optimizer.variables
+    assert len(state) == len(expected.files)
+    for i, variable in enumerate(state):
+        np.testing.assert_array_equal(np.asarray(variable.value), expected[f"v{i}"], variable.path)

@@ -132,7 +132,7 @@ def test_missing_file_on_one_process_fails_everywhere_without_hanging(written, t
     directory = tmp_path / "damaged"
     shutil.copytree(written / "arange", directory)
     # On the (2, 4) mesh, row 1 of the kernel's shards belongs to process 1's devices only.
-    (directory / "1" / "state" / "model.layers.dense.kernel" / "c" / "1" / "2").unlink()
+    (directory / "1" / "state" / "layers.dense.vars.0" / "c" / "1" / "2").unlink()
     start = time.monotonic()
     results = run_workers(
         WORKER,
@@ -149,5 +149,5 @@ def test_missing_file_on_one_process_fails_everywhere_without_hanging(written, t
     assert [r["type"] for r in results] == ["CorruptCheckpointError"] * 2
     assert "failed on 1 of 2 processes" in message
     assert "process 1: CorruptCheckpointError" in message
-    assert "model/layers/dense/kernel: missing file" in message and "c/1/2" in message
+    assert "layers/dense/vars/0: missing file" in message and "c/1/2" in message
     assert all(r["untouched"] for r in results)
