@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
-import queue
-import threading
 import warnings
 from typing import Any, NoReturn
 
@@ -14,12 +11,13 @@ import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _multihost, _save, _steps
+from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
+from keras_orbax._retention import Retention, loggable, metric
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
-_policies = ocp.training.preservation_policies
 
 
 class ModelCheckpoint(_compat.MonitorCallback):
@@ -109,6 +107,12 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self.max_to_keep = max_to_keep
         self.keep_best = keep_best
         self.keep_every = keep_every
+        self._retention = Retention(
+            monitor,
+            max_to_keep=max_to_keep,
+            keep_best=keep_best or (1 if save_best_only else None),
+            keep_every=keep_every,
+        )
         self.resume = resume
         self.save_on_background = save_on_background
         self.format = format
@@ -118,11 +122,11 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self.restored: RestoreResult | None = None
         """What `resume=True` restored when `fit` started; None if nothing was."""
         self._checkpointer: ocp.training.Checkpointer | None = None
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
         self._last_saved_step: int | None = None
         self._candidates: list[float] = []
         self._watcher = PreemptionWatcher()
-        self._saves: _Collector | None = None
+        self._saves: Collector | None = None
         self._set_epoch = False
         self._warned_missing = False
         self._step = 0
@@ -146,16 +150,16 @@ class ModelCheckpoint(_compat.MonitorCallback):
             )
         self._last_saved_step = steps[-1] if steps else None
         self._checkpointer = _save.open_checkpointer(
-            self.directory, self.format, preservation_policy=self._preservation_policy()
+            self.directory, self.format, preservation_policy=self._retention.policy()
         )
         self.best = self.initial_value_threshold
         self._candidates = [
             value
             for checkpoint in self._checkpointer.checkpoints
-            if (value := _metric(checkpoint.metrics, self.monitor)) is not None
+            if (value := metric(checkpoint.metrics, self.monitor)) is not None
         ]
         if self.save_on_background and self._saves is None:
-            self._saves = _Collector()
+            self._saves = Collector()
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -223,7 +227,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
             previous = "None" if self.best is None else f"{self.best:.5f}"
             note = f" ({self.monitor} improved from {previous} to {current:.5f})"
             self.best = current
-        self._save(_loggable(logs), reason, blocking=not self.save_on_background, note=note)
+        self._save(loggable(logs), reason, blocking=not self.save_on_background, note=note)
 
     def _save_for_preemption(self) -> None:
         self._save(None, "preemption", blocking=True)
@@ -302,33 +306,12 @@ class ModelCheckpoint(_compat.MonitorCallback):
         _compat.set_initial_epoch(self.model, record.epoch)
         self._set_epoch = True
 
-    def _preservation_policy(self) -> Any:
-        policies: list[Any] = [_policies.LatestN(self.max_to_keep)]
-        best = self.keep_best or (1 if self.save_best_only else None)
-        if best:
-            policies.append(
-                _policies.BestN(
-                    get_metric_fn=self._rank, n=best, keep_checkpoints_without_metrics=False
-                )
-            )
-        if self.keep_every:
-            policies.append(_policies.EveryNSteps(self.keep_every))
-        return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
-
-    def _rank(self, metrics: Any) -> float:
-        """Higher is better: `monitor`'s value, negated in "min" mode; -inf where it is missing."""
-        value = _metric(metrics, self.monitor)
-        if value is None:
-            return -math.inf
-        return value if self.monitor_op is keras.ops.greater else -value
-
     def _ensure_monitor_op(self) -> None:
+        """Settles the monitor's direction, and folds in the best value stored in the directory."""
         if self.monitor_op is None:
             self._set_monitor_op()
-        higher = self.monitor_op is keras.ops.greater
-        for value in self._candidates:  # the values stored in the directory when fit started
-            if self.best is None or (value > self.best if higher else value < self.best):
-                self.best = value
+        self._retention.higher_is_better = self.monitor_op is keras.ops.greater
+        self.best = self._retention.best([self.best, *self._candidates])
         self._candidates = []
 
     def _warn_missing(self, current: Any) -> None:
@@ -392,65 +375,6 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
                 f"{error}. {self._intact_note()}"
             ) from error
-
-
-class _PendingSave:
-    """A background save in flight; `join()` waits for it and returns its error, if any."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def join(self) -> BaseException | None:
-        self.done.wait()
-        return self.error
-
-
-class _Collector:
-    """One thread that collects the results of background saves.
-
-    Collecting an Orbax response joins Orbax's own threads, and starting a thread takes 10-20 ms
-    on a host whose cores were just busy training: a long-lived collector keeps both off the
-    training loop, which only hands over the response and later waits on an event.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[_PendingSave, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="keras_orbax_saves", daemon=True)
-        self._thread.start()
-
-    def submit(self, step: int, response: Any) -> _PendingSave:
-        pending = _PendingSave(step)
-        self._queue.put((pending, response))
-        return pending
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            pending, response = item
-            try:
-                response.result()
-            except BaseException as error:  # handed to the training thread by join()
-                pending.error = error
-            finally:
-                pending.done.set()
-
-
-def _metric(metrics: Any, name: str) -> float | None:
-    value = metrics.get(name) if isinstance(metrics, dict) else None
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _loggable(logs: dict) -> dict[str, float] | None:
-    """The logs as JSON-safe numbers, stored with the step (Orbax's `metrics`)."""
-    values = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
-    return {k: v for k, v in values.items() if math.isfinite(v)} or None
 
 
 def _validate(
