@@ -14,6 +14,7 @@ from keras_orbax import _compat, _multihost, _save, _steps
 from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
+from keras_orbax._resume import ResumePoint
 from keras_orbax._retention import Retention, loggable, metric
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
 
@@ -23,12 +24,13 @@ logger = logging.getLogger("keras_orbax")
 class ModelCheckpoint(_compat.MonitorCallback):
     """Saves sharded checkpoints of the whole training state during `fit`, in the background.
 
-    Each checkpoint is `<directory>/<step>` with the global training step
-    (`model.optimizer.iterations`), so steps never collide across restarts. Every process writes
-    only its own shards while `fit` goes on; a step appears only once fully written, and older
-    steps are deleted only after that. A save at the end of epoch `e` (0-based) records
-    `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e, batch=b + 1`,
-    and resuming from it replays epoch `e` from its first batch (Keras cannot skip batches).
+    Each checkpoint is `<directory>/<step>` with the global training step: the batches trained
+    so far, counted across restarts (`model.optimizer.iterations` unless gradients are accumulated
+    or loss scaling skipped an update), so steps never collide. Every process writes only its own
+    shards while `fit` goes on; a step appears only once fully written, and older steps are
+    deleted only after that. A save at the end of epoch `e` (0-based) or after its known last
+    batch records `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e,
+    batch=b + 1`, and resuming from it reads and drops those `b + 1` batches of epoch `e`.
     Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
     by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
     of `keep_every`. See docs/callback.md.
@@ -129,6 +131,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self._saves: Collector | None = None
         self._set_epoch = False
         self._warned_missing = False
+        self._resume_point: ResumePoint | None = None
         self._step = 0
         self._epoch = 0
         self._last_batch: int | None = None
@@ -137,10 +140,15 @@ class ModelCheckpoint(_compat.MonitorCallback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored, self._pending = False, None, None
+        self._resume_point = None
         steps = _steps.committed_steps(self.directory)
         if self.resume and steps:
             self._restore()
-        self._step = int(self.model.optimizer.iterations)
+        # The step counts training batches, updates applied or not (see _compat.optimizer_steps);
+        # a LossScaleOptimizer's counter also stops on skipped updates, the checkpoint's does not.
+        self._step = _compat.optimizer_steps(self.model.optimizer)
+        if self.restored is not None:
+            self._step = max(self._step, self.restored.step)
         if steps and steps[-1] > self._step:
             raise ValueError(
                 f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
@@ -168,8 +176,13 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if self._set_epoch:  # fit has read it by now; a later fit must not start there again
             _compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
+            self._last_batch = batch  # trained before the checkpoint; read and dropped now
+            return
         previous = self._step
         self._step += batch + 1 if self._last_batch is None else batch - self._last_batch
         self._last_batch = batch
@@ -178,17 +191,19 @@ class ModelCheckpoint(_compat.MonitorCallback):
             isinstance(self.save_freq, int)
             and self._step // self.save_freq > previous // self.save_freq
         ):
-            self._consider_save(logs or {}, "batch")
+            self._consider_save(logs or {}, at_epoch_end=False)
         if preempted:
-            self._save_for_preemption()
+            self._save_for_preemption(at_epoch_end=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None:
+            self._resume_point.close()  # the input may have ended before the dropped batches did
         if self.preempted:
             return  # saved and stopping already; this epoch did not finish
         if self.save_freq == "epoch":
-            self._consider_save(logs or {}, "epoch")
+            self._consider_save(logs or {}, at_epoch_end=True)
         if self.save_on_preemption and self._watcher.requested:
-            self._save_for_preemption()
+            self._save_for_preemption(at_epoch_end=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.wait_until_finished()
@@ -211,7 +226,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def _consider_save(self, logs: dict, reason: str) -> None:
+    def _consider_save(self, logs: dict, *, at_epoch_end: bool) -> None:
         if self.save_best_only or self.keep_best:
             self._ensure_monitor_op()
         note = ""
@@ -227,23 +242,31 @@ class ModelCheckpoint(_compat.MonitorCallback):
             previous = "None" if self.best is None else f"{self.best:.5f}"
             note = f" ({self.monitor} improved from {previous} to {current:.5f})"
             self.best = current
-        self._save(loggable(logs), reason, blocking=not self.save_on_background, note=note)
+        reason = "epoch" if at_epoch_end else "batch"
+        blocking = not self.save_on_background
+        self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
 
-    def _save_for_preemption(self) -> None:
-        self._save(None, "preemption", blocking=True)
+    def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
+        self._save(None, "preemption", at_epoch_end, blocking=True)
         self.wait_until_finished()  # the step may have been started just before, in the background
         self.preempted = True
         self.model.stop_training = True
 
     def _save(
-        self, metrics: dict[str, float] | None, reason: str, *, blocking: bool, note: str = ""
+        self,
+        metrics: dict[str, float] | None,
+        reason: str,
+        at_epoch_end: bool,
+        *,
+        blocking: bool,
+        note: str = "",
     ) -> None:
-        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
-        step = int(self.model.optimizer.iterations)
+        step = self._step
         if step == self._last_saved_step:
-            return
+            return  # nothing was trained since: that step holds this very state
+        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
         self.wait_until_finished()
-        epoch, batch = self._position()
+        epoch, batch = self._position(at_epoch_end)
         if self._checkpointer is None:
             raise SaveFailedError(
                 f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
@@ -271,13 +294,21 @@ class ModelCheckpoint(_compat.MonitorCallback):
             self._pending = self._saves.submit(step, response)
         self._report(step, epoch, batch, reason, note)
 
-    def _position(self) -> tuple[int, int | None]:
-        """(epoch, batch) to record: the next epoch to run, or the batches done in this one."""
+    def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
+        """(epoch, batch) to record: the next epoch to run, or the batches done in this one.
+
+        After a batch, the epoch is done only if that was its known last batch (a generator's
+        length is unknown: its epoch counts as unfinished). At an epoch's end, it is done unless
+        it stopped before its known number of batches (another callback stopped `fit`).
+        """
         steps = self.params.get("steps") if self.params else None
         done = 0 if self._last_batch is None else self._last_batch + 1
-        if steps is not None and done < steps:
-            return self._epoch, done
-        return self._epoch + 1, None
+        finished = (
+            (steps is None or done >= steps)
+            if at_epoch_end
+            else (steps is not None and done >= steps)
+        )
+        return (self._epoch + 1, None) if finished else (self._epoch, done)
 
     # -- resume, retention, monitoring -----------------------------------------------------------
 
@@ -290,9 +321,10 @@ class ModelCheckpoint(_compat.MonitorCallback):
         )
         if record.batch:
             logger.info(
-                "Step %d was saved mid-epoch: Keras cannot skip batches, so epoch %d restarts "
-                "from its first batch.",
+                "Step %d was saved mid-epoch: the first %d batches of epoch %d are read from the "
+                "input and dropped, untrained.",
                 self.restored.step,
+                record.batch,
                 record.epoch,
             )
         if record.epoch is None:
@@ -305,6 +337,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
             return
         _compat.set_initial_epoch(self.model, record.epoch)
         self._set_epoch = True
+        self._resume_point = ResumePoint(self.model, record.epoch, record.batch or 0)
 
     def _ensure_monitor_op(self) -> None:
         """Settles the monitor's direction, and folds in the best value stored in the directory."""
@@ -361,6 +394,9 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if self._set_epoch:
             _compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.close()
+            self._resume_point = None
         if checkpointer is None:
             return
         try:

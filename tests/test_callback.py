@@ -98,7 +98,7 @@ def test_resumed_fit_ends_exactly_where_an_uninterrupted_fit_does(tmp_path, mp, 
     assert lines == [f"Epoch {e}: saving step {4 * e} to '{tmp_path}'" for e in (1, 2, 3, 4)]
 
 
-def test_mid_epoch_async_saves_hold_their_step_and_resume_replays_the_epoch(tmp_path, mp):
+def test_mid_epoch_async_saves_hold_their_step_and_resume_skips_the_batches_done(tmp_path, mp):
     keras.utils.set_random_seed(3)
     model = _models.compile_adam(_models.full_model())
     seen: dict[int, list[np.ndarray]] = {}
@@ -125,9 +125,10 @@ def test_mid_epoch_async_saves_hold_their_step_and_resume_replays_the_epoch(tmp_
     resumed = _models.compile_adam(_models.full_model())
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None, resume=True)
     history = _fit(resumed, 3, [checkpoint])
-    assert history.epoch == [1, 2]  # epoch 1 replayed from its first batch
-    assert int(resumed.optimizer.iterations) == 6 + 2 * BATCHES
+    assert history.epoch == [1, 2]  # epoch 1 goes on after its first 2 batches
+    assert int(resumed.optimizer.iterations) == 12
     assert _steps.committed_steps(tmp_path) == [3, 6, 9, 12]
+    _assert_equal(_state(resumed), seen[12])
 
 
 # -- retention ------------------------------------------------------------------------------------
@@ -299,9 +300,9 @@ def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, m
         x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
     )
     assert checkpoint.restored is not None and checkpoint.restored.step == 12
-    assert history.epoch == [1, 2]
-    assert int(model.optimizer.iterations) == 12 + 2 * preempt_train.BATCHES_PER_EPOCH
-    assert _steps.committed_steps(directory) == [8, 12, 20, 28]
+    assert history.epoch == [1, 2]  # epoch 1 goes on after its first 4 batches
+    assert int(model.optimizer.iterations) == 3 * preempt_train.BATCHES_PER_EPOCH
+    assert _steps.committed_steps(directory) == [8, 12, 16, 24]
 
 
 # -- arguments and misuse -------------------------------------------------------------------------
