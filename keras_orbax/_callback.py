@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -10,7 +11,7 @@ from typing import Any, NoReturn
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _multihost, _save, _steps
+from keras_orbax import _compat, _multihost, _quiet, _save, _steps
 from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
@@ -132,6 +133,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self._set_epoch = False
         self._warned_missing = False
         self._resume_point: ResumePoint | None = None
+        self._notices = contextlib.ExitStack()
         self._step = 0
         self._epoch = 0
         self._last_batch: int | None = None
@@ -157,6 +159,8 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"directory='{self.directory}', resume={self.resume}"
             )
         self._last_saved_step = steps[-1] if steps else None
+        self._notices.close()  # left open by a fit that raised before on_train_end
+        self._notices.enter_context(_quiet.skipped_merge_notices(self.directory))
         self._checkpointer = _save.open_checkpointer(
             self.directory, self.format, preservation_policy=self._retention.policy()
         )
@@ -402,6 +406,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         try:
             checkpointer.close()
         except Exception as error:
+            self._notices.close()
             if failing:  # the save failure already being raised is the one to report
                 logger.warning(
                     "Closing the checkpointer of '%s' failed too: %s", self.directory, error
@@ -411,6 +416,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
                 f"{error}. {self._intact_note()}"
             ) from error
+        self._notices.close()  # every save has finished logging
 
 
 def _validate(
