@@ -336,3 +336,53 @@ def evaluate_output(closed: Any, position: int, needed: list[int], values: list[
     pruned, _ = partial_eval.dce_jaxpr(closed.jaxpr, used)
     (out,) = jax.core.eval_jaxpr(pruned, closed.consts, *values)
     return out
+
+
+def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
+    """The training steps `optimizer` has run, whether or not each applied an update.
+
+    Why private: `optimizer.iterations` counts applied updates, i.e. the raw step counter
+    `_iterations` divided by `gradient_accumulation_steps`; only `_iterations` advances every
+    step. A `LossScaleOptimizer` never advances its own counter: its inner optimizer's counts.
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return int(optimizer._iterations)
+
+
+def drop_train_steps(
+    model: keras.Model, executions: int, logs: dict[str, Any]
+) -> Callable[[], None]:
+    """Makes `fit`'s next `executions` train steps drop the batches they were given.
+
+    Each dropped step leaves the training state as it is and reports `logs`. Returns a function
+    that puts the real train step back early (it is put back by itself after the last drop).
+
+    Why private: Keras has no way to start `fit` after the first batches of an epoch, as resuming a
+    checkpoint taken mid-epoch needs. The JAX trainer's `fit` calls `model.train_function(state,
+    iterator)` once per execution, which reads `steps_per_execution` batches from the input's
+    iterator (an attribute that `fit` does not replace once made): swapping it for the first
+    executions of the resumed epoch drops exactly those batches, whatever the input (arrays,
+    PyDataset, generator).
+    """
+    original = model.train_function
+    remaining = executions
+
+    def put_back() -> None:
+        if model.train_function is drop:
+            model.train_function = original
+
+    def drop(state: Any, iterator: Iterator[Any]) -> tuple[dict[str, Any], Any]:
+        nonlocal remaining
+        remaining -= 1
+        if remaining <= 0:
+            put_back()
+        next(iterator)  # StopIteration ends the epoch, as in Keras's own step
+        for _ in range(model.steps_per_execution - 1):
+            if next(iterator, None) is None:
+                break
+        return logs, state
+
+    if executions > 0:
+        model.train_function = drop
+    return put_back

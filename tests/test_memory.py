@@ -30,9 +30,11 @@ def _run(mode: str, directory: Path) -> dict:
 def test_deferred_restore_peaks_at_one_copy_of_the_model(tmp_path):
     _run("save", tmp_path)
     figures = _run("restore", tmp_path)
-    model_bytes = (2048 * 4096 + 4096 + 4096 * 2048 + 2048) * 4
-    # Sharded kernels are held once; the two biases are replicated on 8 devices but share one read.
-    assert figures["resident"] >= model_bytes
+    kernel_bytes, bias_bytes = (2048 * 4096 + 4096 * 2048) * 4, (4096 + 2048) * 4
+    model_bytes = kernel_bytes + bias_bytes
+    # Each kernel is split over the 8 devices, so its shards add up to one copy; the biases are
+    # replicated, one copy per device, yet each is read from disk once.
+    assert figures["resident"] == kernel_bytes + 8 * bias_bytes
     assert figures["bytes_read"] == model_bytes
     growth = figures["peak"] - figures["after_imports"]
     # A full copy of either kernel on one device, or a second copy of the model, would add >= 32 MiB.
