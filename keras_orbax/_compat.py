@@ -386,3 +386,25 @@ def drop_train_steps(
     if executions > 0:
         model.train_function = drop
     return put_back
+
+
+def downloaded_preset(handle: str) -> Any:
+    """The local directory holding a keras-hub preset's config and weights, downloaded by keras-hub.
+
+    Why private: keras-hub resolves `kaggle://`/`hf://` handles in `preset_utils.get_file` only;
+    there is no public "download this preset" call. Untested offline.
+    """
+    import json
+    from pathlib import Path
+
+    from keras_hub.src.utils import preset_utils
+
+    directory = Path(preset_utils.get_file(handle, "config.json")).parent
+    if preset_utils.check_file_exists(handle, "model.weights.json"):
+        index = Path(preset_utils.get_file(handle, "model.weights.json"))
+        parts = json.loads(index.read_text())["weight_map"].values()
+        for part in {p for files in parts for p in ([files] if isinstance(files, str) else files)}:
+            preset_utils.get_file(handle, part)
+    else:
+        preset_utils.get_file(handle, "model.weights.h5")
+    return directory

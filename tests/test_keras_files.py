@@ -132,3 +132,24 @@ def test_a_mismatch_names_the_h5_path_and_the_keras_path(tmp_path, distribution)
     assert "layers/dense/vars/0" in message and "hidden" in message
     for variable, want in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
+
+
+@pytest.mark.parametrize("safe_mode", [True, False])
+def test_load_model_rebuilds_a_keras_archive_deferred(tmp_path, distribution, safe_mode):
+    x, y = _mlp_data()
+    path = _write(_trained(_mlp, x, y), tmp_path, "keras")
+    distribution(_models.model_parallel((4, 2)))
+    expected = keras.saving.load_model(path)
+    model = keras_orbax.load_model(path, safe_mode=safe_mode)
+    for want, value in zip(_state(expected), _state(model), strict=True):
+        np.testing.assert_array_equal(value, want)
+    assert tuple(model.get_layer("hidden").kernel.value.sharding.spec) == ("batch", "model")
+    np.testing.assert_array_equal(model.predict(x, verbose=0), expected.predict(x, verbose=0))
+
+
+def test_load_model_refuses_a_lambda_in_a_keras_archive(tmp_path):
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Lambda(lambda t: t * 2)(keras.layers.Dense(4)(inputs))
+    keras.Model(inputs, outputs).save(tmp_path / "lambda.keras")
+    with pytest.raises(ValueError, match="(?i)lambda"):
+        keras_orbax.load_model(tmp_path / "lambda.keras")
