@@ -49,6 +49,7 @@ def load_model(
     model = keras_orbax.load_model("/ckpt")
     ```
     """
+    config: dict[str, Any] | None
     archive = _foreign.weights_file(directory)
     if archive is not None and archive.name.endswith(".keras"):
         path, config = archive, _h5_files.archive_json(archive, "config.json")

@@ -12,7 +12,7 @@ from keras_orbax._deferred import deferred_init
 from keras_orbax._restore import restore_sharded
 
 
-def from_preset(cls: type, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
+def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
     """Like keras-hub's `cls.from_preset(preset, **kwargs)`, with each weight read straight onto its
     devices under the active distribution, and no variable ever initialized.
 

@@ -151,5 +151,5 @@ def test_load_model_refuses_a_lambda_in_a_keras_archive(tmp_path):
     inputs = keras.Input((4,))
     outputs = keras.layers.Lambda(lambda t: t * 2)(keras.layers.Dense(4)(inputs))
     keras.Model(inputs, outputs).save(tmp_path / "lambda.keras")
-    with pytest.raises(ValueError, match="(?i)lambda"):
+    with pytest.raises(ValueError, match=r"(?i)lambda"):
         keras_orbax.load_model(tmp_path / "lambda.keras")
