@@ -70,9 +70,15 @@ def seed_generators(layer: keras.Layer) -> list[Any]:
 
 
 def stored_dtype(variable: keras.Variable) -> str:
-    """The dtype the variable stores. Why private: `variable.dtype` is the autocast (compute) dtype
-    inside an AutocastScope, e.g. bfloat16 for a float32 variable under mixed_bfloat16."""
-    return str(variable._dtype)
+    """The dtype the variable's array holds. Why private: `variable.dtype` is the autocast (compute)
+    dtype inside an AutocastScope, e.g. bfloat16 for a float32 variable under mixed_bfloat16.
+
+    Canonicalized as JAX holds it: an `int64` variable holds int32 (and `float64` float32) unless
+    `jax_enable_x64` is on, so that is what is saved and what a restore reads into.
+    """
+    import jax
+
+    return str(jax.dtypes.canonicalize_dtype(variable._dtype))
 
 
 def is_allocated(variable: keras.Variable) -> bool:
