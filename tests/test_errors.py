@@ -179,3 +179,23 @@ def test_saving_a_model_without_variables_is_refused(tmp_path):
     with pytest.raises(ValueError, match="Model 'empty' has no variables to save"):
         keras_orbax.save(model, tmp_path, step=1)
     assert not (tmp_path / "1").exists()
+
+
+def test_a_removed_middle_layer_is_named_on_both_sides(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="hidden")(inputs)
+    x = keras.layers.Dense(32, name="middle")(x)
+    keras_orbax.save(keras.Model(inputs, keras.layers.Dense(8, name="head")(x)), tmp_path, step=1)
+    target = _models.mlp()  # hidden, head: the checkpoint's `dense_2` group is gone
+    _restore_fails(target, tmp_path, CheckpointMismatchError, "No variable was modified")
+    with pytest.raises(CheckpointMismatchError) as caught:
+        keras_orbax.restore_sharded(target, tmp_path)
+    problems = caught.value.problems
+    assert (
+        "layers/dense_1/vars/0: checkpoint middle/kernel (32, 32) float32, "
+        "model head/kernel (32, 8) float32"
+    ) in problems
+    assert (
+        "layers/dense_2/vars/0 (checkpoint: head/kernel): in the checkpoint, not in the model"
+    ) in problems
