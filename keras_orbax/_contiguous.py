@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._fast_format import Index, _Box, _pread_exactly, aligned_empty
+from keras_orbax._fast_format import Index, _Box, aligned_empty, read_box
 from keras_orbax.errors import CorruptCheckpointError
 
 
@@ -62,16 +62,8 @@ class ContiguousArray:
         box = _Box(
             extent=list(shape), src_start=[lo for lo, _ in bounds], dst_start=[0] * len(shape)
         )
-        item = self.dtype.itemsize
         with open(self.file, "rb", buffering=0) as file:
-            view = out.data
-            for src, dst, length in box.runs(self.shape, shape):
-                _pread_exactly(
-                    file.fileno(),
-                    view[dst * item : (dst + length) * item],
-                    self.offset + src * item,
-                    self.file,
-                )
+            read_box(file.fileno(), self.file, self.offset, self.shape, box, out, shape, self.dtype)
         return _cast(out.view(self.dtype).reshape(shape), dtype)
 
 

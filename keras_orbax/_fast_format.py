@@ -145,7 +145,6 @@ class FastArray:
         ]
 
     def _read_box(self, path: Path, box: _Box, out: np.ndarray, out_shape: tuple[int, ...]) -> None:
-        item = self.dtype.itemsize
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
             offset, stored = struct.unpack("<QQ", os.pread(fd, 16, self.chunk_bytes))
@@ -153,11 +152,7 @@ class FastArray:
                 raise CorruptCheckpointError(
                     f"{self.key}: shard file {path} has no data or a bad index."
                 )
-            view = out.data
-            for src, dst, length in box.runs(self.chunk_shape, out_shape):
-                _pread_exactly(
-                    fd, view[dst * item : (dst + length) * item], offset + src * item, path
-                )
+            read_box(fd, path, offset, self.chunk_shape, box, out, out_shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +174,7 @@ class _Box:
         ndim = len(self.extent)
         if ndim == 0:
             return [(0, 0, 1)]
-        split = ndim - 1
-        while split > 0 and self.extent[split] == src_shape[split] == dst_shape[split]:
-            split -= 1
-        length = self.extent[split] * math.prod(src_shape[split + 1 :])
+        split, length = self._split(src_shape, dst_shape)
         src_strides, dst_strides = _strides(src_shape), _strides(dst_shape)
         runs = []
         for outer in itertools.product(*(range(n) for n in self.extent[:split])):
@@ -191,6 +183,70 @@ class _Box:
             dst = sum((self.dst_start[d] + position[d]) * dst_strides[d] for d in range(split + 1))
             runs.append((src, dst, length))
         return runs
+
+    def run_shape(self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[int, int]:
+        """(number of runs, elements per run) that `runs` would give, without listing them."""
+        if not self.extent:
+            return 1, 1
+        split, length = self._split(src_shape, dst_shape)
+        return math.prod(self.extent[:split]), length
+
+    def _split(self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[int, int]:
+        split = len(self.extent) - 1
+        while split > 0 and self.extent[split] == src_shape[split] == dst_shape[split]:
+            split -= 1
+        return split, self.extent[split] * math.prod(src_shape[split + 1 :])
+
+
+_SMALL_RUN_BYTES = 1 << 16  # runs shorter than this are read as whole rows, then scattered
+_SPAN_BYTES = 4 << 20  # the temporary buffer for such rows
+
+
+def read_box(
+    fd: int,
+    path: Path,
+    offset: int,
+    stored_shape: tuple[int, ...],
+    box: _Box,
+    out: np.ndarray,
+    out_shape: tuple[int, ...],
+    dtype: np.dtype,
+) -> None:
+    """Reads the part `box` of an array stored in C order at byte `offset` of `fd` into `out` (the
+    flat bytes of a region of `out_shape`).
+
+    Contiguous runs of a useful size are each one `preadv` straight into `out`. A box that cuts the
+    stored rows into many short runs (a layout that splits another axis than the saved one: a
+    (65536, 1024) embedding saved split on columns and read split on rows needs 512-byte runs)
+    is read instead as spans of whole stored rows, a few MiB at a time, and scattered with numpy:
+    a few large reads instead of one system call per run.
+    """
+    item = dtype.itemsize
+    count, length = box.run_shape(stored_shape, out_shape)
+    row = math.prod(stored_shape[1:])
+    wanted = math.prod(box.extent[1:])
+    coalesce = (
+        count > 1
+        and length * item < _SMALL_RUN_BYTES
+        and row * length <= _SMALL_RUN_BYTES * max(1, wanted)  # bytes read per run, at most 64 KiB
+    )
+    if not coalesce:
+        view = out.data
+        for src, dst, length in box.runs(stored_shape, out_shape):
+            _pread_exactly(fd, view[dst * item : (dst + length) * item], offset + src * item, path)
+        return
+    target = out.view(dtype).reshape(out_shape)
+    inner = tuple(slice(s, s + e) for s, e in zip(box.src_start[1:], box.extent[1:], strict=True))
+    placed = tuple(slice(d, d + e) for d, e in zip(box.dst_start[1:], box.extent[1:], strict=True))
+    rows_per_span = max(1, _SPAN_BYTES // (row * item))
+    first, count = box.src_start[0], box.extent[0]
+    span = np.empty(min(count, rows_per_span) * row * item, dtype=np.uint8)
+    for start in range(0, count, rows_per_span):
+        n = min(rows_per_span, count - start)
+        _pread_exactly(fd, span.data[: n * row * item], offset + (first + start) * row * item, path)
+        rows = span[: n * row * item].view(dtype).reshape((n, *stored_shape[1:]))
+        at = box.dst_start[0] + start
+        target[(slice(at, at + n), *placed)] = rows[(slice(None), *inner)]
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
