@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -181,3 +182,11 @@ def step_custom_metadata(step_dir: Any) -> dict[str, Any] | None:
     store = checkpoint.metadata_store(enable_write=False)
     serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
     return None if serialized is None else serialized.get("custom_metadata")
+
+
+def step_metadata_file(step_dir: Any) -> Path:
+    """The file `step_custom_metadata` reads. Why private: see `step_custom_metadata`; named in
+    errors about a missing or damaged step record."""
+    from orbax.checkpoint._src.metadata import checkpoint
+
+    return Path(checkpoint.step_metadata_file_path(step_dir))

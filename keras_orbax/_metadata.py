@@ -54,9 +54,10 @@ class StepRecord:
     def from_json(cls, record: Mapping[str, Any]) -> StepRecord:
         record = dict(record)
         variables = {}
-        for entry in record.pop("variables"):
-            entry = dict(entry, shape=tuple(entry["shape"]))
-            variables[entry["key"]] = VariableRecord(**entry)
+        fields = {f.name for f in dataclasses.fields(VariableRecord)}
+        for entry in record.pop("variables"):  # fields a newer writer added are ignored
+            entry = {k: v for k, v in entry.items() if k in fields}
+            variables[entry["key"]] = VariableRecord(**dict(entry, shape=tuple(entry["shape"])))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(variables=variables, **{k: v for k, v in record.items() if k in known})
 
