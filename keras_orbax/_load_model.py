@@ -60,7 +60,7 @@ def load_model(
     compile_config = config.pop("compile_config", None)
     with deferred_init(), keras.saving.custom_object_scope(custom_objects or {}):
         model = keras.saving.deserialize_keras_object(config, safe_mode=safe_mode)
-    if compile and compile_config is not None:
+    if compile and compile_config:  # {} for a model that was never compiled
         # Outside deferred_init(): an optimizer's iteration counter is not made from an initializer.
         model.compile_from_config(compile_config)
     restore_sharded(model, directory, step, strict=strict)
