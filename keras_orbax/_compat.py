@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -414,3 +415,11 @@ def downloaded_preset(handle: str) -> Any:
     else:
         preset_utils.get_file(handle, "model.weights.h5")
     return directory
+
+
+def step_metadata_file(step_dir: Any) -> Path:
+    """The file `step_custom_metadata` reads. Why private: see `step_custom_metadata`; named in
+    errors about a missing or damaged step record."""
+    from orbax.checkpoint._src.metadata import checkpoint
+
+    return Path(checkpoint.step_metadata_file_path(step_dir))

@@ -49,9 +49,9 @@ class FastArray:
         directory = step_dir / STATE / record.array
         try:
             spec = json.loads((directory / "zarr.json").read_text())
-        except (OSError, ValueError):
+            chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
+        except (OSError, ValueError, TypeError, KeyError):  # Orbax reads it, or says what is wrong
             return None
-        chunk = tuple(spec.get("chunk_grid", {}).get("configuration", {}).get("chunk_shape", ()))
         plain = {
             "name": "sharding_indexed",
             "configuration": {
@@ -66,7 +66,7 @@ class FastArray:
             and spec.get("chunk_key_encoding") == {"name": "default"}
             and spec.get("data_type") == record.dtype
             and tuple(spec.get("shape", ())) == record.shape
-            and all(n % c == 0 for n, c in zip(record.shape, chunk, strict=True))
+            and _chunks_divide(chunk, record.shape)
         )
         return (
             cls(record.key, directory, record.shape, chunk, np_dtype(record.dtype))
@@ -148,7 +148,8 @@ class FastArray:
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
             offset, stored = struct.unpack("<QQ", os.pread(fd, 16, self.chunk_bytes))
-            if offset == _MISSING or stored != self.chunk_bytes:
+            size = os.fstat(fd).st_size
+            if offset == _MISSING or stored != self.chunk_bytes or offset + stored > size:
                 raise CorruptCheckpointError(
                     f"{self.key}: shard file {path} has no data or a bad index."
                 )
@@ -247,6 +248,14 @@ def read_box(
         rows = span[: n * row * item].view(dtype).reshape((n, *stored_shape[1:]))
         at = box.dst_start[0] + start
         target[(slice(at, at + n), *placed)] = rows[(slice(None), *inner)]
+
+
+def _chunks_divide(chunk: tuple, shape: tuple[int, ...]) -> bool:
+    """`chunk` (from an untrusted zarr.json) is one positive int per dimension, each dividing it."""
+    return len(chunk) == len(shape) and all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 and n % c == 0
+        for n, c in zip(shape, chunk, strict=True)
+    )
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

@@ -69,7 +69,7 @@ def load_model(
         model = keras.saving.deserialize_keras_object(
             config, custom_objects=custom_objects, safe_mode=safe_mode
         )
-    if compile and compile_config is not None:
+    if compile and compile_config:  # {} for a model that was never compiled
         compile_deferred(model, compile_config, custom_objects, safe_mode)
     restore_sharded(model, directory, step, strict=strict)
     return model

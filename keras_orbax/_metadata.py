@@ -60,7 +60,7 @@ class StepRecord:
         record = dict(record)
         variables = {}
         fields = {f.name for f in dataclasses.fields(VariableRecord)}
-        for entry in record.pop("variables"):
+        for entry in record.pop("variables"):  # fields a newer writer added are ignored
             entry = {k: v for k, v in entry.items() if k in fields}
             entry["shape"] = tuple(int(n) for n in entry["shape"])
             entry.setdefault("role", v1_role(entry["key"]))  # 0.1 wrote no role: it is the prefix

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import keras
 
 from keras_orbax import (
@@ -20,7 +21,7 @@ from keras_orbax import (
 )
 from keras_orbax._keys import OPTIMIZER
 from keras_orbax._metadata import StepRecord
-from keras_orbax.errors import CheckpointMismatchError
+from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def restore_sharded(
             "restore_sharded/plan", _prepare, model, directory, step, strict
         )
     arrays, bytes_read = _multihost.run_collectively(
-        "restore_sharded/read", _read.read_arrays, reads
+        "restore_sharded/read", _read_checked, plan, reads
     )
     # Every array is read: from here on nothing can fail halfway.
     variables = _attach_optimizer(model, record, state)
@@ -140,6 +141,30 @@ def _prepare(
         raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
     reads = _read.plan_reads(path, list(plan.reads.values()))
     return record, state, plan, reads
+
+
+def _read_checked(plan: _plan.Plan, reads: _read.ReadPlan) -> tuple[dict[str, jax.Array], int]:
+    """Reads every planned array and checks that each is one: the right key, type, shape, dtype
+    and sharding. A damaged file can make a reader hand back something else (Orbax returns the
+    abstract target for a key its tree metadata lost); nothing may be assigned then."""
+    arrays, bytes_read = _read.read_arrays(reads)
+    wrong = []
+    for key, request in plan.reads.items():
+        array, target = arrays.get(key), request.target
+        if not (
+            isinstance(array, jax.Array)
+            and array.shape == target.shape
+            and array.dtype == target.dtype
+            and array.sharding.is_equivalent_to(target.sharding, len(target.shape))
+        ):
+            got = f"{array.shape} {array.dtype}" if isinstance(array, jax.Array) else repr(array)
+            wrong.append(f"  {key}: read {got[:80]}, expected {target.shape} {target.dtype}")
+    if wrong:
+        raise CorruptCheckpointError(
+            f"Checkpoint step '{reads.step_dir}' did not yield the arrays its record lists "
+            f"({len(wrong)}):\n" + "\n".join(wrong[:20]) + "\nNo variable was modified."
+        )
+    return arrays, bytes_read
 
 
 def _key_state(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
+from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 _NAME_FORMAT = ocp.path.step.standard_name_format()
@@ -62,39 +64,44 @@ def resolve_step(directory: str | os.PathLike, step: int | None) -> int:
 
 
 def read_record(path: Path) -> StepRecord:
-    """The keras-orbax record of the step at `path`.
+    """The keras-orbax record of the step at `path`, validated (`_record_check`).
 
     Raises:
-        CorruptCheckpointError: the step has no readable keras-orbax record.
+        CorruptCheckpointError: the step has no readable, valid keras-orbax record; the message
+            names the metadata file and each problem.
     """
+    file = _compat.step_metadata_file(path)
     try:
         custom = _compat.step_custom_metadata(path) or {}
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
-            f"Cannot read the metadata of checkpoint step '{path}': {error}"
+            f"Cannot read the metadata of checkpoint step '{path}' ({file}): {error}"
         ) from error
-    record = custom.get(FORMAT_NAME)
+    record = custom.get(FORMAT_NAME) if isinstance(custom, dict) else None
     if record is None:
+        raise CorruptCheckpointError(_no_record_message(path, file))
+    problems = record_problems(record, FORMAT_VERSION)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems[:20])
         raise CorruptCheckpointError(
-            f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
-            f"(its metadata has no '{FORMAT_NAME}' record)."
+            f"The keras-orbax record of checkpoint step '{path}' (in {file}) is damaged or not "
+            f"one this version reads; {len(problems)} problems:\n{lines}\nNo variable was modified."
         )
-    if not isinstance(record, dict):
-        raise CorruptCheckpointError(f"The keras-orbax record of '{path}' is not a JSON object.")
-    if not isinstance(record.get("format_version", 1), int):
-        raise CorruptCheckpointError(
-            f"'{path}' has a keras-orbax record with an unreadable format_version: "
-            f"{record.get('format_version')!r}."
-        )
-    if record.get("format_version", 1) > FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"'{path}' uses keras-orbax format {record['format_version']}; this version reads "
-            f"up to {FORMAT_VERSION}. Upgrade keras-orbax."
+    return StepRecord.from_json(record)
+
+
+def _no_record_message(path: Path, file: Path) -> str:
+    """Why a step has no record: its metadata file is missing, not JSON, or from plain Orbax."""
+    if not file.is_file():
+        return (
+            f"Checkpoint step '{path}' has no metadata file {file}: the step is damaged or was "
+            "partly deleted. Restore another step."
         )
     try:
-        return StepRecord.from_json(record)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CorruptCheckpointError(
-            f"The keras-orbax record of checkpoint step '{path}' cannot be parsed "
-            f"({type(error).__name__}: {error})."
-        ) from error
+        json.loads(file.read_bytes())
+    except (OSError, ValueError) as error:
+        return f"The metadata file {file} of checkpoint step '{path}' is unreadable: {error}"
+    return (
+        f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
+        f"(its metadata {file} has no '{FORMAT_NAME}' record)."
+    )
