@@ -74,7 +74,12 @@ def plan_reads(
     """
     fast, via_orbax = [], []
     for request in requests:
-        array = opener(request.record) if opener else FastArray.open(step_dir, request.record)
+        if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
+            array: Any = EmptyArray(request.record.shape)
+        elif opener:
+            array = opener(request.record)
+        else:
+            array = FastArray.open(step_dir, request.record)
         if array is None:
             via_orbax.append(request)
         else:
@@ -82,6 +87,21 @@ def plan_reads(
             array.check(indices)
             fast.append((request, array, indices))
     return ReadPlan(step_dir, fast, via_orbax)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmptyArray:
+    """The reader of a zero-size variable: every region is empty."""
+
+    shape: tuple[int, ...]
+
+    def check(self, indices: list[Index]) -> None:
+        return None
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        return np.empty(
+            [len(range(*s.indices(n))) for s, n in zip(index, self.shape, strict=True)], dtype
+        )
 
 
 def read_arrays(

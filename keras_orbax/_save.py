@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import keras
+import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _keys, _quiet, _shardings, _steps
@@ -136,7 +137,8 @@ def write_step(
     )
     response = checkpointer.save_async(
         step,
-        _keys.nest({key: _compat.current_value(v) for key, v in variables.items()}),
+        # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
+        _keys.nest({key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}),
         force=True,
         overwrite=overwrite,
         metrics=metrics,
@@ -166,3 +168,7 @@ def _model_config(model: keras.Model) -> dict[str, Any] | None:
         return json.loads(json.dumps(keras.saving.serialize_keras_object(model)))
     except (TypeError, ValueError, NotImplementedError):
         return None
+
+
+def _size(variable: keras.Variable) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64))

@@ -65,3 +65,36 @@ def test_integer_to_float_is_refused(tmp_path, distribution):
     with pytest.raises(CheckpointMismatchError, match=message):
         keras_orbax.restore_sharded(target, tmp_path)
     np.testing.assert_array_equal(np.asarray(target.layers[0].embeddings.value), before)
+
+
+class Unusual(keras.layers.Layer):
+    """A zero-size weight and an int64 counter (int32 in JAX unless jax_enable_x64 is on)."""
+
+    def build(self, input_shape):
+        self.empty = self.add_weight(shape=(0, 8), name="empty")
+        self.counter = self.add_weight(
+            shape=(8,), name="counter", dtype="int64", initializer="zeros", trainable=False
+        )
+
+    def call(self, x):
+        return x
+
+
+def test_zero_size_and_int64_variables_round_trip(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+
+    def model() -> keras.Model:
+        return keras.Sequential([keras.Input((8,)), Unusual(name="unusual")], name="unusual")
+
+    source = model()
+    source.layers[0].counter.assign(np.arange(8))
+    keras_orbax.save(source, tmp_path, step=1)
+    record = keras_orbax.inspect(tmp_path).record.variables
+    assert record["layers/unusual/vars/0"].shape == (0, 8)
+    assert record["layers/unusual/vars/1"].dtype == "int32"  # as JAX holds it without x64
+    with keras_orbax.deferred_init():
+        target = model()
+    result = keras_orbax.restore_sharded(target, tmp_path)
+    assert result.restored == ("layers/unusual/vars/0", "layers/unusual/vars/1")
+    assert target.layers[0].empty.value.shape == (0, 8)
+    np.testing.assert_array_equal(np.asarray(target.layers[0].counter.value), np.arange(8))
