@@ -13,7 +13,8 @@ from types import ModuleType
 import pytest
 
 
-def import_keras_hub() -> ModuleType:
+def import_keras_hub(module: str = "keras_hub") -> ModuleType:
+    """`module` (keras-hub or another package of the `hub` extra, e.g. `safetensors`)."""
     if os.environ.get("KERAS_ORBAX_REQUIRE_HUB") == "1":
-        return importlib.import_module("keras_hub")
-    return pytest.importorskip("keras_hub")
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
