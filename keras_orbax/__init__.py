@@ -18,6 +18,7 @@ from keras_orbax._callback import ModelCheckpoint
 from keras_orbax._deferred import deferred_init
 from keras_orbax._inspect import CheckpointInfo, inspect
 from keras_orbax._load_model import load_model
+from keras_orbax._preset import from_preset
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
 
@@ -29,6 +30,7 @@ __all__ = [
     "RestoreResult",
     "deferred_init",
     "errors",
+    "from_preset",
     "inspect",
     "load_model",
     "restore_sharded",

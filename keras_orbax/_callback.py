@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
-import queue
-import threading
 import warnings
 from typing import Any, NoReturn
 
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _multihost, _save, _steps
+from keras_orbax import _compat, _multihost, _quiet, _save, _steps
+from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
+from keras_orbax._resume import ResumePoint
+from keras_orbax._retention import Retention, loggable, metric
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
-_policies = ocp.training.preservation_policies
 
 
 class ModelCheckpoint(_compat.MonitorCallback):
     """Saves sharded checkpoints of the whole training state during `fit`, in the background.
 
-    Each checkpoint is `<directory>/<step>` with the global training step
-    (`model.optimizer.iterations`), so steps never collide across restarts. Every process writes
-    only its own shards while `fit` goes on; a step appears only once fully written, and older
-    steps are deleted only after that. A save at the end of epoch `e` (0-based) records
-    `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e, batch=b + 1`,
-    and resuming from it replays epoch `e` from its first batch (Keras cannot skip batches).
+    Each checkpoint is `<directory>/<step>` with the global training step: the batches trained
+    so far, counted across restarts (`model.optimizer.iterations` unless gradients are accumulated
+    or loss scaling skipped an update), so steps never collide. Every process writes only its own
+    shards while `fit` goes on; a step appears only once fully written, and older steps are
+    deleted only after that. A save at the end of epoch `e` (0-based) or after its known last
+    batch records `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e,
+    batch=b + 1`, and resuming from it reads and drops those `b + 1` batches of epoch `e`.
     Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
     by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
     of `keep_every`. See docs/callback.md.
@@ -109,6 +110,12 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self.max_to_keep = max_to_keep
         self.keep_best = keep_best
         self.keep_every = keep_every
+        self._retention = Retention(
+            monitor,
+            max_to_keep=max_to_keep,
+            keep_best=keep_best or (1 if save_best_only else None),
+            keep_every=keep_every,
+        )
         self.resume = resume
         self.save_on_background = save_on_background
         self.format = format
@@ -118,13 +125,15 @@ class ModelCheckpoint(_compat.MonitorCallback):
         self.restored: RestoreResult | None = None
         """What `resume=True` restored when `fit` started; None if nothing was."""
         self._checkpointer: ocp.training.Checkpointer | None = None
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
         self._last_saved_step: int | None = None
         self._candidates: list[float] = []
         self._watcher = PreemptionWatcher()
-        self._saves: _Collector | None = None
+        self._saves: Collector | None = None
         self._set_epoch = False
         self._warned_missing = False
+        self._resume_point: ResumePoint | None = None
+        self._notices = contextlib.ExitStack()
         self._step = 0
         self._epoch = 0
         self._last_batch: int | None = None
@@ -133,10 +142,15 @@ class ModelCheckpoint(_compat.MonitorCallback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored, self._pending = False, None, None
+        self._resume_point = None
         steps = _steps.committed_steps(self.directory)
         if self.resume and steps:
             self._restore()
-        self._step = int(self.model.optimizer.iterations)
+        # The step counts training batches, updates applied or not (see _compat.optimizer_steps);
+        # a LossScaleOptimizer's counter also stops on skipped updates, the checkpoint's does not.
+        self._step = _compat.optimizer_steps(self.model.optimizer)
+        if self.restored is not None:
+            self._step = max(self._step, self.restored.step)
         if steps and steps[-1] > self._step:
             raise ValueError(
                 f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
@@ -145,17 +159,19 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"directory='{self.directory}', resume={self.resume}"
             )
         self._last_saved_step = steps[-1] if steps else None
+        self._notices.close()  # left open by a fit that raised before on_train_end
+        self._notices.enter_context(_quiet.skipped_merge_notices(self.directory))
         self._checkpointer = _save.open_checkpointer(
-            self.directory, self.format, preservation_policy=self._preservation_policy()
+            self.directory, self.format, preservation_policy=self._retention.policy()
         )
         self.best = self.initial_value_threshold
         self._candidates = [
             value
             for checkpoint in self._checkpointer.checkpoints
-            if (value := _metric(checkpoint.metrics, self.monitor)) is not None
+            if (value := metric(checkpoint.metrics, self.monitor)) is not None
         ]
         if self.save_on_background and self._saves is None:
-            self._saves = _Collector()
+            self._saves = Collector()
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -164,8 +180,13 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if self._set_epoch:  # fit has read it by now; a later fit must not start there again
             _compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
+            self._last_batch = batch  # trained before the checkpoint; read and dropped now
+            return
         previous = self._step
         self._step += batch + 1 if self._last_batch is None else batch - self._last_batch
         self._last_batch = batch
@@ -174,17 +195,19 @@ class ModelCheckpoint(_compat.MonitorCallback):
             isinstance(self.save_freq, int)
             and self._step // self.save_freq > previous // self.save_freq
         ):
-            self._consider_save(logs or {}, "batch")
+            self._consider_save(logs or {}, at_epoch_end=False)
         if preempted:
-            self._save_for_preemption()
+            self._save_for_preemption(at_epoch_end=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None:
+            self._resume_point.close()  # the input may have ended before the dropped batches did
         if self.preempted:
             return  # saved and stopping already; this epoch did not finish
         if self.save_freq == "epoch":
-            self._consider_save(logs or {}, "epoch")
+            self._consider_save(logs or {}, at_epoch_end=True)
         if self.save_on_preemption and self._watcher.requested:
-            self._save_for_preemption()
+            self._save_for_preemption(at_epoch_end=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self.wait_until_finished()
@@ -207,7 +230,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def _consider_save(self, logs: dict, reason: str) -> None:
+    def _consider_save(self, logs: dict, *, at_epoch_end: bool) -> None:
         if self.save_best_only or self.keep_best:
             self._ensure_monitor_op()
         note = ""
@@ -223,23 +246,31 @@ class ModelCheckpoint(_compat.MonitorCallback):
             previous = "None" if self.best is None else f"{self.best:.5f}"
             note = f" ({self.monitor} improved from {previous} to {current:.5f})"
             self.best = current
-        self._save(_loggable(logs), reason, blocking=not self.save_on_background, note=note)
+        reason = "epoch" if at_epoch_end else "batch"
+        blocking = not self.save_on_background
+        self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
 
-    def _save_for_preemption(self) -> None:
-        self._save(None, "preemption", blocking=True)
+    def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
+        self._save(None, "preemption", at_epoch_end, blocking=True)
         self.wait_until_finished()  # the step may have been started just before, in the background
         self.preempted = True
         self.model.stop_training = True
 
     def _save(
-        self, metrics: dict[str, float] | None, reason: str, *, blocking: bool, note: str = ""
+        self,
+        metrics: dict[str, float] | None,
+        reason: str,
+        at_epoch_end: bool,
+        *,
+        blocking: bool,
+        note: str = "",
     ) -> None:
-        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
-        step = int(self.model.optimizer.iterations)
+        step = self._step
         if step == self._last_saved_step:
-            return
+            return  # nothing was trained since: that step holds this very state
+        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
         self.wait_until_finished()
-        epoch, batch = self._position()
+        epoch, batch = self._position(at_epoch_end)
         if self._checkpointer is None:
             raise SaveFailedError(
                 f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
@@ -267,13 +298,21 @@ class ModelCheckpoint(_compat.MonitorCallback):
             self._pending = self._saves.submit(step, response)
         self._report(step, epoch, batch, reason, note)
 
-    def _position(self) -> tuple[int, int | None]:
-        """(epoch, batch) to record: the next epoch to run, or the batches done in this one."""
+    def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
+        """(epoch, batch) to record: the next epoch to run, or the batches done in this one.
+
+        After a batch, the epoch is done only if that was its known last batch (a generator's
+        length is unknown: its epoch counts as unfinished). At an epoch's end, it is done unless
+        it stopped before its known number of batches (another callback stopped `fit`).
+        """
         steps = self.params.get("steps") if self.params else None
         done = 0 if self._last_batch is None else self._last_batch + 1
-        if steps is not None and done < steps:
-            return self._epoch, done
-        return self._epoch + 1, None
+        finished = (
+            (steps is None or done >= steps)
+            if at_epoch_end
+            else (steps is not None and done >= steps)
+        )
+        return (self._epoch + 1, None) if finished else (self._epoch, done)
 
     # -- resume, retention, monitoring -----------------------------------------------------------
 
@@ -286,9 +325,10 @@ class ModelCheckpoint(_compat.MonitorCallback):
         )
         if record.batch:
             logger.info(
-                "Step %d was saved mid-epoch: Keras cannot skip batches, so epoch %d restarts "
-                "from its first batch.",
+                "Step %d was saved mid-epoch: the first %d batches of epoch %d are read from the "
+                "input and dropped, untrained.",
                 self.restored.step,
+                record.batch,
                 record.epoch,
             )
         if record.epoch is None:
@@ -301,34 +341,14 @@ class ModelCheckpoint(_compat.MonitorCallback):
             return
         _compat.set_initial_epoch(self.model, record.epoch)
         self._set_epoch = True
-
-    def _preservation_policy(self) -> Any:
-        policies: list[Any] = [_policies.LatestN(self.max_to_keep)]
-        best = self.keep_best or (1 if self.save_best_only else None)
-        if best:
-            policies.append(
-                _policies.BestN(
-                    get_metric_fn=self._rank, n=best, keep_checkpoints_without_metrics=False
-                )
-            )
-        if self.keep_every:
-            policies.append(_policies.EveryNSteps(self.keep_every))
-        return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
-
-    def _rank(self, metrics: Any) -> float:
-        """Higher is better: `monitor`'s value, negated in "min" mode; -inf where it is missing."""
-        value = _metric(metrics, self.monitor)
-        if value is None:
-            return -math.inf
-        return value if self.monitor_op is keras.ops.greater else -value
+        self._resume_point = ResumePoint(self.model, record.epoch, record.batch or 0)
 
     def _ensure_monitor_op(self) -> None:
+        """Settles the monitor's direction, and folds in the best value stored in the directory."""
         if self.monitor_op is None:
             self._set_monitor_op()
-        higher = self.monitor_op is keras.ops.greater
-        for value in self._candidates:  # the values stored in the directory when fit started
-            if self.best is None or (value > self.best if higher else value < self.best):
-                self.best = value
+        self._retention.higher_is_better = self.monitor_op is keras.ops.greater
+        self.best = self._retention.best([self.best, *self._candidates])
         self._candidates = []
 
     def _warn_missing(self, current: Any) -> None:
@@ -378,11 +398,15 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if self._set_epoch:
             _compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.close()
+            self._resume_point = None
         if checkpointer is None:
             return
         try:
             checkpointer.close()
         except Exception as error:
+            self._notices.close()
             if failing:  # the save failure already being raised is the one to report
                 logger.warning(
                     "Closing the checkpointer of '%s' failed too: %s", self.directory, error
@@ -392,65 +416,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
                 f"{error}. {self._intact_note()}"
             ) from error
-
-
-class _PendingSave:
-    """A background save in flight; `join()` waits for it and returns its error, if any."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def join(self) -> BaseException | None:
-        self.done.wait()
-        return self.error
-
-
-class _Collector:
-    """One thread that collects the results of background saves.
-
-    Collecting an Orbax response joins Orbax's own threads, and starting a thread takes 10-20 ms
-    on a host whose cores were just busy training: a long-lived collector keeps both off the
-    training loop, which only hands over the response and later waits on an event.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[_PendingSave, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="keras_orbax_saves", daemon=True)
-        self._thread.start()
-
-    def submit(self, step: int, response: Any) -> _PendingSave:
-        pending = _PendingSave(step)
-        self._queue.put((pending, response))
-        return pending
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            pending, response = item
-            try:
-                response.result()
-            except BaseException as error:  # handed to the training thread by join()
-                pending.error = error
-            finally:
-                pending.done.set()
-
-
-def _metric(metrics: Any, name: str) -> float | None:
-    value = metrics.get(name) if isinstance(metrics, dict) else None
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _loggable(logs: dict) -> dict[str, float] | None:
-    """The logs as JSON-safe numbers, stored with the step (Orbax's `metrics`)."""
-    values = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
-    return {k: v for k, v in values.items() if math.isfinite(v)} or None
+        self._notices.close()  # every save has finished logging
 
 
 def _validate(

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_orbax import _multihost, _steps
+from keras_orbax import _foreign, _h5_files, _multihost, _steps
 from keras_orbax._deferred import deferred_init
 from keras_orbax._restore import restore_sharded
 from keras_orbax.errors import CheckpointMismatchError
@@ -28,7 +28,8 @@ def load_model(
     allocated before its shards are read onto their devices. Call on every process.
 
     Args:
-        directory: The root given to `save` or to the `ModelCheckpoint` callback.
+        directory: The root given to `save` or to the `ModelCheckpoint` callback, or a `.keras`
+            archive written by `model.save` (its weights read in place, region by region).
         step: The step to load; `None` means the latest committed one.
         custom_objects: Classes and functions the config names, as for `keras.models.load_model`.
         compile: Compile the model as it was when saved, and restore its optimizer state.
@@ -48,9 +49,14 @@ def load_model(
     model = keras_orbax.load_model("/ckpt")
     ```
     """
-    step = _multihost.primary_value("load_model/step", _steps.resolve_step, directory, step)
-    _, path = _steps.step_path(directory, step)
-    config = _steps.read_record(path).model_config
+    config: dict[str, Any] | None
+    archive = _foreign.weights_file(directory)
+    if archive is not None and archive.name.endswith(".keras"):
+        path, config = archive, _h5_files.archive_json(archive, "config.json")
+    else:
+        step = _multihost.primary_value("load_model/step", _steps.resolve_step, directory, step)
+        _, path = _steps.step_path(directory, step)
+        config = _steps.read_record(path).model_config
     if config is None:
         raise CheckpointMismatchError(
             f"Checkpoint step '{path}' holds no model config: the model that saved it could not be "

@@ -25,7 +25,9 @@ class Plan:
     problems: list[str]  # one line per offending variable, naming both sides' Keras paths
 
 
-def make_plan(record: StepRecord, state: KeyedState, *, strict: bool) -> Plan:
+def make_plan(
+    record: StepRecord, state: KeyedState, *, strict: bool, optional: frozenset[str] = frozenset()
+) -> Plan:
     """Compares the whole checkpoint with the model before anything is read or changed.
 
     With `strict`, a shape or dtype that differs is a problem, and so is a key on one side only if it
@@ -34,6 +36,8 @@ def make_plan(record: StepRecord, state: KeyedState, *, strict: bool) -> Plan:
     state is taken only if all of it matches (its keys are positions, as in Keras's own files). A
     layout that the mesh does not divide is always a problem. Metric variables are per-epoch
     accumulators that Keras creates lazily: restored where both sides have them, never a problem.
+    `optional` keys are ones the source cannot hold (a `.weights.h5` has no seed-generator state):
+    missing, they are not a problem either.
     """
     reads, problems, mismatched, differences = {}, [], [], {}
     variables = state.variables
@@ -58,7 +62,11 @@ def make_plan(record: StepRecord, state: KeyedState, *, strict: bool) -> Plan:
         else:
             reads[key] = ReadRequest(saved, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     has_optimizer = any(role == OPTIMIZER for role in state.roles.values())
-    checked = [key for key in (*missing, *unexpected, *mismatched) if roles[key] != METRIC]
+    checked = [
+        key
+        for key in (*missing, *unexpected, *mismatched)
+        if roles[key] != METRIC and key not in optional
+    ]
     if not has_optimizer:
         checked = [key for key in checked if roles[key] != OPTIMIZER]
     if strict:

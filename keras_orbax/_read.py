@@ -16,9 +16,10 @@ import collections
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,7 +33,7 @@ from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
-_Task = tuple["ReadRequest", FastArray, Index]  # one region of one array
+_Task = tuple["ReadRequest", Any, Index]  # one region of one array (a FastArray or other reader)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,19 +54,27 @@ class ReadPlan:
     """How this process will read each array of one step; the files it needs checked already."""
 
     step_dir: Path
-    fast: list[tuple[ReadRequest, FastArray, list[Index]]]  # with the regions this process reads
+    fast: list[tuple[ReadRequest, Any, list[Index]]]  # with the regions this process reads
     via_orbax: list[ReadRequest]
 
 
-def plan_reads(step_dir: Path, requests: Sequence[ReadRequest]) -> ReadPlan:
+def plan_reads(
+    step_dir: Path,
+    requests: Sequence[ReadRequest],
+    opener: Callable[[VariableRecord], Any] | None = None,
+) -> ReadPlan:
     """Chooses the read path of each array and checks the files this process will read.
+
+    `opener` gives the reader of each array of another source (`.weights.h5`, ...): anything with
+    `check(indices)` and `read(index, dtype)`, as `FastArray`. Without it, arrays are read from the
+    keras-orbax step at `step_dir`.
 
     Raises:
         CorruptCheckpointError: a shard file this process needs is missing or truncated.
     """
     fast, via_orbax = [], []
     for request in requests:
-        array = FastArray.open(step_dir, request.record)
+        array = opener(request.record) if opener else FastArray.open(step_dir, request.record)
         if array is None:
             via_orbax.append(request)
         else:

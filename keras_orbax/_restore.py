@@ -7,7 +7,17 @@ import os
 
 import keras
 
-from keras_orbax import _compat, _deferred, _keys, _keys_v1, _multihost, _plan, _read, _steps
+from keras_orbax import (
+    _compat,
+    _deferred,
+    _foreign,
+    _keys,
+    _keys_v1,
+    _multihost,
+    _plan,
+    _read,
+    _steps,
+)
 from keras_orbax._keys import OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax.errors import CheckpointMismatchError
@@ -18,7 +28,7 @@ class RestoreResult:
     """What `restore_sharded` did.
 
     Attributes:
-        step: The step restored.
+        step: The step restored (None for a Keras weights file).
         epoch: The epoch recorded with the step, if any.
         restored: Keys of the variables restored from the checkpoint.
         initialized: Keys of deferred variables the checkpoint lacked, initialized (strict=False).
@@ -28,7 +38,7 @@ class RestoreResult:
         record: The checkpoint's full keras-orbax record.
     """
 
-    step: int
+    step: int | None
     epoch: int | None
     restored: tuple[str, ...]
     initialized: tuple[str, ...]
@@ -83,10 +93,18 @@ def restore_sharded(
     """
     # Collective: process 0 picks the step; every process checks what it will read, then reads its
     # shards; all raise if any fails, and only then does any process change anything.
-    step = _multihost.primary_value("restore_sharded/step", _steps.resolve_step, directory, step)
-    record, state, plan, reads = _multihost.run_collectively(
-        "restore_sharded/plan", _prepare, model, directory, step, strict
-    )
+    file = _foreign.weights_file(directory)
+    if file is not None:
+        record, state, plan, reads = _multihost.run_collectively(
+            "restore_sharded/plan", _foreign.prepare, model, file, strict
+        )
+    else:
+        step = _multihost.primary_value(
+            "restore_sharded/step", _steps.resolve_step, directory, step
+        )
+        record, state, plan, reads = _multihost.run_collectively(
+            "restore_sharded/plan", _prepare, model, directory, step, strict
+        )
     arrays, bytes_read = _multihost.run_collectively(
         "restore_sharded/read", _read.read_arrays, reads
     )

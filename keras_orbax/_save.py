@@ -10,7 +10,7 @@ from typing import Any, Literal
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _shardings, _steps
+from keras_orbax import _compat, _keys, _quiet, _shardings, _steps
 from keras_orbax._metadata import FORMAT_NAME, StepRecord, VariableRecord, versions
 from keras_orbax.errors import DeferredVariableError, StepExistsError
 
@@ -65,7 +65,10 @@ def save(
     keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
     ```
     """
-    with open_checkpointer(directory, format) as checkpointer:
+    with (
+        _quiet.skipped_merge_notices(directory),
+        open_checkpointer(directory, format) as checkpointer,
+    ):
         write_step(checkpointer, model, step=step, epoch=epoch, overwrite=overwrite)
     return Path(directory) / str(step)
 

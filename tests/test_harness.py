@@ -1,7 +1,6 @@
 """The multi-process harness itself: one healthy cluster, one that fails on process 1."""
 
 import signal
-import time
 
 import pytest
 
@@ -22,7 +21,6 @@ def test_two_processes_form_one_eight_device_cluster():
 
 
 def test_failure_on_process_1_kills_the_other_and_names_it():
-    start = time.monotonic()
     with start_workers(SMOKE, 2, 4, {"fail_on": [1]}) as workers:
         with pytest.raises(WorkerFailed, match=r"worker process 1 of 2 .* return code 1") as info:
             workers.wait(timeout=120)
@@ -35,4 +33,3 @@ def test_failure_on_process_1_kills_the_other_and_names_it():
     # Process 0 was blocked in a collective waiting for process 1: the harness killed it.
     assert procs[0].returncode == -signal.SIGKILL
     assert "process 0: killed by the harness" in str(info.value)
-    assert time.monotonic() - start < 90

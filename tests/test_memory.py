@@ -24,16 +24,32 @@ def _run(mode: str, directory: Path) -> dict:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if mode == "restore" else {}
+    return json.loads(lines[-1]) if mode.startswith("restore") else {}
 
 
 def test_deferred_restore_peaks_at_one_copy_of_the_model(tmp_path):
     _run("save", tmp_path)
     figures = _run("restore", tmp_path)
-    model_bytes = (2048 * 4096 + 4096 + 4096 * 2048 + 2048) * 4
-    # Sharded kernels are held once; the two biases are replicated on 8 devices but share one read.
-    assert figures["resident"] >= model_bytes
+    kernel_bytes, bias_bytes = (2048 * 4096 + 4096 * 2048) * 4, (4096 + 2048) * 4
+    model_bytes = kernel_bytes + bias_bytes
+    # Each kernel is split over the 8 devices, so its shards add up to one copy; the biases are
+    # replicated, one copy per device, yet each is read from disk once.
+    assert figures["resident"] == kernel_bytes + 8 * bias_bytes
     assert figures["bytes_read"] == model_bytes
     growth = figures["peak"] - figures["after_imports"]
     # A full copy of either kernel on one device, or a second copy of the model, would add >= 32 MiB.
     assert growth <= 1.15 * model_bytes, figures
+
+
+def test_deferred_load_of_a_keras_weights_file_peaks_at_one_copy(tmp_path):
+    _run("save_h5", tmp_path)
+    figures = _run("restore_h5", tmp_path)
+    embedding, kernel, bias = 32768 * 512 * 4, 512 * 8 * 4, 8 * 4
+    # The embedding and the kernel are split over the 8 devices; the bias is replicated on each.
+    assert figures["resident"] == embedding + kernel + 8 * bias
+    assert figures["bytes_read"] == embedding + kernel + bias
+    growth = figures["peak"] - figures["after_imports"]
+    # Keras's own path puts the whole 64 MiB embedding on one device before splitting it: two
+    # copies at least. Read region by region from the file, the peak stays near one (measured
+    # 1.28 x here: the read buffers are the devices' own, plus planning and runtime set-up).
+    assert growth <= 1.5 * embedding, figures

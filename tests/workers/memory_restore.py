@@ -1,5 +1,8 @@
 """Saves (`save DIR`) or restores deferred (`restore DIR`) a 64 MiB model; prints JSON with RSS figures.
 
+`save_h5 DIR` / `restore_h5 DIR` do the same through Keras's `.weights.h5` with a model dominated
+by one large embedding.
+
 Run in a fresh process so that the peak RSS (VmHWM) belongs to this restore alone.
 """
 
@@ -32,18 +35,34 @@ def build() -> keras.Model:
     return keras.Model(inputs, outputs)
 
 
+def build_embedding() -> keras.Model:
+    inputs = keras.Input((4,), dtype="int32")
+    x = keras.layers.Embedding(32768, 512, name="vocabulary")(inputs)  # 64 MiB
+    outputs = keras.layers.Dense(8, name="out")(x)
+    return keras.Model(inputs, outputs)
+
+
 def main(mode: str, directory: str) -> None:
     mesh = DeviceMesh((2, 4), ("batch", "model"), jax.devices())
     layout_map = LayoutMap(mesh)
     layout_map[".*kernel"] = ("batch", "model")
+    layout_map[".*embeddings"] = ("batch", "model")
     keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
     if mode == "save":
         keras_orbax.save(build(), directory, step=1)
         return
+    if mode == "save_h5":
+        build_embedding().save_weights(os.path.join(directory, "m.weights.h5"))
+        return
+    if mode == "restore_h5":  # the libraries an h5 restore loads, so that they count as imports
+        import h5py  # noqa: F401
+
+        jax.make_jaxpr(lambda x: x + 1)(1.0)
     after_imports = _status_kib("VmRSS") * 1024
     with keras_orbax.deferred_init():
-        model = build()
-    result = keras_orbax.restore_sharded(model, directory)
+        model = build_embedding() if mode == "restore_h5" else build()
+    source = os.path.join(directory, "m.weights.h5") if mode == "restore_h5" else directory
+    result = keras_orbax.restore_sharded(model, source)
     resident = sum(s.data.nbytes for v in model.variables for s in v.value.addressable_shards)
     print(
         json.dumps(

@@ -1,0 +1,137 @@
+"""Arrays stored whole, contiguous and in C order at a byte offset of a file, read region by region.
+
+This is how Keras writes every `.weights.h5` dataset (`dset.chunks is None`, no filter), how a
+`.keras` archive stores its `model.weights.h5` (uncompressed zip member), and how safetensors stores
+tensors. A region (one device's shard) is the same byte-run arithmetic as a fast-format shard over
+one chunk that is the whole array: read with `preadv` straight into an aligned buffer that the
+device adopts. Arrays that are not stored that way are read region by region through h5py, or
+computed on the host (`ComputedArray`) when Keras's own loader derives a value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from keras_orbax._fast_format import Index, _Box, _pread_exactly, aligned_empty
+from keras_orbax.errors import CorruptCheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class ContiguousArray:
+    """`shape` elements of `dtype` (little-endian), in C order, at byte `offset` of `file`."""
+
+    name: str  # what the source calls it, for errors: an h5 dataset path, a tensor name
+    file: Path
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def check(self, indices: list[Index]) -> None:
+        """The file holds every byte of the array.
+
+        Raises:
+            CorruptCheckpointError: naming the file and the array.
+        """
+        try:
+            size = self.file.stat().st_size
+        except OSError as error:
+            raise CorruptCheckpointError(
+                f"{self.name}: cannot read {self.file}: {error}"
+            ) from error
+        if size < self.offset + self.nbytes:
+            raise CorruptCheckpointError(
+                f"{self.name}: {self.file} is truncated: the array needs bytes up to "
+                f"{self.offset + self.nbytes}, the file has {size}. No variable was modified."
+            )
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        """The region `index`, read once into a 64-byte-aligned buffer, cast to `dtype`."""
+        bounds = _bounds(index, self.shape)
+        shape = tuple(hi - lo for lo, hi in bounds)
+        out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
+        box = _Box(
+            extent=list(shape), src_start=[lo for lo, _ in bounds], dst_start=[0] * len(shape)
+        )
+        item = self.dtype.itemsize
+        with open(self.file, "rb", buffering=0) as file:
+            view = out.data
+            for src, dst, length in box.runs(self.shape, shape):
+                _pread_exactly(
+                    file.fileno(),
+                    view[dst * item : (dst + length) * item],
+                    self.offset + src * item,
+                    self.file,
+                )
+        return _cast(out.view(self.dtype).reshape(shape), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class H5SliceArray:
+    """An h5 dataset stored chunked or filtered (not as Keras writes it): each region read through
+    h5py, which decodes only the chunks the region touches."""
+
+    name: str
+    file: Path
+    dataset: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def check(self, indices: list[Index]) -> None:
+        if not self.file.exists():
+            raise CorruptCheckpointError(f"{self.name}: missing file {self.file}")
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        import h5py
+
+        with h5py.File(self.file, "r") as file:
+            region = np.asarray(file[self.dataset][tuple(index)])
+        return _cast(region.view(self.dtype) if region.dtype != self.dtype else region, dtype)
+
+
+@dataclasses.dataclass
+class ComputedArray:
+    """A value Keras's own loader derives (e.g. LoRA factors it sets to zeros): computed once on the
+    host by `compute`, then each device gets only its region."""
+
+    name: str
+    compute: Callable[[], Any]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    _value: np.ndarray | None = None
+
+    def check(self, indices: list[Index]) -> None:
+        return None
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        if self._value is None:
+            self._value = np.asarray(self.compute())
+        region = self._value[tuple(index)]
+        out = (
+            aligned_empty(region.size * np.dtype(dtype).itemsize).view(dtype).reshape(region.shape)
+        )
+        np.copyto(out, region, casting="unsafe")
+        return out
+
+
+def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [
+        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
+    ]
+
+
+def _cast(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if np.dtype(dtype) == data.dtype:
+        return data
+    cast = aligned_empty(data.size * np.dtype(dtype).itemsize).view(dtype).reshape(data.shape)
+    np.copyto(cast, data, casting="unsafe")
+    return cast

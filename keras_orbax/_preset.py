@@ -1,0 +1,57 @@
+"""`from_preset`: a keras-hub model built from its preset without allocating, its weights read sharded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from keras_orbax._deferred import deferred_init
+from keras_orbax._restore import restore_sharded
+
+
+def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
+    """Like keras-hub's `cls.from_preset(preset, **kwargs)`, with each weight read straight onto its
+    devices under the active distribution, and no variable ever initialized.
+
+    keras-hub builds the model (its own preset code reads the config: same classes, same arguments)
+    under `deferred_init()` with `load_weights=False`; then `restore_sharded` reads the preset's
+    `model.weights.h5` (or `model.weights.json` and its parts) region by region. Set the
+    distribution first, typically from `cls.get_layout_map(mesh)`. `kaggle://` and `hf://` handles
+    are downloaded by keras-hub's own code (not tested offline); local directories work as they are.
+
+    Args:
+        cls: A keras-hub class: a backbone (`keras_hub.models.GemmaBackbone`) or a task
+            (`keras_hub.models.GemmaCausalLM`, whose backbone gets the weights).
+        preset: A preset handle or a local preset directory.
+        **kwargs: Passed to `cls.from_preset`, as with keras-hub.
+
+    Returns:
+        What `cls.from_preset(preset, **kwargs)` returns, restored.
+
+    Example:
+    ```python
+    mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"))
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    gemma = keras_orbax.from_preset(keras_hub.models.GemmaCausalLM, "/presets/gemma2_9b_en")
+    ```
+    """
+    with deferred_init():
+        model = cls.from_preset(preset, load_weights=False, **kwargs)
+    backbone = getattr(model, "backbone", None)
+    target = backbone if isinstance(backbone, keras.Model) else model
+    restore_sharded(target, _local_directory(preset))
+    return model
+
+
+def _local_directory(preset: str | os.PathLike) -> Path:
+    """The preset's local directory: as given, or where keras-hub downloaded a handle to."""
+    path = Path(os.fspath(preset))
+    if path.is_dir():
+        return path
+    from keras_orbax import _compat
+
+    return _compat.downloaded_preset(os.fspath(preset))

@@ -1,0 +1,77 @@
+"""Which steps a `ModelCheckpoint` keeps: Orbax preservation policies and the best-N ranking."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import orbax.checkpoint.experimental.v1 as ocp
+
+_policies = ocp.training.preservation_policies
+
+
+class Retention:
+    """The rules of retention: the latest `max_to_keep`, the `keep_best` best by `monitor`,
+    every multiple of `keep_every`; a step is kept if any rule keeps it.
+
+    `higher_is_better` is set by the callback once the monitor's direction is known (Keras infers
+    it from the metric when `mode="auto"`); until then, lower is better.
+    """
+
+    def __init__(
+        self,
+        monitor: str,
+        *,
+        max_to_keep: int | None,
+        keep_best: int | None,
+        keep_every: int | None,
+    ) -> None:
+        self.monitor = monitor
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.keep_every = keep_every
+        self.higher_is_better = False
+
+    def policy(self) -> Any:
+        """The Orbax v1 preservation policy for these rules."""
+        policies: list[Any] = [_policies.LatestN(self.max_to_keep)]
+        if self.keep_best:
+            policies.append(
+                _policies.BestN(
+                    get_metric_fn=self.rank,
+                    n=self.keep_best,
+                    keep_checkpoints_without_metrics=False,
+                )
+            )
+        if self.keep_every:
+            policies.append(_policies.EveryNSteps(self.keep_every))
+        return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
+
+    def rank(self, metrics: Any) -> float:
+        """Higher is better: `monitor`'s value, negated when lower is better; -inf where missing."""
+        value = metric(metrics, self.monitor)
+        if value is None:
+            return -math.inf
+        return value if self.higher_is_better else -value
+
+    def best(self, values: Iterable[float | None]) -> float | None:
+        """The best of `values` (None entries ignored); None if there is none."""
+        found = [v for v in values if v is not None]
+        if not found:
+            return None
+        return max(found) if self.higher_is_better else min(found)
+
+
+def metric(metrics: Any, name: str) -> float | None:
+    """`metrics[name]` as a finite float, or None."""
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def loggable(logs: dict) -> dict[str, float] | None:
+    """The logs as JSON-safe numbers, stored with the step (Orbax's `metrics`)."""
+    values = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
+    return {k: v for k, v in values.items() if math.isfinite(v)} or None

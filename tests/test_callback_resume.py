@@ -1,0 +1,221 @@
+"""A fit stopped anywhere and resumed with `ModelCheckpoint(resume=True)` ends exactly where an
+uninterrupted fit does, whatever the input and the optimizer.
+
+Each case trains three models in real fits: one straight through; one stopped by a real SIGTERM
+after `stop_after` batches (the callback saves that step and stops `fit`); one built with another
+seed and resumed from the directory by the same `fit` call. The resumed model's every variable
+(weights, optimizer slots and counters, gradient accumulators, metric accumulators, Dropout's seed
+state) must equal the uninterrupted one's exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax import _steps
+from tests import _models
+
+BATCH = 8
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Sends this process a SIGTERM after `n` batches; list it before the checkpoint."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.seen = n, 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _Batches(keras.utils.PyDataset):
+    """The arrays in batches, by index: a PyDataset with a length."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x) // BATCH
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
+
+
+def _mlp_data(batches: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    n = batches * BATCH
+    return rng.random((n, 16), dtype="float32"), rng.random((n, 8), dtype="float32")
+
+
+def _arrays(batches: int, data=_mlp_data) -> Callable[[], dict[str, Any]]:
+    x, y = data(batches)
+    return lambda: {"x": x, "y": y, "batch_size": BATCH}
+
+
+def _pydataset(batches: int) -> Callable[[], dict[str, Any]]:
+    x, y = _mlp_data(batches)
+    return lambda: {"x": _Batches(x, y)}
+
+
+def _generator(batches: int) -> Callable[[], dict[str, Any]]:
+    """A fresh one-shot generator per fit, without `steps_per_epoch`: the epoch's length is unknown."""
+    x, y = _mlp_data(batches)
+
+    def batches_of() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for i in range(batches):
+            yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+    return lambda: {"x": batches_of()}
+
+
+def _full_model() -> keras.Model:
+    return _models.compile_adam(_models.full_model())  # Dropout: its seed state must resume too
+
+
+def _mlp(**optimizer_kwargs: Any) -> Callable[[], keras.Model]:
+    def build() -> keras.Model:
+        model = _models.mlp()
+        optimizer = keras.optimizers.Adam(1e-2, **optimizer_kwargs)
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        return model
+
+    return build
+
+
+def _variables(model: keras.Model) -> list[keras.Variable]:
+    return model.variables + model.optimizer.variables + model.metrics_variables
+
+
+def _state(model: keras.Model) -> list[np.ndarray]:
+    return _models.values(_variables(model))
+
+
+def _resume_exactly(
+    directory, build, inputs, *, epochs: int, stop_after: int, save_freq: str | int = "epoch"
+) -> tuple[keras_orbax.RestoreResult, keras.callbacks.History]:
+    """Runs the three fits; asserts the resumed state is the uninterrupted one, exactly."""
+    keras.utils.set_random_seed(1)
+    uninterrupted = build()
+    uninterrupted.fit(**inputs(), epochs=epochs, shuffle=False, verbose=0)
+
+    keras.utils.set_random_seed(1)
+    stopped = build()
+    checkpoint = keras_orbax.ModelCheckpoint(directory, save_freq=save_freq, max_to_keep=None)
+    stopped.fit(
+        **inputs(), epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[_StopAfter(stop_after), checkpoint],
+    )  # fmt: skip
+    assert checkpoint.preempted
+    assert _steps.committed_steps(directory)[-1] == stop_after
+
+    keras.utils.set_random_seed(2)  # another init: the restore must overwrite all of it
+    resumed = build()
+    checkpoint = keras_orbax.ModelCheckpoint(
+        directory, save_freq=save_freq, max_to_keep=None, resume=True
+    )
+    history = resumed.fit(
+        **inputs(), epochs=epochs, shuffle=False, verbose=0, callbacks=[checkpoint]
+    )
+    assert checkpoint.restored is not None and checkpoint.restored.step == stop_after
+    for variable, got, want in zip(
+        _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
+    ):
+        np.testing.assert_array_equal(got, want, err_msg=variable.path)
+    return checkpoint.restored, history
+
+
+@pytest.fixture
+def mp(distribution):
+    return distribution(_models.model_parallel((2, 4)))
+
+
+# 4 batches per epoch, 3 epochs; (epoch, batch) is what the stopped run's last step records.
+@pytest.mark.parametrize(
+    ("build", "inputs", "stop_after", "position"),
+    [
+        (_full_model, _arrays(4, lambda b: _models.training_data(b * BATCH)), 6, (1, 2)),
+        (_mlp(), _arrays(4), 8, (2, None)),  # the epoch's known last batch: that epoch is done
+        (_mlp(), _pydataset(4), 6, (1, 2)),
+    ],
+    ids=["arrays_mid_epoch", "arrays_last_batch", "pydataset_with_length"],
+)
+def test_known_steps_per_epoch_resume_exactly(tmp_path, mp, build, inputs, stop_after, position):
+    restored, history = _resume_exactly(tmp_path, build, inputs, epochs=3, stop_after=stop_after)
+    assert (restored.record.epoch, restored.record.batch) == position
+    assert history.epoch == list(range(position[0], 3))
+
+
+@pytest.mark.parametrize(("stop_after", "position"), [(8, (0, 8)), (12, (0, 12))])
+def test_a_generator_of_unknown_length_resumes_exactly(tmp_path, mp, stop_after, position):
+    # One epoch of 12 batches (a generator is exhausted after one epoch). Its length is unknown,
+    # so even a save after its last batch records the batches done, not the epoch: resuming reads
+    # and drops them, and (after 12) trains nothing more.
+    restored, history = _resume_exactly(
+        tmp_path, _mlp(), _generator(12), epochs=1, stop_after=stop_after
+    )
+    assert (restored.record.epoch, restored.record.batch) == position
+    assert history.epoch == [0]
+
+
+def test_mid_epoch_saves_of_a_generator_record_the_batches_done(tmp_path, mp):
+    model = _mlp()()
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=4, max_to_keep=None)
+    model.fit(**_generator(12)(), epochs=1, verbose=0, callbacks=[checkpoint])
+    records = {s: _steps.read_record(tmp_path / str(s)) for s in _steps.committed_steps(tmp_path)}
+    assert {s: (r.epoch, r.batch) for s, r in records.items()} == {
+        4: (0, 4),
+        8: (0, 8),
+        12: (0, 12),
+    }
+
+
+# 3 batches per epoch, accumulating 2: updates apply after batches 2, 4, 6, 8.
+@pytest.mark.parametrize(
+    ("stop_after", "position"),
+    [(3, (1, None)), (4, (1, 1)), (5, (1, 2))],
+    ids=["epoch_end_mid_accumulation", "accumulation_boundary", "mid_accumulation"],
+)
+def test_gradient_accumulation_resumes_exactly(tmp_path, mp, stop_after, position):
+    build = _mlp(gradient_accumulation_steps=2)
+    restored, _ = _resume_exactly(tmp_path, build, _arrays(3), epochs=3, stop_after=stop_after)
+    assert (restored.record.epoch, restored.record.batch) == position
+    # Step names count batches; `iterations` counts applied updates.
+    assert restored.step == stop_after
+    model = build()
+    keras_orbax.restore_sharded(model, tmp_path, stop_after)
+    assert int(model.optimizer.iterations) == stop_after // 2
+
+
+def test_gradient_accumulation_saves_every_batch_without_skipping(tmp_path, mp):
+    # `optimizer.iterations` stands still on every other batch; each batch's save still happens.
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=1, max_to_keep=None)
+    _mlp(gradient_accumulation_steps=2)().fit(
+        **_arrays(3)(), epochs=2, verbose=0, callbacks=[checkpoint]
+    )
+    assert _steps.committed_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.fixture
+def mixed_float16():
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy(previous)
+
+
+def test_loss_scaling_resumes_exactly(tmp_path, mp, mixed_float16):
+    build = _mlp()
+    assert isinstance(build().optimizer, keras.optimizers.LossScaleOptimizer)
+    _resume_exactly(tmp_path, build, _arrays(4), epochs=3, stop_after=6)
