@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
+import jax
+import keras
 import numpy as np
 import pytest
 
-from keras_orbax import _hub_convert, _safetensors
+import keras_orbax
+from keras_orbax import _compat, _hub_convert, _safetensors
 from keras_orbax._hub_hooks import HookKind, classify
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tests._hub import import_keras_hub
@@ -108,6 +112,20 @@ def test_ported_tensors_give_keras_hub_values(case):
         got = _hub_convert.host_value(p)
         assert got.dtype == want.dtype, p.variable.path
         np.testing.assert_array_equal(got, want, err_msg=p.variable.path)
+
+
+def test_ports_a_deferred_backbone_without_allocating(llama_dir, distribution):
+    mesh = keras.distribution.DeviceMesh((4, 2), ("batch", "model"), jax.devices())
+    layout_map = keras_hub.models.Llama3Backbone.get_layout_map(mesh)
+    distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    with keras_orbax.deferred_init():
+        built = _hub_convert.build_backbone(llama_dir)
+        # What `keras_orbax.from_preset` builds: keras-hub's own path without weights.
+        from_preset = keras_hub.models.Backbone.from_preset(str(llama_dir), load_weights=False)
+    for backbone in (built, from_preset):
+        ported = _hub_convert.port_tensors(backbone, llama_dir)
+        assert _hub_convert.unported_variables(backbone, ported) == []
+        assert all(v._value is None for v in backbone.variables)
 
 
 def test_hook_plans_reproduce_the_hooks(case):
@@ -229,3 +247,18 @@ def test_bad_directories(tmp_path, llama_dir):
     (keras_preset / "config.json").write_text('{"registered_name": "keras_hub>GemmaBackbone"}')
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
         _hub_convert.build_backbone(keras_preset)
+
+
+def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
+    """Probing for a key works (keras-hub's Gemma3/BERT converters do); using its values does not."""
+    loader = _compat.hub_preset_loader(str(llama_dir))
+
+    def convert_weights(backbone, recorder, config):
+        with pytest.raises(KeyError, match="no tensor"):
+            recorder.get_tensor("lm_head.weight")
+        np.transpose(recorder.get_tensor("model.norm.weight"))
+
+    monkeypatch.setattr(loader, "converter", types.SimpleNamespace(convert_weights=convert_weights))
+    monkeypatch.setattr(_compat, "hub_preset_loader", lambda directory: loader)
+    with pytest.raises(NotImplementedError, match=r"model\.norm\.weight"):
+        _hub_convert.port_tensors(keras.Sequential(), llama_dir)
