@@ -4,7 +4,8 @@ keras-hub loads a Hugging Face directory by running a converter module (chosen f
 that calls `loader.port_weight(variable, hf_key, hook_fn)` for every variable: read the whole
 tensor, apply the hook (a transpose, a reshape, ...) on the host, then `variable.assign` it. Here the
 same converter runs against a loader that records each call instead, so the caller can read each
-variable's shards straight from the file. keras-hub is needed (`pip install keras-orbax[hub]`).
+variable's shards straight from the file. Needs keras-hub and safetensors (the `hub` extra; see
+`.ci/run` for installing keras-hub without TensorFlow).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-_STRUCTURAL = ("reshape", "transpose", "squeeze", "expand_dims")
+_RESHAPES = ("reshape", "squeeze")
 _NESTED = ("pjit", "jit", "closed_call")
 
 
@@ -132,7 +132,7 @@ def _plan_from_jaxpr(jaxpr: Any, source_shape: tuple[int, ...]) -> HookPlan:
         name = eqn.primitive.name
         if name == "transpose":
             atoms.transpose(eqn.params["permutation"])
-        elif name in _STRUCTURAL:
+        elif name in _RESHAPES:
             atoms.reshape(eqn.outvars[0].aval.shape)
         elif name == "convert_element_type":
             casts.append(np.dtype(eqn.params["new_dtype"]))
