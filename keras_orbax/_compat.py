@@ -423,3 +423,38 @@ def step_metadata_file(step_dir: Any) -> Path:
     from orbax.checkpoint._src.metadata import checkpoint
 
     return Path(checkpoint.step_metadata_file_path(step_dir))
+
+
+# keras-hub (an optional extra: imported only when these are called).
+
+
+def hub_preset_loader(directory: str) -> Any:
+    """The loader keras-hub's `Backbone.from_preset(directory)` uses.
+
+    Why private: `preset_utils.get_preset_loader` is how `from_preset` tells a Keras preset from a
+    Hugging Face or timm directory; for Hugging Face, its `TransformersPresetLoader` picks the
+    converter module for the config's `model_type` and builds the backbone config
+    (`load_backbone`). keras-hub exports neither; reusing them keeps the mapping keras-hub's own.
+    """
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+
+    return get_preset_loader(directory)
+
+
+def hub_is_transformers_loader(loader: Any) -> bool:
+    """Why private: see `hub_preset_loader`; `TransformersPresetLoader` is not exported."""
+    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+
+    return isinstance(loader, TransformersPresetLoader)
+
+
+def hub_safetensor_loader_class() -> type:
+    """keras-hub's `SafetensorLoader`, the object its converters call `port_weight` on.
+
+    Why private: converters take the loader as an argument and call `port_weight(variable, key,
+    hook_fn)`, `get_tensor(key)` and its key-prefix resolution; a subclass that records instead of
+    assigning sees exactly the mapping keras-hub would apply. keras-hub does not export the class.
+    """
+    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
+
+    return SafetensorLoader
