@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,24 +91,31 @@ class H5SliceArray:
         return _cast(region.view(self.dtype) if region.dtype != self.dtype else region, dtype)
 
 
-@dataclasses.dataclass
 class ComputedArray:
-    """A value Keras's own loader derives (e.g. LoRA factors it sets to zeros): computed once on the
-    host by `compute`, then each device gets only its region."""
+    """A value the source's own loader derives (LoRA factors Keras sets to zeros, a keras-hub hook
+    that is no box of the file): computed on the host by `compute` when its first region is read,
+    and dropped once `release()` says every region was (`read_arrays` does); each device gets its
+    region only."""
 
-    name: str
-    compute: Callable[[], Any]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    _value: np.ndarray | None = None
+    def __init__(
+        self, name: str, compute: Callable[[], Any], shape: tuple[int, ...], dtype: np.dtype
+    ) -> None:
+        self.name, self.compute, self.shape, self.dtype = name, compute, shape, dtype
+        self._value: np.ndarray | None = None
+        self._lock = threading.Lock()
 
     def check(self, indices: list[Index]) -> None:
         return None
 
+    def release(self) -> None:
+        self._value = None
+
     def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
-        if self._value is None:
-            self._value = np.asarray(self.compute())
-        region = self._value[tuple(index)]
+        with self._lock:  # regions are read by several threads; compute once
+            if self._value is None:
+                self._value = np.asarray(self.compute())
+            value = self._value
+        region = value[tuple(index)]
         out = (
             aligned_empty(region.size * np.dtype(dtype).itemsize).view(dtype).reshape(region.shape)
         )

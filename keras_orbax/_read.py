@@ -122,8 +122,12 @@ def read_arrays(
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
     pieces = _read_ahead(tasks, workers)
     for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
-        regions = {repr(index): data for (_, _, index), data in group}
+        read = list(group)
+        regions = {repr(index): data for (_, _, index), data in read}
         arrays[request.record.key] = _on_devices(request, regions)
+        release = getattr(read[0][0][1], "release", None)
+        if release is not None:  # a value computed on the host: every region is on its devices
+            release()
         stored = np_dtype(request.record.dtype).itemsize
         bytes_read += sum(data.size for data in regions.values()) * stored
     if plan.via_orbax:

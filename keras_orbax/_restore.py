@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import jax
 import keras
@@ -12,6 +13,7 @@ from keras_orbax import (
     _compat,
     _deferred,
     _foreign,
+    _hf,
     _keys,
     _keys_v1,
     _multihost,
@@ -95,7 +97,11 @@ def restore_sharded(
     # Collective: process 0 picks the step; every process checks what it will read, then reads its
     # shards; all raise if any fails, and only then does any process change anything.
     file = _foreign.weights_file(directory)
-    if file is not None:
+    if _hf.is_transformers_directory(Path(directory)):
+        record, state, plan, reads = _multihost.run_collectively(
+            "restore_sharded/plan", _hf.prepare, model, Path(directory), strict
+        )
+    elif file is not None:
         record, state, plan, reads = _multihost.run_collectively(
             "restore_sharded/plan", _foreign.prepare, model, file, strict
         )

@@ -1,0 +1,73 @@
+"""`keras_orbax.from_preset` against keras-hub's own `from_preset`: Keras-format presets and Hugging Face
+directories, built deferred under the backbone's own layout map, every value equal."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from tests._hub import import_keras_hub
+from tests.test_hf_safetensors import GEMMA, LLAMA
+
+keras_hub = import_keras_hub()
+KERAS_GEMMA = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=4,
+    hidden_dim=16,
+    intermediate_dim=32,
+    head_dim=8,
+)
+
+
+def _distribution(cls, shape=(4, 2)) -> keras.distribution.ModelParallel:
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"), jax.devices())
+    return keras.distribution.ModelParallel(
+        layout_map=cls.get_layout_map(mesh), batch_dim_name="batch"
+    )
+
+
+def _assert_same(model: keras.Model, expected: keras.Model) -> None:
+    assert len(model.weights) == len(expected.weights)
+    for got, want in zip(model.weights, expected.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), got.path)
+
+
+def _exported(tmp_path, cls, config):
+    directory = tmp_path / cls.__name__
+    cls(**config).export_to_transformers(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("cls", "config", "mesh"),
+    [
+        (keras_hub.models.Llama3Backbone, LLAMA, (2, 4)),
+        (keras_hub.models.GemmaBackbone, GEMMA, (8, 1)),  # one key/value head: no "model" split
+    ],
+    ids=["llama3", "gemma"],
+)
+def test_hugging_face_directory_loads_like_keras_hub(tmp_path, distribution, cls, config, mesh):
+    directory = _exported(tmp_path, cls, config)
+    distribution(_distribution(cls, mesh))
+    expected = cls.from_preset(str(directory))
+    model = keras_orbax.from_preset(cls, str(directory))
+    _assert_same(model, expected)
+    for got, want in zip(model.weights, expected.weights, strict=True):
+        assert got.value.sharding.is_equivalent_to(want.value.sharding, len(got.shape)), got.path
+
+
+def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution):
+    cls = keras_hub.models.GemmaBackbone
+    distribution(_distribution(cls, (2, 4)))
+    cls(**KERAS_GEMMA).save_to_preset(str(tmp_path / "preset"))
+    distribution(_distribution(cls))
+    expected = cls.from_preset(str(tmp_path / "preset"))
+    model = keras_orbax.from_preset(cls, str(tmp_path / "preset"))
+    _assert_same(model, expected)
+    kernel = model.get_layer("decoder_block_0").attention.query_dense.kernel.value
+    assert kernel.sharding.mesh.devices.shape == (4, 2)
