@@ -88,7 +88,7 @@ def _assert_all_equal(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 
 # -- files: truncated, deleted, emptied -----------------------------------------------------------
 
-KERNEL = "state/model.layers.dense.kernel"  # where `save` put the hidden kernel today
+KERNEL = "state/layers.dense.vars.0"  # where `save` put the hidden kernel today
 _FILE_CASES: list[tuple[str, str, str, Callable[[Path], None], type, str]] = []
 
 
@@ -174,17 +174,17 @@ RECORD_CASES = {
     "dtype_unknown": (_set_kernel("dtype", "float33"), r"hidden.*unknown dtype 'float33'"),
     "dtype_object": (_set_kernel("dtype", "object"), r"hidden.*unknown dtype 'object'"),
     "array_parent": (
-        _set_kernel("array", "../../other/3/state/model.layers.dense.kernel"),
+        _set_kernel("array", "../../other/3/state/layers.dense.vars.0"),
         r"hidden.*array name '\.\./\.\./other.*not a plain name inside the step directory",
     ),
     "array_absolute": (
-        _set_kernel("array", "/tmp/elsewhere/model.layers.dense.kernel"),
+        _set_kernel("array", "/tmp/elsewhere/layers.dense.vars.0"),
         r"hidden.*array name '/tmp/elsewhere.*not a plain name",
     ),
     "array_dotdot": (_set_kernel("array", ".."), r"array name '\.\.' is not a plain name"),
     "array_twice": (
-        lambda r: [v.__setitem__("array", "model.layers.dense.bias") for v in r["variables"]],
-        r"array 'model.layers.dense.bias' is named by two variables",
+        lambda r: [v.__setitem__("array", "layers.dense.vars.1") for v in r["variables"]],
+        r"array 'layers.dense.vars.1' is named by two variables",
     ),
     "key_parent": (_set_kernel("key", "model/../../x"), r"'model/\.\./\.\./x'.*not a relative"),
     "key_absolute": (_set_kernel("key", "/model/x"), r"'/model/x'.*not a relative"),
@@ -211,7 +211,7 @@ def test_array_outside_the_step_is_never_read(originals, tmp_path, mesh):
     directory = _copy(originals, "fast", tmp_path)
     other = _copy(originals, "compact", tmp_path)  # a sibling with a different layout on disk
     shutil.copytree(
-        originals["fast"] / str(STEP) / KERNEL, other / "outside" / "model.layers.dense.kernel"
+        originals["fast"] / str(STEP) / KERNEL, other / "outside" / "layers.dense.vars.0"
     )
     shutil.rmtree(directory / str(STEP) / KERNEL)  # the step's own copy is gone
     _edit_record(directory, _set_kernel("array", f"../../../compact/outside/{KERNEL[6:]}"))
@@ -237,7 +237,7 @@ def test_zarr_json_whose_chunks_make_no_sense(originals, tmp_path, mesh):
         path.write_text(json.dumps(spec))
         caught = restore_or_untouched(directory, originals["values"])
         assert isinstance(caught, CorruptCheckpointError), (chunk, caught)
-        assert "model/layers/dense/kernel" in str(caught)
+        assert "layers/dense/vars/0" in str(caught)
 
 
 @pytest.mark.parametrize(("offset", "nbytes"), [(2**64 - 2, 256), (2**40, 256), (0, 2**62)])

@@ -11,6 +11,7 @@ import pytest
 import keras_orbax
 from tests._hub import import_keras_hub
 from tests.test_hf_safetensors import GEMMA, LLAMA
+from tests.test_no_code import no_code_execution
 
 keras_hub = import_keras_hub()
 KERAS_GEMMA = dict(
@@ -51,23 +52,29 @@ def _exported(tmp_path, cls, config):
     ],
     ids=["llama3", "gemma"],
 )
-def test_hugging_face_directory_loads_like_keras_hub(tmp_path, distribution, cls, config, mesh):
+def test_hugging_face_directory_loads_like_keras_hub(
+    tmp_path, distribution, monkeypatch, cls, config, mesh
+):
     directory = _exported(tmp_path, cls, config)
     distribution(_distribution(cls, mesh))
     expected = cls.from_preset(str(directory))
-    model = keras_orbax.from_preset(cls, str(directory))
+    with no_code_execution(monkeypatch) as calls:
+        model = keras_orbax.from_preset(cls, str(directory))
+    assert calls == []
     _assert_same(model, expected)
     for got, want in zip(model.weights, expected.weights, strict=True):
         assert got.value.sharding.is_equivalent_to(want.value.sharding, len(got.shape)), got.path
 
 
-def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution):
+def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution, monkeypatch):
     cls = keras_hub.models.GemmaBackbone
     distribution(_distribution(cls, (2, 4)))
     cls(**KERAS_GEMMA).save_to_preset(str(tmp_path / "preset"))
     distribution(_distribution(cls))
     expected = cls.from_preset(str(tmp_path / "preset"))
-    model = keras_orbax.from_preset(cls, str(tmp_path / "preset"))
+    with no_code_execution(monkeypatch) as calls:
+        model = keras_orbax.from_preset(cls, str(tmp_path / "preset"))
+    assert calls == []
     _assert_same(model, expected)
     kernel = model.get_layer("decoder_block_0").attention.query_dense.kernel.value
     assert kernel.sharding.mesh.devices.shape == (4, 2)

@@ -118,6 +118,17 @@ def _resume(directory: Path) -> keras.Model:
     return model
 
 
+def _save_h5(model: keras.Model, directory: Path) -> None:
+    directory.mkdir()
+    model.save_weights(directory / "m.weights.h5")
+    model.save_weights(directory / "m.weights.json", max_shard_size=0.000004)
+
+
+def _save_keras(model: keras.Model, directory: Path) -> None:
+    directory.mkdir()
+    model.save(directory / "m.keras")
+
+
 LOAD_PATHS: list[tuple[str, Callable[[keras.Model, Path], None], Callable[[Path], keras.Model]]] = [
     ("restore_sharded-fast", _save_fast, _restore),
     ("restore_sharded-compact", _save_compact, _restore),
@@ -126,6 +137,10 @@ LOAD_PATHS: list[tuple[str, Callable[[keras.Model, Path], None], Callable[[Path]
     ("load_model-compact", _save_compact, keras_orbax.load_model),
     ("ModelCheckpoint-resume", _save_fast, _resume),
     ("inspect", _save_fast, lambda d: (keras_orbax.inspect(d), _restore(d))[1]),
+    ("restore_sharded-weights.h5", _save_h5, lambda d: _restore(d / "m.weights.h5")),
+    ("restore_sharded-weights.json", _save_h5, lambda d: _restore(d / "m.weights.json")),
+    ("restore_sharded-keras", _save_keras, lambda d: _restore(d / "m.keras")),
+    ("load_model-keras", _save_keras, lambda d: keras_orbax.load_model(d / "m.keras")),
 ]
 
 
