@@ -107,13 +107,13 @@ def _case(fmt: str, file: str, damage: str, error: type, match: str) -> None:
 
 for _damage in ("delete", "truncate", "empty"):
     _case("fast", "_CHECKPOINT_METADATA", _damage, CorruptCheckpointError, r"_CHECKPOINT_METADATA")
-    _case("fast", f"{KERNEL}/c/1/2", _damage, CorruptCheckpointError, r"dense/kernel.*c/1/2")
-    _case("fast", f"{KERNEL}/zarr.json", _damage, CorruptCheckpointError, r"dense/kernel")
+    _case("fast", f"{KERNEL}/c/1/2", _damage, CorruptCheckpointError, r"layers/dense/vars/0.*c/1/2")
+    _case("fast", f"{KERNEL}/zarr.json", _damage, CorruptCheckpointError, r"layers/dense/vars/0")
     _case(
         "compact", "_CHECKPOINT_METADATA", _damage, CorruptCheckpointError, "_CHECKPOINT_METADATA"
     )
-    _case("compact", "state/_METADATA", _damage, CorruptCheckpointError, r"dense/kernel")
-    _case("compact", "state/manifest.ocdbt", _damage, CorruptCheckpointError, r"dense/kernel")
+    _case("compact", "state/_METADATA", _damage, CorruptCheckpointError, r"layers/dense/vars/0")
+    _case("compact", "state/manifest.ocdbt", _damage, CorruptCheckpointError, r"layers/dense/vars/0")
 
 
 @pytest.mark.parametrize(
@@ -250,7 +250,7 @@ def test_shard_index_with_absurd_offset_or_size(originals, tmp_path, mesh, offse
     path.write_bytes(bytes(data))
     caught = restore_or_untouched(directory, originals["values"])
     assert isinstance(caught, CorruptCheckpointError), caught
-    assert "c/0/1" in str(caught) and "dense/kernel" in str(caught)
+    assert "c/0/1" in str(caught) and "layers/dense/vars/0" in str(caught)
 
 
 # -- one flipped bit in a metadata file ------------------------------------------------------------
