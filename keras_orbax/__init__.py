@@ -20,6 +20,7 @@ from keras_orbax._inspect import CheckpointInfo, inspect
 from keras_orbax._load_model import load_model
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
+from keras_orbax._verify import VerifyResult, verify
 
 __version__ = "0.1.0"
 
@@ -27,10 +28,12 @@ __all__ = [
     "CheckpointInfo",
     "ModelCheckpoint",
     "RestoreResult",
+    "VerifyResult",
     "deferred_init",
     "errors",
     "inspect",
     "load_model",
     "restore_sharded",
     "save",
+    "verify",
 ]
