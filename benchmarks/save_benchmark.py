@@ -55,6 +55,7 @@ def build(layers: int, width: int, many: bool):
         model = _Blocks([keras.layers.Dense(width) for _ in range(layers)])
         for block in model.blocks:
             block.build((None, width))
+        model.built = True
     else:
         model = keras.Sequential(
             [keras.Input((width,))] + [keras.layers.Dense(width) for _ in range(layers)]

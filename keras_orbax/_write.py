@@ -33,7 +33,10 @@ import numpy as np
 from keras_orbax import _checksum, _compat, _multihost
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
-_WORKERS = 16  # files in flight: enough to keep the disk's queue full while others fsync
+# Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
+# ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
+# (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
+_WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
 _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
 
 
@@ -135,7 +138,8 @@ def write_arrays(directory: Path, arrays: list[_Array], shards: list[_Shard]) ->
         files.append(("_sharding", _sharding_json(arrays)))
     files.append((f"array_metadatas/process_{jax.process_index()}", _array_metadatas(arrays)))
     (directory / "array_metadatas").mkdir(exist_ok=True)
-    with ThreadPoolExecutor(_WORKERS) as pool:
+    small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
+    with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
         checksums = dict(
             pool.map(lambda s: (s.relative, _write_shard(directory / s.relative, s.data)), shards)
         )
