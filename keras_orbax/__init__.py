@@ -21,6 +21,7 @@ from keras_orbax._load_model import load_model
 from keras_orbax._preset import from_preset
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._save import save
+from keras_orbax._verify import VerifyResult, verify
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointInfo",
     "ModelCheckpoint",
     "RestoreResult",
+    "VerifyResult",
     "deferred_init",
     "errors",
     "from_preset",
@@ -35,4 +37,5 @@ __all__ = [
     "load_model",
     "restore_sharded",
     "save",
+    "verify",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -11,8 +12,8 @@ import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _quiet, _shardings, _steps
-from keras_orbax._metadata import FORMAT_NAME, StepRecord, VariableRecord, versions
+from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _write
+from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
 from keras_orbax.errors import DeferredVariableError, StepExistsError
 
 SaveFormat = Literal["fast", "compact"]
@@ -85,9 +86,27 @@ def open_checkpointer(
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
+    if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
+        context.checkpointables_options.registry = _fast_registry()
     return ocp.training.Checkpointer(
         directory, context=context, preservation_policy=preservation_policy
     )
+
+
+def _fast_registry() -> Any:
+    """Orbax's handlers, with `state` saved by a PyTreeHandler that writes arrays via `_write`."""
+    handler = _compat.pytree_handler_with_array_writer(_write.FastArrayLeafHandler)
+    registry = ocp.handlers.local_registry(include_global_registry=False)
+    registry.add(handler, checkpointable_name=STATE)
+    default = ocp.handlers.local_registry()
+    for handler_type, name in default.get_all_entries():
+        if name != STATE:
+            registry.add(
+                handler_type,
+                checkpointable_name=name,
+                secondary_typestrs=default.get_secondary_typestrs(handler_type),
+            )
+    return registry
 
 
 def write_step(
@@ -135,15 +154,21 @@ def write_step(
         versions=versions(),
         extra=extra or {},
     )
-    response = checkpointer.save_async(
-        step,
-        # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
-        _keys.nest({key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}),
-        force=True,
-        overwrite=overwrite,
-        metrics=metrics,
-        custom_metadata={FORMAT_NAME: record.to_json()},
-    )
+    # Waited for at once, the save may write from the live device buffers; in the background it
+    # must copy them first (the next train step donates them).
+    writing = _write.shards_stay_unchanged() if blocking else contextlib.nullcontext()
+    with writing:
+        response = checkpointer.save_async(
+            step,
+            # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
+            _keys.nest(
+                {key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
+            ),
+            force=True,
+            overwrite=overwrite,
+            metrics=metrics,
+            custom_metadata={FORMAT_NAME: record.to_json()},
+        )
     if blocking and response is not None:
         response.result()
     return response

@@ -113,7 +113,9 @@ for _damage in ("delete", "truncate", "empty"):
         "compact", "_CHECKPOINT_METADATA", _damage, CorruptCheckpointError, "_CHECKPOINT_METADATA"
     )
     _case("compact", "state/_METADATA", _damage, CorruptCheckpointError, r"layers/dense/vars/0")
-    _case("compact", "state/manifest.ocdbt", _damage, CorruptCheckpointError, r"layers/dense/vars/0")
+    _case(
+        "compact", "state/manifest.ocdbt", _damage, CorruptCheckpointError, r"layers/dense/vars/0"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,258 @@
+"""Writing the `"fast"` format's shard files ourselves, while Orbax still commits the step.
+
+Orbax's `PyTreeHandler` writes the tree metadata (`_METADATA`) and commits the step (temporary
+directory, barrier across processes, rename); only the `jax.Array` leaves go through
+`FastArrayLeafHandler`, which writes the very files Orbax's tensorstore path would
+(`tests/test_format.py` compares them byte for byte): per array a zarr v3 `zarr.json` whose chunk
+is the saved shard, one file per distinct shard (the raw C-order bytes, then the 20-byte
+`sharding_indexed` index), `_sharding` and `array_metadatas/process_<i>`. What it does not do that
+tensorstore does: encode each shard into a second buffer, write every file under a temporary name
+and rename it, and fsync the directory after every file. Here each file is written once from the
+shard's own buffer (on CPU, the device buffer itself) by a pool of threads, checksummed piece by
+piece while it is written, fsync-ed, and every directory is fsync-ed once at the end. The step stays
+atomic: nothing is visible until Orbax renames the temporary step directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import contextvars
+import dataclasses
+import json
+import os
+from collections.abc import Awaitable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_orbax import _checksum, _compat, _multihost
+
+CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
+# Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
+# ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
+# (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
+_WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
+_COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
+
+
+@contextlib.contextmanager
+def shards_stay_unchanged() -> Iterator[None]:
+    """Within it, a save may write straight from the device buffers instead of host copies.
+
+    Only for a save that is waited for before the arrays can change: Keras's train step donates
+    the state's buffers, so an asynchronous save must copy them first (as Orbax does).
+    """
+    token = _COPY_SHARDS.set(False)
+    try:
+        yield
+    finally:
+        _COPY_SHARDS.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    array: str  # Orbax parameter name: the array's directory
+    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...>
+    data: np.ndarray  # C-contiguous host bytes
+
+    @property
+    def relative(self) -> str:
+        return "/".join([self.array, "c", *map(str, self.coords)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Array:
+    name: str
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any
+
+
+class FastArrayLeafHandler(_compat.array_leaf_handler()):  # type: ignore[misc]
+    """Orbax's array leaf handler, saving with keras-orbax's own shard writer.
+
+    Loading and metadata stay Orbax's. A tree holding an array this writer does not handle (a PRNG
+    key, an empty array; Keras makes neither) is saved by Orbax's own serializer, all of it, so
+    that the per-process files stay one writer's.
+    """
+
+    async def serialize(self, params: Sequence[Any], serialization_context: Any) -> Awaitable[None]:
+        if not all(_writable(p.value) for p in params):
+            return await super().serialize(params, serialization_context)
+        arrays = [_describe(p.name, p.value) for p in params]
+        shards = _host_shards(params, copy=_COPY_SHARDS.get())
+        parent = serialization_context.parent_dir
+
+        async def write() -> None:
+            await parent.await_creation()
+            await asyncio.to_thread(write_arrays, Path(parent.path), arrays, shards)
+
+        return write()
+
+
+def _writable(value: Any) -> bool:
+    return (
+        isinstance(value, jax.Array)
+        and value.size > 0
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    )
+
+
+def _describe(name: str, value: jax.Array) -> _Array:
+    chunk = value.sharding.shard_shape(value.shape)
+    return _Array(name, tuple(value.shape), tuple(chunk), np.dtype(value.dtype), value.sharding)
+
+
+def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
+    """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
+    accelerator; on CPU a view of the device buffer unless `copy`)."""
+    picked = [(p.name, s) for p in params for s in p.value.addressable_shards if s.replica_id == 0]
+    host = jax.device_get([s.data for _, s in picked])
+    shards = []
+    for (name, shard), data in zip(picked, host, strict=True):
+        chunk = shard.data.shape
+        coords = tuple(
+            (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
+        )
+        data = np.array(data, order="C") if copy else np.ascontiguousarray(data)
+        shards.append(_Shard(name, coords, data))
+    return shards
+
+
+def write_arrays(directory: Path, arrays: list[_Array], shards: list[_Shard]) -> None:
+    """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
+    durably: each file and each directory is fsync-ed before this returns."""
+    primary = _multihost.is_primary()
+    dirs = {directory / a.name for a in arrays} | {(directory / s.relative).parent for s in shards}
+    for path in sorted(dirs):
+        path.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[str, bytes]] = []
+    if primary:
+        files += [(f"{a.name}/zarr.json", _zarr_json(a)) for a in arrays]
+        files.append(("_sharding", _sharding_json(arrays)))
+    files.append((f"array_metadatas/process_{jax.process_index()}", _array_metadatas(arrays)))
+    (directory / "array_metadatas").mkdir(exist_ok=True)
+    small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
+    with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
+        checksums = dict(
+            pool.map(lambda s: (s.relative, _write_shard(directory / s.relative, s.data)), shards)
+        )
+        list(pool.map(lambda f: _write_file(directory / f[0], f[1]), files))
+        (directory / CHECKSUMS_DIR).mkdir(exist_ok=True)
+        _write_file(
+            directory / CHECKSUMS_DIR / f"process_{jax.process_index()}.json",
+            json.dumps({"algorithm": _checksum.ALGORITHM, "files": checksums}).encode(),
+        )
+        synced = dirs | {p.parent for p in dirs}
+        synced |= {directory, directory / "array_metadatas", directory / CHECKSUMS_DIR}
+        list(pool.map(_fsync_dir, sorted(synced)))
+
+
+def _write_shard(path: Path, data: np.ndarray) -> dict[str, int]:
+    """Writes one shard file (bytes, then the zarr index) and fsyncs it; returns its checksum."""
+    view = memoryview(data.reshape(-1).view(np.uint8).data)
+    index = _checksum.shard_index(len(view))
+    crc = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        for start in range(0, len(view), _checksum.PIECE_BYTES):
+            piece = view[start : start + _checksum.PIECE_BYTES]
+            crc = _checksum.update(crc, piece)
+            _write_all(fd, piece)
+        crc = _checksum.update(crc, index)
+        _write_all(fd, memoryview(index))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {_checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+
+def _write_file(path: Path, content: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        _write_all(fd, memoryview(content))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _zarr_json(array: _Array) -> bytes:
+    """The `zarr.json` tensorstore writes for Orbax's fast options (chunk = shard, uncompressed)."""
+    raw = {"configuration": {"endian": "little"}, "name": "bytes"}
+    inner = raw if array.dtype.itemsize > 1 else {"name": "bytes"}  # no byte order for 1 byte
+    spec = {
+        "chunk_grid": {"configuration": {"chunk_shape": list(array.chunk)}, "name": "regular"},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [
+            {
+                "configuration": {
+                    "chunk_shape": list(array.chunk),
+                    "codecs": [inner],
+                    "index_codecs": [raw, {"name": "crc32c"}],
+                },
+                "name": "sharding_indexed",
+            }
+        ],
+        "data_type": array.dtype.name,
+        "fill_value": _fill_value(array.dtype),
+        "node_type": "array",
+        "shape": list(array.shape),
+        "zarr_format": 3,
+    }
+    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _fill_value(dtype: np.dtype) -> Any:
+    if dtype == np.bool_:
+        return False
+    if np.issubdtype(dtype, np.integer):
+        return 0
+    if np.issubdtype(dtype, np.complexfloating):
+        return [0.0, 0.0]
+    return 0.0
+
+
+def _sharding_json(arrays: list[_Array]) -> bytes:
+    """Orbax's `_sharding` file: base64url(param name) -> serialized sharding."""
+    entries = {}
+    for array in arrays:
+        serialized = _compat.serialized_sharding(array.sharding)
+        if serialized is not None:
+            entries[base64.urlsafe_b64encode(array.name.encode()).decode()] = serialized
+    return json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _array_metadatas(arrays: list[_Array]) -> bytes:
+    """Orbax's per-process `array_metadatas/process_<i>` (write shape = chunk = shard shape)."""
+    entries = [
+        {
+            "array_metadata": {
+                "param_name": a.name,
+                "write_shape": list(a.chunk),
+                "chunk_shape": list(a.chunk),
+                "ext_metadata": None,
+            }
+        }
+        for a in arrays
+    ]
+    return json.dumps({"array_metadatas": entries}).encode()

@@ -1,0 +1,72 @@
+"""`verify` reads a saved step back and names each damaged file and its variable."""
+
+from __future__ import annotations
+
+import pytest
+
+import keras_orbax
+from keras_orbax.errors import CorruptCheckpointError
+from tests import _models
+
+KERNEL = "layers/dense/vars/0"  # the "hidden" layer's kernel, sharded 2 x 4
+
+
+@pytest.fixture
+def saved(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.compile_adam(_models.mlp())
+    model.optimizer.build(model.trainable_variables)
+    _models.fill_arange(model)
+    keras_orbax.save(model, tmp_path, step=3)
+    return tmp_path
+
+
+def _shard(root):
+    return root / "3" / "state" / KERNEL.replace("/", ".") / "c" / "1" / "2"
+
+
+def test_an_intact_checkpoint_verifies(saved):
+    result = keras_orbax.verify(saved)
+    assert result.step == 3 and result.unchecked == ()
+    assert result.checksummed == result.files > 8  # every file, each with its recorded checksum
+    assert result.bytes > 0
+
+
+@pytest.mark.parametrize("where", [0, 100, -1], ids=["first", "middle", "index"])
+def test_a_flipped_byte_is_named(saved, where):
+    shard = _shard(saved)
+    data = bytearray(shard.read_bytes())
+    data[where] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: (checksum|bad zarr)"):
+        keras_orbax.verify(saved)
+
+
+def test_a_flipped_data_byte_is_caught_by_the_checksum(saved):
+    shard = _shard(saved)
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x80
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"c/1/2: checksum 0x[0-9a-f]+, recorded"):
+        keras_orbax.verify(saved, step=3)
+
+
+def test_a_truncated_file_is_named(saved):
+    shard = _shard(saved)
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: \d+ bytes, expected"):
+        keras_orbax.verify(saved)
+
+
+def test_a_missing_file_is_named_with_every_other_problem(saved):
+    _shard(saved).unlink()
+    record = keras_orbax.inspect(saved).record
+    (momentum,) = [v for v in record.variables.values() if v.path.endswith("hidden_bias_momentum")]
+    bias = saved / "3" / "state" / momentum.array / "c" / "0"
+    bias.write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError) as caught:
+        keras_orbax.verify(saved)
+    message = str(caught.value)
+    assert f"{KERNEL}: " in message and "c/1/2: missing" in message
+    assert f"{momentum.key}: " in message and "0 bytes" in message
+    assert "2 array files failed" in message
