@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from keras_orbax._checksum import crc32c
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax.errors import CorruptCheckpointError
@@ -147,11 +148,17 @@ class FastArray:
     def _read_box(self, path: Path, box: _Box, out: np.ndarray, out_shape: tuple[int, ...]) -> None:
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
-            offset, stored = struct.unpack("<QQ", os.pread(fd, 16, self.chunk_bytes))
+            index = os.pread(fd, _INDEX_BYTES, self.chunk_bytes)
+            offset, stored = struct.unpack("<QQ", index[:16])
+            (crc,) = struct.unpack("<I", index[16:]) if len(index) == _INDEX_BYTES else (None,)
             size = os.fstat(fd).st_size
             if offset == _MISSING or stored != self.chunk_bytes or offset + stored > size:
                 raise CorruptCheckpointError(
                     f"{self.key}: shard file {path} has no data or a bad index."
+                )
+            if crc != crc32c(index[:16]):  # a damaged index could shift the data silently
+                raise CorruptCheckpointError(
+                    f"{self.key}: the shard index of {path} fails its CRC-32C check."
                 )
             read_box(fd, path, offset, self.chunk_shape, box, out, out_shape, self.dtype)
 

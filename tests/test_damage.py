@@ -291,3 +291,16 @@ def test_a_flipped_bit_in_metadata_is_detected_or_harmless(originals, tmp_path, 
 
     flip()
     assert outcomes["error"] > 0, outcomes  # some flips must be caught, or none was made
+
+
+def test_a_shard_index_whose_crc32c_fails_is_refused(originals, tmp_path, mesh):
+    """An index that still points inside the file, but is not the one written: refused on restore,
+    not silently read from the wrong offset."""
+    directory = _copy(originals, "fast", tmp_path)
+    shard = directory / str(STEP) / KERNEL / "c" / "1" / "2"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0x01  # the low byte of the data offset: 0 -> 1, still within the file
+    shard.write_bytes(bytes(data))
+    caught = restore_or_untouched(directory, originals["values"])
+    assert isinstance(caught, CorruptCheckpointError), caught
+    assert "CRC-32C" in str(caught) and "c/1/2" in str(caught)
