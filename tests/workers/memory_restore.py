@@ -51,6 +51,12 @@ def main(mode: str, directory: str) -> None:
     if mode == "save":
         keras_orbax.save(build(), directory, step=1)
         return
+    if mode == "save_compiled":
+        model = build()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        keras_orbax.save(model, directory, step=1)
+        return
     if mode == "save_h5":
         build_embedding().save_weights(os.path.join(directory, "m.weights.h5"))
         return
@@ -61,18 +67,24 @@ def main(mode: str, directory: str) -> None:
             warm = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
         keras_orbax.restore_sharded(warm, tiny)
     after_imports = _status_kib("VmRSS") * 1024
-    with keras_orbax.deferred_init():
-        model = build_embedding() if mode == "restore_h5" else build()
-    source = os.path.join(directory, "m.weights.h5") if mode == "restore_h5" else directory
-    result = keras_orbax.restore_sharded(model, source)
-    resident = sum(s.data.nbytes for v in model.variables for s in v.value.addressable_shards)
+    if mode == "load_model":
+        model = keras_orbax.load_model(directory)
+        result = keras_orbax.inspect(directory)  # what was read: every array of the step
+        bytes_read = result.nbytes
+    else:
+        with keras_orbax.deferred_init():
+            model = build_embedding() if mode == "restore_h5" else build()
+        source = os.path.join(directory, "m.weights.h5") if mode == "restore_h5" else directory
+        bytes_read = keras_orbax.restore_sharded(model, source).bytes_read
+    variables = list(model.variables) + list(getattr(model.optimizer, "variables", []) or [])
+    resident = sum(s.data.nbytes for v in variables for s in v.value.addressable_shards)
     print(
         json.dumps(
             {
                 "after_imports": after_imports,
                 "peak": _status_kib("VmHWM") * 1024,
                 "resident": resident,
-                "bytes_read": result.bytes_read,
+                "bytes_read": bytes_read,
             }
         )
     )
