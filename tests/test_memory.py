@@ -64,5 +64,6 @@ def test_load_model_builds_the_optimizer_deferred_and_peaks_at_one_copy(tmp_path
     assert figures["resident"] == 3 * kernels + 8 * (3 * biases + counters)
     growth = figures["peak"] - figures["after_imports"]
     # Compiling from the stored config and building Adam's slots initialized (as Keras's
-    # compile_from_config does) would add a second copy of the optimizer state: 2 x 64 MiB.
-    assert growth <= 1.15 * figures["resident"], figures
+    # compile_from_config does) would add a second copy of the optimizer state: 2 x 64 MiB,
+    # 1.6 x in all (measured 1.14 x here).
+    assert growth <= 1.3 * figures["resident"], figures
