@@ -149,3 +149,21 @@ def test_missing_file_on_one_process_fails_everywhere_without_hanging(written, t
     assert "process 1: CorruptCheckpointError" in message
     assert "layers/dense/vars/0: missing file" in message and "c/1/2" in message
     assert all(r["untouched"] for r in results)
+
+
+def test_process_0_decides_the_step_for_every_process(written, tmp_path):
+    import shutil
+
+    primary, other = tmp_path / "primary", tmp_path / "other"
+    shutil.copytree(written / "arange", primary)
+    shutil.copytree(written / "arange", other)
+    shutil.copytree(other / "1", other / "5")  # a step process 1 sees and process 0 does not
+    results = run_workers(
+        WORKER,
+        2,
+        4,
+        {"action": "read_own_view", "directory": "", "directories": [str(primary), str(other)]},
+        workdir=_dir(tmp_path / "w"),
+    )
+    assert [r["step"] for r in results] == [1, 1]
+    assert all(r["mismatches"] == [] for r in results)

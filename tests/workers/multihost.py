@@ -160,6 +160,16 @@ def read_expect_error(directory: Path) -> dict:
     return {"type": None}
 
 
+def read_own_view(directories: list[str]) -> dict:
+    """Each process restores the latest step of its own copy of a directory: they must agree on
+    process 0's choice, whatever their own listing says."""
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    with keras_orbax.deferred_init():
+        model = _models.mlp(width=WIDTH)
+    result = keras_orbax.restore_sharded(model, directories[jax.process_index()])
+    return {"step": result.step, "mismatches": _compare_with_arange(model)}
+
+
 def main() -> None:
     ctx = init_worker()
     keras.utils.set_random_seed(0)  # every process must initialize the same values
@@ -172,6 +182,8 @@ def main() -> None:
         write_result(read(directory, args["layouts"], args.get("trained"), args.get("reference")))
     elif action == "save_big":
         write_result(save_big(directory, ctx.workdir))
+    elif action == "read_own_view":
+        write_result(read_own_view(args["directories"]))
     elif action == "read_expect_error":
         write_result(read_expect_error(directory))
     else:
