@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,14 +105,20 @@ class EmptyArray:
         )
 
 
+DEFAULT_WINDOW_BYTES = 512 << 20
+
+
 def read_arrays(
-    plan: ReadPlan, *, max_workers: int | None = None
+    plan: ReadPlan, *, max_workers: int | None = None, window_bytes: int | None = None
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
-    Fast-format shards are read by a pool of threads across all arrays at once, a little ahead of
-    the arrays being put on their devices, so few host buffers wait where a device copies them.
-    Collective when some arrays go through Orbax (the compact format): call on every process.
+    Regions are read by a pool of threads across all arrays at once, ahead of the arrays being put
+    on their devices, with at most `window_bytes` of regions read ahead (default: 512 MiB or the
+    largest region, whichever is larger; one region always goes). So host memory for reads stays
+    within the window plus the regions of the one array being placed (which, on the CPU backend,
+    are the devices' own buffers). Collective when some arrays go through Orbax (the compact
+    format): call on every process.
 
     Raises:
         CorruptCheckpointError: an array file is unreadable.
@@ -120,7 +127,9 @@ def read_arrays(
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    pieces = _read_ahead(tasks, workers)
+    sizes = [_region_bytes(request, index) for request, _, index in tasks]
+    window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])
+    pieces = _read_ahead(tasks, sizes, workers, window)
     for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
         read = list(group)
         regions = {repr(index): data for (_, _, index), data in read}
@@ -147,23 +156,32 @@ def _on_devices(request: ReadRequest, regions: dict[str, np.ndarray]) -> jax.Arr
     return jax.make_array_from_callback(request.target.shape, request.target.sharding, region)
 
 
-def _read_ahead(tasks: list[_Task], workers: int) -> Iterator[tuple[_Task, np.ndarray]]:
-    """Each task's region, in order, read by a pool of threads at most `2 * workers` tasks ahead:
-    few host buffers wait for their devices at any time."""
+def _read_ahead(
+    tasks: list[_Task], sizes: list[int], workers: int, window: int
+) -> Iterator[tuple[_Task, np.ndarray]]:
+    """Each task's region, in order, read by a pool of threads ahead of the consumer by at most
+    `window` bytes (and `2 * workers` tasks), but always by one task."""
     with ThreadPoolExecutor(workers) as pool:
-
-        def submit(task: _Task) -> tuple[_Task, Future[np.ndarray]]:
-            request, array, index = task
-            return task, pool.submit(array.read, index, np.dtype(request.target.dtype))
-
-        queue = iter(tasks)
-        pending = collections.deque(submit(t) for t in itertools.islice(queue, 2 * workers))
-        while pending:
-            task, future = pending.popleft()
-            following = next(queue, None)
-            if following is not None:
-                pending.append(submit(following))
+        pending: collections.deque[tuple[_Task, Future[np.ndarray], int]] = collections.deque()
+        ahead, following = 0, 0
+        for _ in tasks:
+            while following < len(tasks) and (
+                not pending or (ahead + sizes[following] <= window and len(pending) < 2 * workers)
+            ):
+                request, array, index = task = tasks[following]
+                future = pool.submit(array.read, index, np.dtype(request.target.dtype))
+                pending.append((task, future, sizes[following]))
+                ahead += sizes[following]
+                following += 1
+            task, future, size = pending.popleft()
+            ahead -= size
             yield task, future.result()
+
+
+def _region_bytes(request: ReadRequest, index: Index) -> int:
+    shape = request.target.shape
+    counts = [len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)]
+    return math.prod(counts) * np.dtype(request.target.dtype).itemsize
 
 
 def _read_with_orbax(

@@ -60,6 +60,7 @@ def restore_sharded(
     step: int | None = None,
     *,
     strict: bool = True,
+    read_window_bytes: int | None = None,
 ) -> RestoreResult:
     """Restores `model` from a checkpoint, each shard read straight onto its device.
 
@@ -77,6 +78,8 @@ def restore_sharded(
         strict: If False, restore what matches: variables the checkpoint lacks or holds with another
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
             entries the model lacks are ignored. `RestoreResult.skipped` lists them.
+        read_window_bytes: Host memory for regions read ahead of being placed on their devices;
+            default 512 MiB or the largest region, whichever is larger.
 
     Returns:
         A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read.
@@ -113,7 +116,7 @@ def restore_sharded(
             "restore_sharded/plan", _prepare, model, directory, step, strict
         )
     arrays, bytes_read = _multihost.run_collectively(
-        "restore_sharded/read", _read_checked, plan, reads
+        "restore_sharded/read", _read_checked, plan, reads, read_window_bytes
     )
     # Every array is read: from here on nothing can fail halfway.
     variables = _attach_optimizer(model, record, state)
@@ -149,11 +152,13 @@ def _prepare(
     return record, state, plan, reads
 
 
-def _read_checked(plan: _plan.Plan, reads: _read.ReadPlan) -> tuple[dict[str, jax.Array], int]:
+def _read_checked(
+    plan: _plan.Plan, reads: _read.ReadPlan, window_bytes: int | None = None
+) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array and checks that each is one: the right key, type, shape, dtype
     and sharding. A damaged file can make a reader hand back something else (Orbax returns the
     abstract target for a key its tree metadata lost); nothing may be assigned then."""
-    arrays, bytes_read = _read.read_arrays(reads)
+    arrays, bytes_read = _read.read_arrays(reads, window_bytes=window_bytes)
     wrong = []
     for key, request in plan.reads.items():
         array, target = arrays.get(key), request.target
