@@ -156,7 +156,7 @@ def _pair_by_counterless_paths(
     for tree_path, key in wanted.items():
         if key not in taken:
             variable_groups[_COUNTER.sub("", tree_path)].append(key)
-    found = {}
+    found: dict[str, str] = {}
     for name, keys in variable_groups.items():
         trees = sorted(leaf_groups.get(name, []), key=_counters)
         if len(trees) != len(keys):
