@@ -516,3 +516,16 @@ def serialized_sharding(sharding: Any) -> str | None:
 
     metadata = sharding_metadata.from_jax_sharding(sharding)
     return None if metadata is None else metadata.to_serialized_string()
+
+
+def step_metrics(step_dir: Any) -> dict[str, Any]:
+    """The metrics Orbax stored with one step (`save(..., metrics=logs)`), from its metadata file.
+
+    Why private: as `step_custom_metadata`; the public `ocp.checkpointables_metadata` also loads
+    the tree metadata of every array, and `inspect` lists every step.
+    """
+    from orbax.checkpoint._src.metadata import checkpoint
+
+    store = checkpoint.metadata_store(enable_write=False)
+    serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
+    return dict((serialized or {}).get("metrics") or {})

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_orbax import _foreign, _h5_files, _multihost, _steps
+from keras_orbax import _foreign, _h5_files, _keras_format, _multihost, _steps
 from keras_orbax._deferred import deferred_init
 from keras_orbax._restore import restore_sharded
 from keras_orbax.errors import CheckpointMismatchError
@@ -56,7 +56,11 @@ def load_model(
     else:
         step = _multihost.primary_value("load_model/step", _steps.resolve_step, directory, step)
         _, path = _steps.step_path(directory, step)
-        config = _steps.read_record(path).model_config
+        config = (
+            _keras_format.model_config(path)
+            if _keras_format.is_keras_step(path)
+            else _steps.read_record(path).model_config
+        )
     if config is None:
         raise CheckpointMismatchError(
             f"Checkpoint step '{path}' holds no model config: the model that saved it could not be "

@@ -57,6 +57,8 @@ class ReadPlan:
     step_dir: Path
     fast: list[tuple[ReadRequest, Any, list[Index]]]  # with the regions this process reads
     via_orbax: list[ReadRequest]
+    checkpointable: str = STATE  # the Orbax checkpointable holding the arrays read via Orbax
+    tree_paths: dict[str, str] | None = None  # key -> path in that tree, where it is not the key
 
 
 def plan_reads(
@@ -140,7 +142,9 @@ def read_arrays(
         stored = np_dtype(request.record.dtype).itemsize
         bytes_read += sum(data.size for data in regions.values()) * stored
     if plan.via_orbax:
-        loaded, nbytes = _read_with_orbax(plan.step_dir, plan.via_orbax)
+        loaded, nbytes = _read_with_orbax(
+            plan.step_dir, plan.via_orbax, plan.checkpointable, plan.tree_paths or {}
+        )
         arrays.update(loaded)
         bytes_read += nbytes
     return arrays, bytes_read
@@ -185,23 +189,27 @@ def _region_bytes(request: ReadRequest, index: Index) -> int:
 
 
 def _read_with_orbax(
-    step_dir: Path, requests: Sequence[ReadRequest]
+    step_dir: Path,
+    requests: Sequence[ReadRequest],
+    checkpointable: str = STATE,
+    tree_paths: dict[str, str] | None = None,
 ) -> tuple[dict[str, jax.Array], int]:
-    abstract = _keys.nest({r.record.key: r.target for r in requests})
+    paths = {r.record.key: (tree_paths or {}).get(r.record.key, r.record.key) for r in requests}
+    abstract = _keys.nest({paths[r.record.key]: r.target for r in requests})
     before = _tensorstore_bytes_read()
     try:
         context = ocp.Context()
         context.pytree.loading.partial_load = True
         with context:
-            loaded = ocp.load(step_dir, abstract, checkpointable_name=STATE)
+            loaded = ocp.load(step_dir, abstract, checkpointable_name=checkpointable)
     except Exception as error:  # tensorstore raises plain Exceptions; re-raised, never swallowed
         keys = ", ".join(r.record.key for r in requests[:10])
         raise CorruptCheckpointError(
             f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): {error}. "
             "No variable was modified."
         ) from error
-    flat = _keys.flatten(loaded, [r.record.key for r in requests])
-    return flat, _tensorstore_bytes_read() - before
+    flat = _keys.flatten(loaded, list(paths.values()))
+    return {key: flat[path] for key, path in paths.items()}, _tensorstore_bytes_read() - before
 
 
 def _tensorstore_bytes_read() -> int:

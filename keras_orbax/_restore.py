@@ -14,6 +14,7 @@ from keras_orbax import (
     _deferred,
     _foreign,
     _hf,
+    _keras_format,
     _keys,
     _keys_v1,
     _multihost,
@@ -142,13 +143,14 @@ def _prepare(
 ) -> tuple[StepRecord, _keys.KeyedState, _plan.Plan, _read.ReadPlan]:
     """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
     an optimizer that is not built yet is planned through a deferred copy of it."""
-    _, path = _steps.step_path(directory, step)
-    record = _steps.read_record(path)
-    state = _key_state(model, record, _unbuilt_optimizer_stand_in(model, record))
-    plan = _plan.make_plan(record, state, strict=strict)
+    path, record, state, plan = plan_restore(model, directory, step, strict)
     if plan.problems:
         raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
     reads = _read.plan_reads(path, list(plan.reads.values()))
+    if _keras_format.is_keras_step(path):
+        reads = dataclasses.replace(
+            reads, checkpointable=_keras_format.PYTREE, tree_paths=_keras_format.tree_keys(record)
+        )
     return record, state, plan, reads
 
 
@@ -176,6 +178,25 @@ def _read_checked(
             f"({len(wrong)}):\n" + "\n".join(wrong[:20]) + "\nNo variable was modified."
         )
     return arrays, bytes_read
+
+
+def plan_restore(
+    model: keras.Model, directory: str | os.PathLike, step: int | None, strict: bool
+) -> tuple[Path, StepRecord, _keys.KeyedState, _plan.Plan]:
+    """The step's directory and record, the model's keyed state and the plan; reads no array
+    and raises nothing for a plan with problems. A step of Keras's own `OrbaxCheckpoint` is
+    keyed by the model's variables (`_keras_format`)."""
+    step, path = _steps.step_path(directory, step)
+    if _keras_format.is_keras_step(path):
+        saved = _keras_format.tree_record(step, path)
+        state = _key_state(model, saved, _unbuilt_optimizer_stand_in(model, saved))
+        record = _keras_format.model_record(saved, state, model)
+        optional = _keras_format.optional_keys(saved, state)
+    else:
+        record = _steps.read_record(path)
+        state = _key_state(model, record, _unbuilt_optimizer_stand_in(model, record))
+        optional = frozenset()
+    return path, record, state, _plan.make_plan(record, state, strict=strict, optional=optional)
 
 
 def _key_state(

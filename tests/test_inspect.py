@@ -35,7 +35,9 @@ def test_inspect_describes_every_variable(tmp_path, distribution):
         check=True,
     ).stdout
     assert "steps [5, 9]; step 9, epoch 3, 4 variables, 3.2 KiB" in printed
-    assert re.search(r"layers/dense/vars/0 +float32 +\(16, 32\) +mesh \(2, 4\)", printed)
+    assert re.search(
+        r"layers/dense/vars/0 +hidden/kernel +\(16, 32\) +float32 +2.0 KiB +mesh \(2, 4\)", printed
+    )
     assert "partition ('batch', 'model')" in printed
 
 
@@ -45,5 +47,5 @@ def test_command_line_reports_a_missing_directory(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "does not exist" in done.stderr

@@ -1,0 +1,221 @@
+"""The `keras-orbax` command line, run as a real subprocess on real Keras files and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from tests import cli_models
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_orbax", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    if check is not None:
+        assert done.returncode == check, done.stdout + done.stderr
+    return done
+
+
+def _trained_mlp() -> keras.Model:
+    model = cli_models.mlp()
+    rng = np.random.default_rng(0)
+    for variable in model.weights:
+        variable.assign(rng.standard_normal(variable.shape).astype("float32"))
+    return model
+
+
+def test_the_console_script_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["keras-orbax"] == "keras_orbax.cli:main"
+    assert "rich" not in " ".join(project["dependencies"])
+
+
+def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
+    h5 = tmp_path / "m.weights.h5"
+    trained = _trained_mlp()
+    trained.save_weights(h5)
+    _run("convert", str(h5), str(tmp_path / "ckpt"), "--step", "3")
+
+    expected = cli_models.mlp()
+    expected.load_weights(h5)  # Keras's own loader is the oracle
+    restored = cli_models.mlp()
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    for got, want in zip(restored.weights, expected.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+    same = _run("diff", str(h5), f"{tmp_path / 'ckpt'}@3", "--values")
+    assert "4 common variables compared (keys, shapes, dtypes and values): identical" in same.stdout
+
+    # A change of 1e-6 in one value is found, and printed with enough digits to see it.
+    changed = cli_models.mlp()
+    changed.load_weights(h5)
+    kernel = np.asarray(changed.get_layer("head").kernel.value).copy()
+    kernel[3, 5] = np.float32(1.0)
+    changed.get_layer("head").kernel.assign(kernel)
+    keras_orbax.save(changed, tmp_path / "ckpt", step=4)
+    kernel[3, 5] = np.float32(1.0 + 1e-6)
+    changed.get_layer("head").kernel.assign(kernel)
+    keras_orbax.save(changed, tmp_path / "ckpt", step=5)
+    differ = _run("diff", f"{tmp_path / 'ckpt'}@4", f"{tmp_path / 'ckpt'}@5", "--values", check=1)
+    found = re.search(r"~ layers/dense_1/vars/0  max \|a - b\| = (\S+)", differ.stdout)
+    assert found and float(found.group(1)) == pytest.approx(9.5367431640625e-07, rel=1e-6)
+    assert "differ" in differ.stdout.splitlines()[-1]
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(4)(keras.layers.Dense(32)(inputs))
+    other = tmp_path / "other.weights.h5"
+    keras.Model(inputs, keras.layers.Dense(2)(x)).save_weights(other)
+    keys = _run("diff", f"{tmp_path / 'ckpt'}@5", str(other), check=1)
+    assert "! layers/dense_1/vars/0  (32, 8) float32 -> (32, 4) float32" in keys.stdout
+    assert f"+ layers/dense_2/vars/0  (only in {other})" in keys.stdout
+
+    shown = json.loads(_run("inspect", str(tmp_path / "ckpt"), "--step", "3", "--json").stdout)
+    assert [s["step"] for s in shown["steps"]] == [3, 4, 5]
+    kernel_entry = shown["variables"][0]
+    assert (kernel_entry["key"], kernel_entry["shape"], kernel_entry["nbytes"]) == (
+        "layers/dense/vars/0",
+        [16, 32],
+        16 * 32 * 4,
+    )
+
+
+def test_errors_are_one_line_naming_the_path(tmp_path):
+    missing = tmp_path / "nope.weights.h5"
+    done = _run("convert", str(missing), str(tmp_path / "out"), check=2)
+    assert done.stderr.count("\n") == 1 and str(missing) in done.stderr
+    assert "Traceback" not in done.stderr
+    quiet = _run("inspect", str(tmp_path / "nothing"), "--quiet", check=2)
+    assert quiet.stdout == "" and str(tmp_path / "nothing") in quiet.stderr
+
+
+def test_plan_reports_bytes_per_device_and_process_without_reading(tmp_path):
+    keras_orbax.save(_trained_mlp(), tmp_path / "ckpt", step=1)
+    args = ["plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:mlp", "--mesh", "2x4"]
+    args += ["--layout-map", "tests.cli_models:layout_map", "--processes", "2", "--json"]
+    report = json.loads(_run(*args).stdout)
+    assert report["problems"] == [] and report["reads"] == 4
+    # Kernels (16, 32) and (32, 8) split 2 x 4 ways; biases replicated on all 8 devices.
+    per_device = (16 * 32 + 32 * 8) * 4 // 8 + (32 + 8) * 4
+    assert list(report["device_bytes"].values()) == [per_device] * 8
+    # Process 0 holds devices 0-3: the batch half 0 of each kernel, and one copy of each bias.
+    assert report["process_bytes"] == {"0": (16 * 32 + 32 * 8) * 4 // 2 + (32 + 8) * 4} | {
+        "1": (16 * 32 + 32 * 8) * 4 // 2 + (32 + 8) * 4
+    }
+    wrong = _run("plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:wide", check=1)
+    assert "would fail" in wrong.stdout and "missing" in wrong.stdout
+
+
+def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path):
+    trained = _trained_mlp()
+    trained.compile(optimizer="adam", loss="mse")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "keras"), save_on_background=False)
+    x, y = np.ones((8, 16), "float32"), np.ones((8, 8), "float32")
+    trained.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
+    refused = _run("convert", str(tmp_path / "keras"), str(tmp_path / "ckpt"), check=2)
+    assert "--model" in refused.stderr
+    _run(
+        "convert",
+        str(tmp_path / "keras"),
+        str(tmp_path / "ckpt"),
+        "--model",
+        "tests.cli_models:mlp",
+    )
+    restored = cli_models.mlp()
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    for got, want in zip(restored.weights, trained.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+
+def _wide_weights(tmp_path: Path) -> Path:
+    h5 = tmp_path / "wide.weights.h5"
+    model = cli_models.wide()
+    rng = np.random.default_rng(1)
+    for variable in model.weights:
+        variable.assign(rng.standard_normal(variable.shape).astype("float32"))
+    model.save_weights(h5)
+    return h5
+
+
+def test_convert_streams_one_array_at_a_time(tmp_path):
+    """A fresh process converts a 64 MiB file (8 x 8 MiB); its peak RSS grows by well under the
+    model (< 3 variables), after a warm-up conversion of a tiny file took Orbax's fixed costs."""
+    h5 = _wide_weights(tmp_path)
+    small = tmp_path / "small.weights.h5"
+    _trained_mlp().save_weights(small)
+    script = f"""
+import json, resource
+from keras_orbax._convert import convert
+convert({str(small)!r}, {str(tmp_path / "warm")!r})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert({str(h5)!r}, {str(tmp_path / "ckpt")!r})
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"growth": (after - before) * 1024}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    growth = json.loads(done.stdout.strip().splitlines()[-1])["growth"]
+    variable = 8 * 2**20
+    assert growth < 3 * variable, f"peak RSS grew {growth / 2**20:.1f} MiB"
+    restored = cli_models.wide()
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    expected = cli_models.wide()
+    expected.load_weights(h5)
+    for got, want in zip(restored.weights, expected.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+
+def test_progress_shows_on_a_terminal_and_not_with_quiet(tmp_path):
+    h5 = _wide_weights(tmp_path)
+    shown = _on_terminal("convert", str(h5), str(tmp_path / "a"))
+    assert "64.0 MiB" in shown and re.search(r"B/s", shown), shown
+    hidden = _on_terminal("convert", str(h5), str(tmp_path / "b"), "--quiet")
+    assert "MiB" not in hidden and "wrote" not in hidden, hidden
+
+
+def _on_terminal(*args: str) -> str:
+    """Runs the command line with stdout and stderr on a pseudo-terminal; what it showed."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "COLUMNS": "120"}
+    env.pop("XLA_FLAGS", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keras_orbax", *args],
+        stdout=follower,
+        stderr=follower,
+        cwd=ROOT,
+        env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the process is gone
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert process.wait() == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")

@@ -1,0 +1,127 @@
+"""Directories written by Keras's own `keras.callbacks.OrbaxCheckpoint` restore sharded, exactly."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+import pytest
+
+import keras_orbax
+from tests import _models
+
+
+def _build() -> keras.Model:
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="hidden")(inputs)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    outputs = keras.layers.Dense(8, name="head")(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
+def _compiled(model: keras.Model) -> keras.Model:
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def keras_checkpoint(tmp_path_factory):
+    """Three epochs saved by Keras's callback (steps 0, 1, 2); the model as trained."""
+    directory = tmp_path_factory.mktemp("keras_orbax_checkpoint")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 16), "float32"), rng.random((32, 8), "float32")
+    model = _compiled(_build())
+    callback = keras.callbacks.OrbaxCheckpoint(
+        str(directory), max_to_keep=3, save_on_background=False
+    )
+    model.fit(x, y, epochs=3, batch_size=8, verbose=0, callbacks=[callback])
+    return directory, model
+
+
+def _state(model: keras.Model) -> dict[str, np.ndarray]:
+    """Every variable by keras-orbax key (weights, optimizer, metrics)."""
+    return {k: np.asarray(v.value) for k, v in keras_orbax._keys.keyed_variables(model).items()}
+
+
+def _saved(directory, trained: keras.Model, step: int) -> dict[str, np.ndarray]:
+    """The oracle: the step's tree as Orbax loads it, given to each variable of the model that
+    saved it by its collection and path, as Keras's `set_state_tree` does; by keras-orbax key."""
+    tree = ocp.load_checkpointables(directory / str(step), {"pytree": None})["pytree"]
+    collections = {
+        "trainable_variables": trained.trainable_variables,
+        "non_trainable_variables": trained.non_trainable_variables,
+        "optimizer_variables": trained.optimizer.variables,
+        "metrics_variables": trained.metrics_variables,
+    }
+    keys = {id(v): k for k, v in keras_orbax._keys.keyed_variables(trained).items()}
+    expected = {}
+    for collection, variables in collections.items():
+        for variable in variables:
+            node = tree[collection]
+            for part in variable.path.split("/"):
+                node = node[part]
+            expected[keys[id(variable)]] = np.asarray(node)
+    return expected
+
+
+def _assert_equal(actual: dict, expected: dict) -> None:
+    assert sorted(actual) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+@pytest.mark.parametrize("step", [None, 1])
+def test_restores_latest_or_chosen_step_sharded(tmp_path, distribution, keras_checkpoint, step):
+    directory, trained = keras_checkpoint
+    distribution(_models.model_parallel((2, 4)))
+    model = _compiled(_build())  # built in the same process: paths carry `_1` counters
+    result = keras_orbax.restore_sharded(model, directory, step)
+    assert result.step == (2 if step is None else 1)
+    assert "layers/dense/vars/0" not in result.skipped
+    expected = _saved(directory, trained, result.step)
+    assert sorted(expected) == sorted(_state(trained))  # the whole state, metrics included
+    _assert_equal(_state(model), {k: expected[k] for k in _state(model)})
+    if step is None:  # the latest step is what the trained model holds
+        _assert_equal(
+            _state(model), {k: v for k, v in _state(trained).items() if k in _state(model)}
+        )
+    assert int(model.optimizer.iterations) == (12 if step is None else 8)
+    kernel = model.get_layer("hidden").kernel.value
+    assert tuple(kernel.sharding.spec) == ("batch", "model")
+
+
+def test_restores_an_uncompiled_and_a_deferred_model(distribution, keras_checkpoint):
+    directory, trained = keras_checkpoint
+    distribution(_models.model_parallel((2, 4)))
+    weights = [np.asarray(v) for v in trained.weights]
+    plain = _build()
+    keras_orbax.restore_sharded(plain, directory)
+    with keras_orbax.deferred_init():
+        deferred = _build()
+    _compiled(deferred)
+    keras_orbax.restore_sharded(deferred, directory)
+    for model in (plain, deferred):
+        for got, expected in zip(model.weights, weights, strict=True):
+            np.testing.assert_array_equal(np.asarray(got.value), expected)
+    optimizer = {k: v for k, v in _state(trained).items() if k.startswith("optimizer/")}
+    _assert_equal({k: v for k, v in _state(deferred).items() if k in optimizer}, optimizer)
+    assert int(deferred.optimizer.iterations) == 12
+
+
+def test_load_model_rebuilds_from_keras_config(distribution, keras_checkpoint):
+    directory, trained = keras_checkpoint
+    distribution(_models.model_parallel((2, 4)))
+    model = keras_orbax.load_model(directory)
+    expected = _saved(directory, trained, 2)
+    _assert_equal(_state(model), {k: expected[k] for k in _state(model)})
+    assert len(_state(model)) == len(expected) - 2  # all but the mae metric, not built yet
+    assert model.optimizer.built and int(model.optimizer.iterations) == 12
+
+
+def test_a_mismatch_names_the_tree_path(keras_checkpoint):
+    directory, _ = keras_checkpoint
+    inputs = keras.Input((16,))
+    outputs = keras.layers.Dense(8, name="head")(keras.layers.Dense(4, name="hidden")(inputs))
+    model = keras.Model(inputs, outputs)
+    with pytest.raises(keras_orbax.errors.CheckpointMismatchError, match="trainable_variables/"):
+        keras_orbax.restore_sharded(model, directory)
