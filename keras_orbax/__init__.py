@@ -13,6 +13,12 @@ keras_orbax.restore_sharded(model, "/ckpt")
 ```
 """
 
+import os
+
+# keras-orbax is for Keras's JAX backend: choose it unless the user chose one (Keras reads this when
+# it is first imported; the console script imports nothing else before).
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 from keras_orbax import errors
 from keras_orbax._callback import ModelCheckpoint
 from keras_orbax._deferred import deferred_init

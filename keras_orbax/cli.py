@@ -95,16 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     write.add_argument("--step", type=int, default=0)
     write.set_defaults(run=_convert)
 
-    import keras_orbax
-
-    verify = getattr(keras_orbax, "verify", None)
-    if verify is not None:  # added by the checksum work; wired when present
-        check = commands.add_parser("verify", parents=[common], help="check a step's checksums")
-        check.add_argument("directory")
-        check.add_argument("--step", type=int, default=None)
-        check.set_defaults(run=lambda args: _verify(verify, args))
-    # TODO(verify): if keras_orbax.verify is absent (its branch not merged yet), there is no
-    # `verify` subcommand; once merged, settle its output and exit code (_verify below).
+    check = commands.add_parser("verify", parents=[common], help="check a step's checksums")
+    check.add_argument("directory")
+    check.add_argument("--step", type=int, default=None)
+    check.set_defaults(run=_verify)
     return parser
 
 
@@ -186,10 +180,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify(verify: Callable[..., Any], args: argparse.Namespace) -> int:
+def _verify(args: argparse.Namespace) -> int:
+    """Exit 0 when intact; a damaged step raises `CorruptCheckpointError`, printed as one line."""
+    from keras_orbax import verify
+
     result = verify(args.directory, step=args.step)
-    if not args.quiet and result is not None:
-        print(result)
+    if not args.quiet:
+        unchecked = f", {len(result.unchecked)} arrays not checksummed" if result.unchecked else ""
+        print(
+            f"step {result.step} intact: {result.files} files, {result.bytes} bytes, "
+            f"{result.checksummed} checksums{unchecked}"
+        )
     return 0
 
 

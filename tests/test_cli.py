@@ -219,3 +219,22 @@ def _on_terminal(*args: str) -> str:
     os.close(leader)
     assert process.wait() == 0, b"".join(chunks).decode(errors="replace")
     return b"".join(chunks).decode(errors="replace")
+
+
+def test_verify_catches_a_flipped_byte_and_needs_no_backend_setting(tmp_path):
+    model = _trained_mlp()
+    keras_orbax.save(model, tmp_path / "ckpt", step=3)
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    command = [sys.executable, "-m", "keras_orbax", "verify", str(tmp_path / "ckpt")]
+    intact = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert intact.returncode == 0, intact.stderr
+    assert intact.stdout.startswith("step 3 intact:")
+    state = tmp_path / "ckpt" / "3" / "state"
+    shard = next(p for p in state.glob("layers.*.vars.0/c/**/*") if p.is_file())
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0x10
+    shard.write_bytes(bytes(data))
+    damaged = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert damaged.returncode != 0
+    assert len(damaged.stderr.strip().splitlines()) == 1  # one line, no traceback
+    assert "checksum" in damaged.stderr and str(shard) in damaged.stderr
