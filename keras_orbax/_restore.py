@@ -21,7 +21,9 @@ from keras_orbax import (
     _plan,
     _read,
     _steps,
+    _verify,
 )
+from keras_orbax._fast_format import FastArray
 from keras_orbax._keys import OPTIMIZER
 from keras_orbax._metadata import StepRecord
 from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError
@@ -61,6 +63,7 @@ def restore_sharded(
     step: int | None = None,
     *,
     strict: bool = True,
+    verify: bool = False,
     read_window_bytes: int | None = None,
 ) -> RestoreResult:
     """Restores `model` from a checkpoint, each shard read straight onto its device.
@@ -79,6 +82,8 @@ def restore_sharded(
         strict: If False, restore what matches: variables the checkpoint lacks or holds with another
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
             entries the model lacks are ignored. `RestoreResult.skipped` lists them.
+        verify: Before reading, check every shard file this process reads against the checksum
+            written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
 
@@ -114,7 +119,7 @@ def restore_sharded(
             "restore_sharded/step", _steps.resolve_step, directory, step
         )
         record, state, plan, reads = _multihost.run_collectively(
-            "restore_sharded/plan", _prepare, model, directory, step, strict
+            "restore_sharded/plan", _prepare, model, directory, step, strict, verify
         )
     arrays, bytes_read = _multihost.run_collectively(
         "restore_sharded/read", _read_checked, plan, reads, read_window_bytes
@@ -139,7 +144,11 @@ def restore_sharded(
 
 
 def _prepare(
-    model: keras.Model, directory: str | os.PathLike, step: int, strict: bool
+    model: keras.Model,
+    directory: str | os.PathLike,
+    step: int,
+    strict: bool,
+    verify: bool = False,
 ) -> tuple[StepRecord, _keys.KeyedState, _plan.Plan, _read.ReadPlan]:
     """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
     an optimizer that is not built yet is planned through a deferred copy of it."""
@@ -147,6 +156,15 @@ def _prepare(
     if plan.problems:
         raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
     reads = _read.plan_reads(path, list(plan.reads.values()))
+    if verify:
+        fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
+
+        def read_files(array: FastArray) -> list[tuple[int, ...]]:
+            indices = fast[array.key][1]
+            return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
+
+        arrays = {key: array for key, (array, _) in fast.items() if isinstance(array, FastArray)}
+        _verify.check_files(path, f"Checkpoint step '{path}'", arrays, read_files)
     if _keras_format.is_keras_step(path):
         reads = dataclasses.replace(
             reads, checkpointable=_keras_format.PYTREE, tree_paths=_keras_format.tree_keys(record)

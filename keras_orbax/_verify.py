@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from keras_orbax import _checksum, _steps, _write
@@ -63,16 +64,38 @@ def verify(directory: str | os.PathLike, step: int | None = None) -> VerifyResul
     """
     step, path = _steps.step_path(directory, step)
     record = _steps.read_record(path)
+
+    def every_file(array: FastArray) -> Iterable[tuple[int, ...]]:
+        grid = [n // c for n, c in zip(array.shape, array.chunk_shape, strict=True)]
+        return itertools.product(*map(range, grid))
+
+    arrays = {v.key: FastArray.open(path, v) for v in record.variables.values()}
+    files, nbytes, compared = check_files(path, f"Step {step} of '{directory}'", arrays, every_file)
+    unchecked = tuple(key for key, array in arrays.items() if array is None)
+    return VerifyResult(step, files, nbytes, compared, unchecked)
+
+
+def check_files(
+    path: Path,
+    what: str,
+    arrays: Mapping[str, FastArray | None],
+    files_of: Callable[[FastArray], Iterable[tuple[int, ...]]],
+) -> tuple[int, int, int]:
+    """Checks the shard files `files_of` each fast-format array names (size, index, checksum).
+
+    Returns:
+        Files read, bytes read, checksums compared.
+
+    Raises:
+        CorruptCheckpointError: naming each variable key and file that failed.
+    """
     checksums = _recorded_checksums(path / STATE)
     problems: list[str] = []
-    unchecked, files, nbytes, compared = [], 0, 0, 0
-    for variable in record.variables.values():
-        array = FastArray.open(path, variable)
+    files, nbytes, compared = 0, 0, 0
+    for key, array in arrays.items():
         if array is None:
-            unchecked.append(variable.key)
             continue
-        grid = [n // c for n, c in zip(array.shape, array.chunk_shape, strict=True)]
-        for coords in itertools.product(*map(range, grid)):
+        for coords in files_of(array):
             file = array.file(coords)
             name = str(file.relative_to(path / STATE))
             problem, size, crc = _check_file(file, array.chunk_bytes)
@@ -82,14 +105,15 @@ def verify(directory: str | os.PathLike, step: int | None = None) -> VerifyResul
                 if crc != checksums[name]:
                     problem = f"checksum {crc:#010x}, recorded {checksums[name]:#010x}"
             if problem is not None:
-                problems.append(f"  {variable.key}: {file}: {problem}")
+                problems.append(f"  {key}: {file}: {problem}")
     if problems:
         raise CorruptCheckpointError(
-            f"Step {step} of '{directory}' is damaged; {len(problems)} array files failed:\n"
+            f"{what} is damaged; {len(problems)} array files failed:\n"
             + "\n".join(problems[:50])
             + ("\n  ..." if len(problems) > 50 else "")
+            + "\nNo variable was modified."
         )
-    return VerifyResult(step, files, nbytes, compared, tuple(unchecked))
+    return files, nbytes, compared
 
 
 def _recorded_checksums(state: Path) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import keras_orbax
@@ -70,3 +71,18 @@ def test_a_missing_file_is_named_with_every_other_problem(saved):
     assert f"{KERNEL}: " in message and "c/1/2: missing" in message
     assert f"{momentum.key}: " in message and "0 bytes" in message
     assert "2 array files failed" in message
+
+
+def test_restore_with_verify_refuses_a_flipped_byte_and_changes_nothing(saved, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    shard = _shard(saved)
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x40  # a data byte: read as it is without verify
+    shard.write_bytes(bytes(data))
+    model = _models.mlp()
+    before = _models.values(model.weights)
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: checksum"):
+        keras_orbax.restore_sharded(model, saved, verify=True)
+    for variable, want in zip(model.weights, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), want)
+    keras_orbax.restore_sharded(model, saved, strict=False)  # without verify it reads as it is
