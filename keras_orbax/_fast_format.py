@@ -223,21 +223,19 @@ def read_box(
     """Reads the part `box` of an array stored in C order at byte `offset` of `fd` into `out` (the
     flat bytes of a region of `out_shape`).
 
-    Contiguous runs of a useful size are each one `preadv` straight into `out`. A box that cuts the
-    stored rows into many short runs (a layout that splits another axis than the saved one: a
-    (65536, 1024) embedding saved split on columns and read split on rows needs 512-byte runs)
-    is read instead as spans of whole stored rows, a few MiB at a time, and scattered with numpy:
-    a few large reads instead of one system call per run.
+    Contiguous runs of a useful size are each one `preadv` straight into `out`. A box that takes
+    whole stored rows but places them as many short runs (a (65536, 1024) embedding saved split
+    on columns and read split on rows: 512-byte runs) is read instead as spans of those rows, a
+    few MiB at a time, and scattered with numpy: a few large reads instead of one system call per
+    run, and still exactly the bytes needed.
     """
     item = dtype.itemsize
     count, length = box.run_shape(stored_shape, out_shape)
     row = math.prod(stored_shape[1:])
     wanted = math.prod(box.extent[1:])
-    coalesce = (
-        count > 1
-        and length * item < _SMALL_RUN_BYTES
-        and row * length <= _SMALL_RUN_BYTES * max(1, wanted)  # bytes read per run, at most 64 KiB
-    )
+    # Only when the box takes whole stored rows: the spans then hold exactly the bytes needed
+    # (each process reads only its own regions, byte for byte, whatever the layout).
+    coalesce = count > 1 and length * item < _SMALL_RUN_BYTES and wanted == row
     if not coalesce:
         view = out.data
         for src, dst, length in box.runs(stored_shape, out_shape):

@@ -76,7 +76,8 @@ def main(mode: str, directory: str) -> None:
             model = build_embedding() if mode == "restore_h5" else build()
         source = os.path.join(directory, "m.weights.h5") if mode == "restore_h5" else directory
         bytes_read = keras_orbax.restore_sharded(model, source).bytes_read
-    variables = list(model.variables) + list(getattr(model.optimizer, "variables", []) or [])
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
     resident = sum(s.data.nbytes for v in variables for s in v.value.addressable_shards)
     print(
         json.dumps(
