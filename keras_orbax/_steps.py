@@ -20,11 +20,14 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     """The committed steps under `directory`, ascending; `[]` if there are none.
 
     Orbax writes a step under a temporary name and renames it when committed, so a step that
-    crashed mid-save is never listed.
+    crashed mid-save is never listed. A step directory without its metadata file is not listed
+    either: the process died between the rename and the metadata write, or while retention was
+    deleting the step (Orbax deletes in place); neither can be restored.
     """
     if not Path(directory).is_dir():
         return []
-    return sorted(m.step for m in _NAME_FORMAT.find_all(directory))
+    found = _NAME_FORMAT.find_all(directory)
+    return sorted(m.step for m in found if _compat.step_metadata_file(m.path).is_file())
 
 
 def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path]:
@@ -32,6 +35,7 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
 
     Raises:
         CheckpointNotFoundError: `directory` is missing, holds no committed step, or not `step`.
+        CorruptCheckpointError: `step` (or, with no committed step, the latest) lacks its metadata.
     """
     root = Path(directory)
     if not root.exists():
@@ -39,6 +43,16 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
     if not root.is_dir():
         raise CheckpointNotFoundError(f"Checkpoint directory is not a directory: '{root}'")
     steps = committed_steps(root)
+    unfinished = _unfinished_steps(root)
+    wanted_unfinished = step in unfinished if step is not None else not steps and unfinished
+    if wanted_unfinished:
+        names = step if step is not None else unfinished
+        raise CorruptCheckpointError(
+            f"Checkpoint step {names} of '{root}' has no metadata file "
+            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name}): its save was cut "
+            "off after the step was renamed, or retention was deleting it. It cannot be restored."
+            + (f" Committed steps: {steps}." if steps else "")
+        )
     if not steps:
         raise CheckpointNotFoundError(
             f"No committed checkpoint step in '{root}'. It is not a keras-orbax checkpoint "
@@ -52,6 +66,12 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
             f"Received: step={step}"
         )
     return step, Path(_NAME_FORMAT.find_step(root, step).path)
+
+
+def _unfinished_steps(root: Path) -> list[int]:
+    """Steps renamed as committed whose metadata file is missing (see `committed_steps`)."""
+    found = _NAME_FORMAT.find_all(root)
+    return sorted(m.step for m in found if not _compat.step_metadata_file(m.path).is_file())
 
 
 def resolve_step(directory: str | os.PathLike, step: int | None) -> int:
