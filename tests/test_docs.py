@@ -18,7 +18,7 @@ import keras
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted((ROOT / "docs").glob("**/*.md")) + [ROOT / "README.md"]
+PAGES = [*sorted((ROOT / "docs").glob("**/*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```python(?P<attrs>[^\n`]*)$")
 NORUN = re.compile(r"^<!--\s*norun:\s*(?P<reason>\S.*?)\s*-->$")
 MAX_NORUN = 4
