@@ -1,0 +1,88 @@
+"""Every ```python block of docs/*.md and README.md runs.
+
+A page's blocks run in order in one namespace (later blocks use what earlier ones built), in a fresh
+temporary working directory, on the 8 virtual CPU devices, with no distribution set at the start. A
+block that cannot run here (a cluster launch, a download) is preceded by `<!-- norun: reason -->`;
+those are few, and each must give its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import keras
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [*sorted((ROOT / "docs").glob("**/*.md")), ROOT / "README.md"]
+FENCE = re.compile(r"^```python(?P<attrs>[^\n`]*)$")
+NORUN = re.compile(r"^<!--\s*norun:\s*(?P<reason>\S.*?)\s*-->$")
+MAX_NORUN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    source: str
+    norun: str | None  # the reason, for a block that is not run
+
+
+def blocks(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        if FENCE.match(lines[i]):
+            start = i
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            previous = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+            marker = NORUN.match(previous.strip())
+            source = "\n".join(lines[start + 1 : end]) + "\n"
+            found.append(Block(page, start + 1, source, marker["reason"] if marker else None))
+            i = end
+        i += 1
+    return found
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+RUNNABLE = [page for page in PAGES if any(b.norun is None for b in blocks(page))]
+
+
+def test_norun_blocks_are_few_and_explained():
+    norun = [b for page in PAGES for b in blocks(page) if b.norun is not None]
+    assert len(norun) <= MAX_NORUN, [f"{_name(b.page)}:{b.line}" for b in norun]
+    for block in norun:
+        assert 'title="' in block.page.read_text().splitlines()[block.line - 1], (
+            f"{_name(block.page)}:{block.line}: a no-run block needs a title"
+        )
+
+
+def test_pages_have_code():
+    assert {"docs/quickstart.md", "docs/loading.md", "docs/format.md"} <= {
+        _name(p) for p in RUNNABLE
+    }
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=_name)
+def test_page_runs(page, tmp_path, monkeypatch, distribution):
+    source = page.read_text()
+    if "keras_hub" in source and importlib.util.find_spec("keras_hub") is None:
+        if os.environ.get("KERAS_ORBAX_REQUIRE_HUB"):
+            pytest.fail("keras-hub is not installed (KERAS_ORBAX_REQUIRE_HUB is set)")
+        pytest.skip("keras-hub is not installed")
+    monkeypatch.chdir(tmp_path)
+    distribution(None)
+    keras.utils.clear_session()
+    namespace: dict = {"__name__": "__docs__"}
+    for block in blocks(page):
+        if block.norun is not None:
+            continue
+        code = compile("\n" * block.line + block.source, f"{_name(page)}:{block.line}", "exec")
+        exec(code, namespace)
