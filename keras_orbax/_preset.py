@@ -24,7 +24,8 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
 
     Args:
         cls: A keras-hub class: a backbone (`keras_hub.models.GemmaBackbone`) or a task
-            (`keras_hub.models.GemmaCausalLM`, whose backbone gets the weights).
+            (`keras_hub.models.GemmaCausalLM`): its backbone is built deferred and gets the
+            preset's weights; task-only weights (`task.weights.h5`) are not read yet.
         preset: A preset handle or a local preset directory.
         **kwargs: Passed to `cls.from_preset`, as with keras-hub.
 
@@ -39,12 +40,20 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     gemma = keras_orbax.from_preset(keras_hub.models.GemmaCausalLM, "/presets/gemma2_9b_en")
     ```
     """
+    backbone_cls = getattr(cls, "backbone_cls", None)
+    if backbone_cls is None:  # a backbone
+        with deferred_init():
+            model = cls.from_preset(preset, load_weights=False, **kwargs)
+        restore_sharded(model, _local_directory(preset))
+        return model
+    # A task compiles itself when it is made (its optimizer's counters come from numbers, which
+    # cannot be deferred): only its backbone, which holds the weights, is built deferred.
+    backbone_kwargs = {k: kwargs[k] for k in ("dtype",) if k in kwargs}
     with deferred_init():
-        model = cls.from_preset(preset, load_weights=False, **kwargs)
-    backbone = getattr(model, "backbone", None)
-    target = backbone if isinstance(backbone, keras.Model) else model
-    restore_sharded(target, _local_directory(preset))
-    return model
+        backbone = backbone_cls.from_preset(preset, load_weights=False, **backbone_kwargs)
+    task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
+    restore_sharded(backbone, _local_directory(preset))
+    return task
 
 
 def _local_directory(preset: str | os.PathLike) -> Path:

@@ -78,3 +78,21 @@ def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution, monkey
     _assert_same(model, expected)
     kernel = model.get_layer("decoder_block_0").attention.query_dense.kernel.value
     assert kernel.sharding.mesh.devices.shape == (4, 2)
+
+
+def test_a_task_preset_loads_like_keras_hub(tmp_path, distribution, monkeypatch):
+    backbone = keras_hub.models.GemmaBackbone(**KERAS_GEMMA)
+    keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None).save_to_preset(
+        str(tmp_path / "task")
+    )
+    expected = keras_hub.models.GemmaCausalLM.from_preset(str(tmp_path / "task"), preprocessor=None)
+    distribution(_distribution(keras_hub.models.GemmaBackbone, (2, 4)))
+    with no_code_execution(monkeypatch) as calls:
+        model = keras_orbax.from_preset(
+            keras_hub.models.GemmaCausalLM, str(tmp_path / "task"), preprocessor=None
+        )
+    assert calls == []
+    assert isinstance(model, keras_hub.models.GemmaCausalLM)
+    _assert_same(model, expected)
+    inputs = {"token_ids": np.ones((2, 8), "int32"), "padding_mask": np.ones((2, 8), "int32")}
+    np.testing.assert_allclose(model(inputs), expected(inputs), rtol=1e-5, atol=1e-5)
