@@ -31,6 +31,7 @@ from keras_orbax import _keys
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._fast_format import FastArray, Index
 from keras_orbax._metadata import STATE, VariableRecord
+from keras_orbax._progress import Progress
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
@@ -111,7 +112,11 @@ DEFAULT_WINDOW_BYTES = 512 << 20
 
 
 def read_arrays(
-    plan: ReadPlan, *, max_workers: int | None = None, window_bytes: int | None = None
+    plan: ReadPlan,
+    *,
+    max_workers: int | None = None,
+    window_bytes: int | None = None,
+    show_progress: bool = False,
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
@@ -120,7 +125,7 @@ def read_arrays(
     largest region, whichever is larger; one region always goes). So host memory for reads stays
     within the window plus the regions of the one array being placed (which, on the CPU backend,
     are the devices' own buffers). Collective when some arrays go through Orbax (the compact
-    format): call on every process.
+    format): call on every process. `show_progress` draws bytes read and the rate on a terminal.
 
     Raises:
         CorruptCheckpointError: an array file is unreadable.
@@ -132,15 +137,11 @@ def read_arrays(
     sizes = [_region_bytes(request, index) for request, _, index in tasks]
     window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])
     pieces = _read_ahead(tasks, sizes, workers, window)
-    for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
-        read = list(group)
-        regions = {repr(index): data for (_, _, index), data in read}
-        arrays[request.record.key] = _on_devices(request, regions)
-        release = getattr(read[0][0][1], "release", None)
-        if release is not None:  # a value computed on the host: every region is on its devices
-            release()
-        stored = np_dtype(request.record.dtype).itemsize
-        bytes_read += sum(data.size for data in regions.values()) * stored
+    with Progress("restore_sharded", sum(sizes), enabled=show_progress) as progress:
+        for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
+            read = list(group)
+            progress.advance(sum(data.nbytes for _, data in read))
+            bytes_read += _place(request, read, arrays)
     if plan.via_orbax:
         loaded, nbytes = _read_with_orbax(
             plan.step_dir, plan.via_orbax, plan.checkpointable, plan.tree_paths or {}
@@ -148,6 +149,16 @@ def read_arrays(
         arrays.update(loaded)
         bytes_read += nbytes
     return arrays, bytes_read
+
+
+def _place(request: ReadRequest, read: list, arrays: dict[str, jax.Array]) -> int:
+    """Puts one array's regions on their devices; returns the bytes read from storage for it."""
+    regions = {repr(index): data for (_, _, index), data in read}
+    arrays[request.record.key] = _on_devices(request, regions)
+    release = getattr(read[0][0][1], "release", None)
+    if release is not None:  # a value computed on the host: every region is on its devices
+        release()
+    return sum(data.size for data in regions.values()) * np_dtype(request.record.dtype).itemsize
 
 
 def _on_devices(request: ReadRequest, regions: dict[str, np.ndarray]) -> jax.Array:

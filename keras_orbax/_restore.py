@@ -65,6 +65,7 @@ def restore_sharded(
     strict: bool = True,
     verify: bool = False,
     read_window_bytes: int | None = None,
+    verbose: int = 0,
 ) -> RestoreResult:
     """Restores `model` from a checkpoint, each shard read straight onto its device.
 
@@ -86,6 +87,7 @@ def restore_sharded(
             written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
+        verbose: 1 shows the bytes read and the rate on a terminal (process 0 only).
 
     Returns:
         A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read.
@@ -122,7 +124,12 @@ def restore_sharded(
             "restore_sharded/plan", _prepare, model, directory, step, strict, verify
         )
     arrays, bytes_read = _multihost.run_collectively(
-        "restore_sharded/read", _read_checked, plan, reads, read_window_bytes
+        "restore_sharded/read",
+        _read_checked,
+        plan,
+        reads,
+        read_window_bytes,
+        bool(verbose) and _multihost.is_primary(),
     )
     # Every array is read: from here on nothing can fail halfway.
     variables = _attach_optimizer(model, record, state)
@@ -173,12 +180,17 @@ def _prepare(
 
 
 def _read_checked(
-    plan: _plan.Plan, reads: _read.ReadPlan, window_bytes: int | None = None
+    plan: _plan.Plan,
+    reads: _read.ReadPlan,
+    window_bytes: int | None = None,
+    show_progress: bool = False,
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array and checks that each is one: the right key, type, shape, dtype
     and sharding. A damaged file can make a reader hand back something else (Orbax returns the
     abstract target for a key its tree metadata lost); nothing may be assigned then."""
-    arrays, bytes_read = _read.read_arrays(reads, window_bytes=window_bytes)
+    arrays, bytes_read = _read.read_arrays(
+        reads, window_bytes=window_bytes, show_progress=show_progress
+    )
     wrong = []
     for key, request in plan.reads.items():
         array, target = arrays.get(key), request.target

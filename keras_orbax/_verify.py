@@ -13,6 +13,7 @@ from pathlib import Path
 from keras_orbax import _checksum, _steps, _write
 from keras_orbax._fast_format import FastArray
 from keras_orbax._metadata import STATE
+from keras_orbax._progress import Progress
 from keras_orbax.errors import CorruptCheckpointError
 
 _READ_BYTES = 8 << 20
@@ -38,7 +39,9 @@ class VerifyResult:
     unchecked: tuple[str, ...]
 
 
-def verify(directory: str | os.PathLike, step: int | None = None) -> VerifyResult:
+def verify(
+    directory: str | os.PathLike, step: int | None = None, *, verbose: int = 0
+) -> VerifyResult:
     """Reads every array file of a committed step and checks it against what was written.
 
     Each shard file of a fast-format array must be there, have the expected size and a valid zarr
@@ -48,6 +51,7 @@ def verify(directory: str | os.PathLike, step: int | None = None) -> VerifyResul
     Args:
         directory: The checkpoint root given to `save` or `ModelCheckpoint`.
         step: The step to check; `None` means the latest committed one.
+        verbose: 1 shows the bytes checked and the rate on a terminal.
 
     Returns:
         What was checked.
@@ -70,7 +74,15 @@ def verify(directory: str | os.PathLike, step: int | None = None) -> VerifyResul
         return itertools.product(*map(range, grid))
 
     arrays = {v.key: FastArray.open(path, v) for v in record.variables.values()}
-    files, nbytes, compared = check_files(path, f"Step {step} of '{directory}'", arrays, every_file)
+    total = sum(
+        (a.chunk_bytes + _checksum.INDEX_BYTES) * len(list(every_file(a)))
+        for a in arrays.values()
+        if a is not None
+    )
+    with Progress("verify", total, enabled=bool(verbose)) as progress:
+        files, nbytes, compared = check_files(
+            path, f"Step {step} of '{directory}'", arrays, every_file, progress.advance
+        )
     unchecked = tuple(key for key, array in arrays.items() if array is None)
     return VerifyResult(step, files, nbytes, compared, unchecked)
 
@@ -80,6 +92,7 @@ def check_files(
     what: str,
     arrays: Mapping[str, FastArray | None],
     files_of: Callable[[FastArray], Iterable[tuple[int, ...]]],
+    on_file: Callable[[int], None] | None = None,
 ) -> tuple[int, int, int]:
     """Checks the shard files `files_of` each fast-format array names (size, index, checksum).
 
@@ -100,6 +113,8 @@ def check_files(
             name = str(file.relative_to(path / STATE))
             problem, size, crc = _check_file(file, array.chunk_bytes)
             files, nbytes = files + 1, nbytes + size
+            if on_file is not None:
+                on_file(size)
             if problem is None and name in checksums:
                 compared += 1
                 if crc != checksums[name]:

@@ -184,7 +184,7 @@ def _verify(args: argparse.Namespace) -> int:
     """Exit 0 when intact; a damaged step raises `CorruptCheckpointError`, printed as one line."""
     from keras_orbax import verify
 
-    result = verify(args.directory, step=args.step)
+    result = verify(args.directory, step=args.step, verbose=0 if args.quiet else 1)
     if not args.quiet:
         unchecked = f", {len(result.unchecked)} arrays not checksummed" if result.unchecked else ""
         print(

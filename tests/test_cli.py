@@ -192,15 +192,26 @@ def test_progress_shows_on_a_terminal_and_not_with_quiet(tmp_path):
     assert "64.0 MiB" in shown and re.search(r"B/s", shown), shown
     hidden = _on_terminal("convert", str(h5), str(tmp_path / "b"), "--quiet")
     assert "MiB" not in hidden and "wrote" not in hidden, hidden
+    checked = _on_terminal("verify", str(tmp_path / "a"))
+    assert re.search(r"(?s)verify.*64\.0.*MiB.*B/s", checked), checked
+    assert "MiB" not in _on_terminal("verify", str(tmp_path / "a"), "--quiet")
+    code = (
+        "import sys, keras_orbax; from tests import cli_models; "
+        "keras_orbax.restore_sharded(cli_models.wide(), sys.argv[1], verbose=int(sys.argv[2]))"
+    )
+    restored = _on_terminal("-c", code, str(h5), "1", module=False)
+    assert re.search(r"(?s)restore_sharded.*64\.0.*MiB.*B/s", restored), restored
+    assert "MiB" not in _on_terminal("-c", code, str(h5), "0", module=False)
 
 
-def _on_terminal(*args: str) -> str:
-    """Runs the command line with stdout and stderr on a pseudo-terminal; what it showed."""
+def _on_terminal(*args: str, module: bool = True) -> str:
+    """Runs the command line (or, not `module`, python with `args`) with stdout and stderr on a
+    pseudo-terminal; what it showed."""
     leader, follower = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "COLUMNS": "120"}
     env.pop("XLA_FLAGS", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "keras_orbax", *args],
+        [sys.executable, *(["-m", "keras_orbax"] if module else []), *args],
         stdout=follower,
         stderr=follower,
         cwd=ROOT,
