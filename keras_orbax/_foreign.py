@@ -7,7 +7,6 @@ plan, the all-or-nothing checks and the region reads are the same as for keras-o
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -34,11 +33,6 @@ def weights_file(path: str | os.PathLike) -> Path | None:
             if (path / name).is_file():
                 return path / name
     return None
-
-
-def preset_config(path: Path) -> dict:
-    """A keras-hub preset directory's `config.json`."""
-    return json.loads((path / "config.json").read_text())
 
 
 def prepare(

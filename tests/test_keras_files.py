@@ -153,3 +153,23 @@ def test_load_model_refuses_a_lambda_in_a_keras_archive(tmp_path):
     keras.Model(inputs, outputs).save(tmp_path / "lambda.keras")
     with pytest.raises(ValueError, match=r"(?i)lambda"):
         keras_orbax.load_model(tmp_path / "lambda.keras")
+
+
+def test_a_chunked_compressed_dataset_is_read_region_by_region_through_h5py(tmp_path, distribution):
+    """Files Keras writes are contiguous; one rewritten by another tool (chunked, gzip) still loads."""
+    import h5py
+
+    x, y = _mlp_data()
+    path = _write(_trained(_mlp, x, y), tmp_path, "h5")
+    with h5py.File(path, "r+") as file:
+        data = file["layers/dense/vars/0"][()]
+        del file["layers/dense/vars/0"]
+        file.create_dataset("layers/dense/vars/0", data=data, chunks=(4, 8), compression="gzip")
+    expected = _state(_keras_loaded(_mlp, path))
+    distribution(_models.model_parallel((4, 2)))
+    with keras_orbax.deferred_init():
+        model = _mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    keras_orbax.restore_sharded(model, path)
+    for want, value in zip(expected, _state(model), strict=True):
+        np.testing.assert_array_equal(value, want)
