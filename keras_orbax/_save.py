@@ -191,7 +191,7 @@ def _model_config(model: keras.Model) -> dict[str, Any] | None:
     """The model's serialized config where Keras can make one (JSON-safe), else None."""
     try:
         return json.loads(json.dumps(keras.saving.serialize_keras_object(model)))
-    except (TypeError, ValueError, NotImplementedError):
+    except (TypeError, ValueError, NotImplementedError, RecursionError):  # e.g. GPTQ configs
         return None
 
 
