@@ -14,7 +14,12 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _write
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
-from keras_orbax.errors import DeferredVariableError, StepExistsError
+from keras_orbax.errors import (
+    DeferredVariableError,
+    KerasOrbaxError,
+    SaveFailedError,
+    StepExistsError,
+)
 
 SaveFormat = Literal["fast", "compact"]
 # "fast": one uncompressed file per shard, chunk = shard, so restore reads each file once, straight
@@ -67,11 +72,22 @@ def save(
     keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
     ```
     """
-    with (
-        _quiet.skipped_merge_notices(directory),
-        open_checkpointer(directory, format) as checkpointer,
-    ):
-        write_step(checkpointer, model, step=step, epoch=epoch, overwrite=overwrite)
+    _check_format(format)
+    _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
+    try:
+        with (
+            _quiet.skipped_merge_notices(directory),
+            open_checkpointer(directory, format) as checkpointer,
+        ):
+            write_step(checkpointer, model, step=step, epoch=epoch, overwrite=overwrite)
+    except KerasOrbaxError:
+        raise
+    except Exception as error:  # the write itself failed: a full disk, a read-only directory...
+        steps = _steps.committed_steps(directory)
+        intact = f"The last committed step, {steps[-1]}, is intact." if steps else ""
+        raise SaveFailedError(
+            f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. {intact}"
+        ) from error
     return Path(directory) / str(step)
 
 
@@ -81,8 +97,7 @@ def open_checkpointer(
     preservation_policy: Any = None,
 ) -> ocp.training.Checkpointer:
     """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
-    if format not in _FORMATS:
-        raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+    _check_format(format)
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
@@ -127,24 +142,9 @@ def write_step(
     `weights_only` keeps the model's own variables (trainable, non-trainable, seed-generator state)
     and leaves out optimizer and metric state.
     """
-    state = _keys.keyed_state(model)
-    variables = state.of_role(_keys.MODEL) if weights_only else state.variables
-    if not variables:
-        raise ValueError(
-            f"Model '{model.name}' has no variables to save: build it first. "
-            f"Received: model={model.name}"
-        )
-    unset = [v.path for v in variables.values() if not _compat.is_allocated(v)]
-    if unset:
-        raise DeferredVariableError(
-            f"Cannot save model '{model.name}': {len(unset)} variables were built under "
-            f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
-        )
-    if not overwrite and step in _steps.committed_steps(checkpointer.directory):
-        raise StepExistsError(
-            f"Step {step} is already committed in '{checkpointer.directory}'. Pass overwrite=True "
-            f"to replace it. Received: step={step}"
-        )
+    state, variables = _checked_variables(
+        model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
+    )
     record = StepRecord(
         step=step,
         epoch=epoch,
@@ -172,6 +172,47 @@ def write_step(
     if blocking and response is not None:
         response.result()
     return response
+
+
+def _check_format(format: str) -> None:
+    if format not in _FORMATS:
+        raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+
+
+def _checked_variables(
+    model: keras.Model,
+    directory: Any,
+    step: int,
+    *,
+    overwrite: bool,
+    weights_only: bool,
+) -> tuple[_keys.KeyedState, dict[str, keras.Variable]]:
+    """The model's keyed state and the variables to save, after the checks that need no writing.
+
+    Raises:
+        ValueError: the model has no variables.
+        DeferredVariableError: some were built deferred and never restored.
+        StepExistsError: `step` is committed already and `overwrite` is False.
+    """
+    state = _keys.keyed_state(model)
+    variables = state.of_role(_keys.MODEL) if weights_only else state.variables
+    if not variables:
+        raise ValueError(
+            f"Model '{model.name}' has no variables to save: build it first. "
+            f"Received: model={model.name}"
+        )
+    unset = [v.path for v in variables.values() if not _compat.is_allocated(v)]
+    if unset:
+        raise DeferredVariableError(
+            f"Cannot save model '{model.name}': {len(unset)} variables were built under "
+            f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
+        )
+    if not overwrite and step in _steps.committed_steps(directory):
+        raise StepExistsError(
+            f"Step {step} is already committed in '{directory}'. Pass overwrite=True "
+            f"to replace it. Received: step={step}"
+        )
+    return state, variables
 
 
 def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
