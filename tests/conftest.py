@@ -44,3 +44,63 @@ def distribution():
 
     yield set_distribution
     keras.distribution.set_distribution(previous)
+
+
+# Object stores (tests/_object_stores.py): one local S3 and one GCS server per session, started
+# by the first test that needs each; every test gets its own empty bucket.
+
+
+def _store(kind: str, tmp_path_factory: pytest.TempPathFactory):
+    from tests import _object_stores
+
+    missing = _object_stores.missing_packages(kind)
+    if missing:
+        message = (
+            f'the local {kind} server needs {", ".join(missing)}: pip install -e ".[test,cloud]"'
+        )
+        if _object_stores.required():
+            pytest.fail(f"{message} ({_object_stores.REQUIRE_ENV} is set)")
+        pytest.skip(message)
+    store = _object_stores.start(kind, tmp_path_factory.mktemp(f"{kind}_server"))
+    yield store
+    _object_stores.stop(store)
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory):
+    """moto's S3 server on 127.0.0.1, in memory, for the whole session."""
+    yield from _store("s3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gcs_store(tmp_path_factory):
+    """gcp-storage-emulator (patched for tensorstore) on 127.0.0.1, in memory, for the session."""
+    yield from _store("gcs", tmp_path_factory)
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request, monkeypatch):
+    """Each local object store in turn, with this test's environment pointed at it."""
+    chosen = request.getfixturevalue(f"{request.param}_store")
+    chosen.use(monkeypatch)
+    return chosen
+
+
+@pytest.fixture
+def bucket(store) -> str:
+    """A fresh empty bucket in each store in turn: `s3://…`, then `gs://…`."""
+    return store.new_bucket()
+
+
+@pytest.fixture
+def s3_bucket(s3_store, monkeypatch) -> str:
+    """A fresh empty S3 bucket (`s3://…`), with this test's environment pointed at its server."""
+    s3_store.use(monkeypatch)
+    return s3_store.new_bucket()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_store, monkeypatch) -> str:
+    """A fresh empty GCS bucket (`gs://…`), with this test's environment pointed at its server."""
+    gcs_store.use(monkeypatch)
+    return gcs_store.new_bucket()
