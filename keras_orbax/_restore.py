@@ -21,6 +21,7 @@ from keras_orbax import (
     _plan,
     _read,
     _steps,
+    _storage,
     _verify,
 )
 from keras_orbax._fast_format import FastArray
@@ -107,8 +108,9 @@ def restore_sharded(
     """
     # Collective: process 0 picks the step; every process checks what it will read, then reads its
     # shards; all raise if any fails, and only then does any process change anything.
-    file = _foreign.weights_file(directory)
-    if _hf.is_transformers_directory(Path(directory)):
+    local = not _storage.is_remote(directory)  # Keras and Hugging Face files: local only
+    file = _foreign.weights_file(directory) if local else None
+    if local and _hf.is_transformers_directory(Path(directory)):
         record, state, plan, reads = _multihost.run_collectively(
             "restore_sharded/plan", _hf.prepare, model, Path(directory), strict
         )

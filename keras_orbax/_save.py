@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _write
+from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _storage, _write
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
 from keras_orbax.errors import (
     DeferredVariableError,
@@ -88,7 +88,7 @@ def save(
         raise SaveFailedError(
             f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. {intact}"
         ) from error
-    return Path(directory) / str(step)
+    return _storage.as_path(directory) / str(step)
 
 
 def open_checkpointer(
@@ -103,8 +103,10 @@ def open_checkpointer(
         setattr(context.array.saving, option, value)
     if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
         context.checkpointables_options.registry = _fast_registry()
+    if _storage.is_remote(directory):  # no atomic rename: a marker file commits the step
+        context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
     return ocp.training.Checkpointer(
-        directory, context=context, preservation_policy=preservation_policy
+        _storage.as_path(directory), context=context, preservation_policy=preservation_policy
     )
 
 
