@@ -34,7 +34,9 @@ from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
 from keras_orbax.errors import CorruptCheckpointError
 
-_TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
+_TS_BYTES_READ = "/tensorstore/kvstore/"
+# Bytes from storage itself (not from a layer over it, such as OCDBT, which would count them twice).
+_TS_STORAGE_BYTES_READ = {f"/tensorstore/kvstore/{d}/bytes_read" for d in ("file", "gcs", "s3")}
 _Task = tuple["ReadRequest", Any, Index]  # one region of one array (a FastArray or other reader)
 
 
@@ -225,4 +227,9 @@ def _read_with_orbax(
 
 def _tensorstore_bytes_read() -> int:
     metrics = ts.experimental_collect_matching_metrics(_TS_BYTES_READ)
-    return sum(int(v.get("value", 0)) for m in metrics for v in m.get("values", []))
+    return sum(
+        int(v.get("value", 0))
+        for m in metrics
+        if m["name"] in _TS_STORAGE_BYTES_READ
+        for v in m.get("values", [])
+    )

@@ -72,7 +72,7 @@ def save(
     keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
     ```
     """
-    _check_format(format)
+    _check_format(format, directory)
     _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
         with (
@@ -97,7 +97,7 @@ def open_checkpointer(
     preservation_policy: Any = None,
 ) -> ocp.training.Checkpointer:
     """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
-    _check_format(format)
+    _check_format(format, directory)
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
@@ -176,9 +176,16 @@ def write_step(
     return response
 
 
-def _check_format(format: str) -> None:
+def _check_format(format: str, directory: str | os.PathLike) -> None:
     if format not in _FORMATS:
         raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+    if format == "compact" and os.fspath(directory).startswith("s3://"):
+        # Orbax builds a local file path for the arrays of an s3:// checkpoint in this format.
+        raise ValueError(
+            "format='compact' cannot be written to s3:// (Orbax's tensorstore path for it is "
+            "local-only); use the default format='fast'. "
+            f"Received: format={format!r}, directory={os.fspath(directory)!r}"
+        )
 
 
 def _checked_variables(
