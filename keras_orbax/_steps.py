@@ -58,9 +58,10 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
         names = step if step is not None else unfinished
         raise CorruptCheckpointError(
             f"Checkpoint step {names} of '{root}' has no metadata file "
-            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name}): its save was cut "
-            "off after the step was renamed, or retention was deleting it. It cannot be restored."
-            + (f" Committed steps: {steps}." if steps else "")
+            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name})"
+            + (f" or no commit marker ({_storage.COMMIT_FILE})" if _storage.is_remote(root) else "")
+            + ": its save was cut off before it committed, or retention was deleting it. "
+            "It cannot be restored." + (f" Committed steps: {steps}." if steps else "")
         )
     if not steps:
         raise CheckpointNotFoundError(
