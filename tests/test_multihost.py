@@ -37,39 +37,59 @@ def _dir(path: Path) -> Path:
     return path
 
 
+MODEL_BYTES = (16 * 4096 + 4096 + 4096 * 8 + 8) * 4  # the arrays of one step of `mlp(4096)`
+
+
 def _assert_read(report: dict, layout: str) -> None:
     entry = report[layout]
     assert entry["mismatches"] == [], layout
     assert entry["sharding_ok"], layout
-    # Array bytes: exactly the distinct shards this process's devices own, whatever the layout.
-    assert entry["bytes_read"] == entry["own_shard_bytes"], (layout, entry)
-    # All bytes the process read from files (/proc/self/io), metadata included.
-    assert entry["rchar"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
+    # Array bytes: each distinct shard this process's devices own, read or received, exactly once.
+    assert entry["bytes_read"] + entry["bytes_received"] == entry["own_shard_bytes"], (layout, entry)
+    # All bytes the process read from files (/proc/self/io), metadata included: `bytes_read` is real.
+    assert entry["rchar"] <= entry["bytes_read"] + SLACK, (layout, entry)
 
 
-def test_four_processes_read_what_two_wrote(written):
-    results = run_workers(
+@pytest.fixture(scope="module")
+def four_readers(written) -> list[dict]:
+    """Step 1 restored by 4 processes x 2 devices under several layouts, replicas read once or not."""
+    return run_workers(
         WORKER,
         4,
         2,
         {
             "action": "read",
             "directory": str(written / "arange"),
-            "layouts": ["2x4", "4x2"],
+            "layouts": ["2x4", "4x2", "dp", "dp:off", "replicated", "replicated:off"],
             "trained": str(written / "trained"),
             "reference": str(written / "w" / "trained.npz"),
         },
         workdir=_dir(written / "w4"),
     )
-    total = 0
-    for report in results:
+
+
+def test_four_processes_read_what_two_wrote(four_readers):
+    for report in four_readers:
         _assert_read(report, "2x4")
         _assert_read(report, "4x2")
-        total += report["2x4"]["bytes_read"]
         assert report["load_model"] == {"wrong": [], "iterations": 8}
-    model_bytes = (16 * 4096 + 4096 + 4096 * 8 + 8) * 4
-    replicated = (4096 + 8) * 4
-    assert total == model_bytes + 3 * replicated  # biases: one copy per process, kernels: once
+    # Kernels split over all 8 devices, biases replicated on all: every byte read once in all.
+    assert sum(report["2x4"]["bytes_read"] for report in four_readers) == MODEL_BYTES
+
+
+@pytest.mark.parametrize("layout", ["dp", "replicated"])
+def test_each_replicated_byte_is_read_from_storage_once(four_readers, layout):
+    """DataParallel (everything on every device) and kernels replicated over the "batch" axis, which
+    spans the 4 processes: one process reads each region, the others receive it; the reading is
+    spread over all of them. With `single_replica_reads=False` each process reads its replicas."""
+    for report in four_readers:
+        _assert_read(report, layout)
+        _assert_read(report, f"{layout}:off")
+    read = [report[layout]["bytes_read"] for report in four_readers]
+    assert sum(read) <= 1.05 * MODEL_BYTES, read
+    assert min(read) > 0, read
+    read_off = [report[f"{layout}:off"]["bytes_read"] for report in four_readers]
+    assert sum(read_off) == 4 * MODEL_BYTES, read_off
 
 
 def test_one_process_reads_what_two_wrote(written, distribution):
