@@ -8,7 +8,7 @@ args: {"action": ..., "directory": ..., plus what the action needs}
   layout ending ":off" restores with `single_replica_reads=False`. With args["trained"]
   and args["reference"] (the writer's npz), also `load_model` the latest trained step and compare.
 - "save_big": save a small step, then a large one, writing <workdir>/saving before it (for SIGKILL).
-- "read_expect_error": restore step 1; report the error each process got.
+- "read_expect_error": restore step 1 of each of args["directories"]; report the error each got.
 """
 
 from __future__ import annotations
@@ -156,21 +156,28 @@ def save_big(directory: Path, workdir: Path) -> dict:
     return {"finished": True}
 
 
-def read_expect_error(directory: Path) -> dict:
+def read_expect_error(directories: list[str]) -> list[dict]:
+    """Restores step 1 of each directory; reports the error each restore raised."""
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
-    with keras_orbax.deferred_init():
-        model = _models.mlp(width=WIDTH)
-    start = time.monotonic()
-    try:
-        keras_orbax.restore_sharded(model, directory)
-    except keras_orbax.errors.KerasOrbaxError as error:
-        return {
-            "type": type(error).__name__,
-            "message": str(error),
-            "seconds": time.monotonic() - start,
-            "untouched": all(v._value is None for v in model.variables),
-        }
-    return {"type": None}
+    reports = []
+    for directory in directories:
+        with keras_orbax.deferred_init():
+            model = _models.mlp(width=WIDTH)
+        start = time.monotonic()
+        try:
+            keras_orbax.restore_sharded(model, directory)
+        except keras_orbax.errors.KerasOrbaxError as error:
+            reports.append(
+                {
+                    "type": type(error).__name__,
+                    "message": str(error),
+                    "seconds": time.monotonic() - start,
+                    "untouched": all(v._value is None for v in model.variables),
+                }
+            )
+        else:
+            reports.append({"type": None})
+    return reports
 
 
 def read_own_view(directories: list[str]) -> dict:
@@ -198,7 +205,7 @@ def main() -> None:
     elif action == "read_own_view":
         write_result(read_own_view(args["directories"]))
     elif action == "read_expect_error":
-        write_result(read_expect_error(directory))
+        write_result({"restores": read_expect_error(args["directories"])})
     else:
         raise ValueError(f"unknown action {action!r}")
 
