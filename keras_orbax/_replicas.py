@@ -58,11 +58,13 @@ class Sharing:
 
 
 def enabled(option: bool | None) -> bool:
-    """Whether to read each replicated region once: never on one process; else `option`, and by
-    default (None) yes."""
+    """Whether to read each replicated region once: never on one process; else `option`; by
+    default (None) on accelerators, whose interconnect outruns storage, and not on the CPU
+    backend, whose collectives (gloo over TCP) measured slower than each process reading its
+    replicas (benchmarks/replica_benchmark.py)."""
     if _multihost.process_count() == 1:
         return False
-    return True if option is None else option
+    return jax.default_backend() != "cpu" if option is None else option
 
 
 def share(plan: ReadPlan) -> ReadPlan:

@@ -97,8 +97,9 @@ def restore_sharded(
             or a layout replicated over a mesh axis that spans processes), one of them reads it
             from storage and sends it to the others over the interconnect (a JAX collective), so
             the checkpoint is read once in all, the reading spread evenly over the processes.
-            `None` (default) does so on several processes; `False` has every process read its
-            own replicas. One process: no effect.
+            `None` (default) does so on accelerators (GPU, TPU), not on the CPU backend, where
+            gloo over TCP is slower than reading; `False` has every process read its own
+            replicas. One process: no effect.
         verbose: 1 shows the bytes read and the rate on a terminal (process 0 only).
 
     Returns:

@@ -5,10 +5,12 @@ args: {"action": ..., "directory": ..., plus what the action needs}
   (resume, async) and write every trained variable (gathered) to <workdir>/trained.npz from process 0.
 - "read": restore step 1 under each of args["layouts"]; report per layout the values that differ and
   the bytes read and received (ours) and read (/proc/self/io) against this process's shard bytes. A
-  layout ending ":off" restores with `single_replica_reads=False`. With args["trained"]
+  layout ending ":on" or ":off" restores with `single_replica_reads` True or False; else the default.
+  With args["trained"]
   and args["reference"] (the writer's npz), also `load_model` the latest trained step and compare.
 - "save_big": save a small step, then a large one, writing <workdir>/saving before it (for SIGKILL).
-- "read_expect_error": restore step 1 of each of args["directories"]; report the error each got.
+- "read_expect_error": restore step 1 of each of args["directories"] (`single_replica_reads=True`);
+  report the error each got.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests._worker_util import init_worker, write_result
 
 # Kernels (16, 4096) and (4096, 8): 384 KiB, far more than the metadata a restore reads.
 WIDTH = 4096
+SWITCHES = {"": None, "on": True, "off": False}  # layout suffix -> single_replica_reads
 
 
 def _rchar() -> int:
@@ -99,12 +102,14 @@ def read(directory: Path, layouts: list[str], trained: str | None, reference: st
     # replicas compiles its collective): not restore I/O, so done before measuring.
     jax.jit(lambda x: x + 1)(np.zeros(2, "float32")).block_until_ready()
     for layout in layouts:
-        name, _, off = layout.partition(":")
+        name, _, switch = layout.partition(":")
         keras.distribution.set_distribution(_distribution(name))
         with keras_orbax.deferred_init():
             model = _models.mlp(width=WIDTH)
         before = _rchar()
-        result = keras_orbax.restore_sharded(model, directory, single_replica_reads=not off)
+        result = keras_orbax.restore_sharded(
+            model, directory, single_replica_reads=SWITCHES[switch]
+        )
         read_by_os = _rchar() - before
         mismatches = _compare_with_arange(model)
         report[layout] = {
@@ -157,7 +162,8 @@ def save_big(directory: Path, workdir: Path) -> dict:
 
 
 def read_expect_error(directories: list[str]) -> list[dict]:
-    """Restores step 1 of each directory; reports the error each restore raised."""
+    """Restores step 1 of each directory, each replicated region read by one process only;
+    reports the error each restore raised."""
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     reports = []
     for directory in directories:
@@ -165,7 +171,7 @@ def read_expect_error(directories: list[str]) -> list[dict]:
             model = _models.mlp(width=WIDTH)
         start = time.monotonic()
         try:
-            keras_orbax.restore_sharded(model, directory)
+            keras_orbax.restore_sharded(model, directory, single_replica_reads=True)
         except keras_orbax.errors.KerasOrbaxError as error:
             reports.append(
                 {
