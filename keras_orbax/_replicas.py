@@ -217,6 +217,7 @@ class Exchange:
         self._batch: list[str] = []
         self._batch_bytes = 0
         self._pending: list[tuple[str, Sharing, jax.Array]] = []
+        self._error: BaseException | None = None  # this process's first failure in the batch
 
     def add(
         self,
@@ -234,19 +235,24 @@ class Exchange:
         """
         key = request.record.key
         sharing = self._shared[key]
-        if error is None and regions is not None:
-            self._pending.append((key, sharing, _contribution(request, sharing, regions)))
+        self._error = self._error or error
+        if self._error is None and regions is not None:
+            try:
+                self._pending.append((key, sharing, _contribution(request, sharing, regions)))
+            except Exception as caught:  # reported to every process at the batch's agreement
+                self._error = caught
         self._batch.append(key)
         self._batch_bytes += request.record.nbytes
         if self._batch_bytes < self._window and key != self._last:
             return {}
-        return self._flush(error)
+        return self._flush()
 
-    def _flush(self, error: BaseException | None) -> dict[str, jax.Array]:
+    def _flush(self) -> dict[str, jax.Array]:
         # The batch's keys name the agreement: processes whose plans differ time out instead of
         # entering different collectives.
         digest = zlib.crc32("\n".join(self._batch).encode())
         pending, self._pending, self._batch, self._batch_bytes = self._pending, [], [], 0
+        error, self._error = self._error, None
         try:
             _multihost.agree(f"restore_sharded/replicas/{digest:08x}", error)
             summed = _sum_replicas(pending)
