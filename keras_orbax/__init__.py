@@ -18,6 +18,8 @@ import os
 # keras-orbax is for Keras's JAX backend: choose it unless the user chose one (Keras reads this when
 # it is first imported; the console script imports nothing else before).
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# Object-store paths through gcsfs/s3fs, not TensorFlow's file system (see `_storage`).
+os.environ.setdefault("EPATH_USE_TF", "false")
 
 from keras_orbax import errors
 from keras_orbax._callback import ModelCheckpoint

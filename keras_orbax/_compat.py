@@ -417,12 +417,28 @@ def downloaded_preset(handle: str) -> Any:
     return directory
 
 
-def step_metadata_file(step_dir: Any) -> Path:
-    """The file `step_custom_metadata` reads. Why private: see `step_custom_metadata`; named in
-    errors about a missing or damaged step record."""
+def epath_forget_tensorflow() -> None:
+    """Makes `etils.epath` read `EPATH_USE_TF` again for object-store paths.
+
+    Why private: epath decides once per process (`gpath._is_tf_installed`, a `functools.cache`)
+    whether to send `gs://` and `s3://` to TensorFlow; a path used before keras-orbax set
+    `EPATH_USE_TF=false` would keep TensorFlow's file system, which has no `s3` and ignores
+    `STORAGE_EMULATOR_HOST`.
+    """
+    from etils.epath import gpath
+
+    if gpath._is_tf_installed.cache_info().currsize and not gpath._epath_use_tf():
+        gpath._is_tf_installed.cache_clear()
+
+
+def step_metadata_file(step_dir: Any) -> Any:
+    """The file `step_custom_metadata` reads (a `pathlib.Path`, or an `epath.Path` in object
+    storage). Why private: see `step_custom_metadata`; named in errors about a missing or damaged
+    step record."""
     from orbax.checkpoint._src.metadata import checkpoint
 
-    return Path(checkpoint.step_metadata_file_path(step_dir))
+    path = checkpoint.step_metadata_file_path(step_dir)
+    return path if "://" in str(path) else Path(path)
 
 
 # keras-hub (an optional extra: imported only when these are called).

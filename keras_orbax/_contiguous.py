@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._fast_format import Index, _Box, aligned_empty, read_box
+from keras_orbax._fast_format import Index, _Box, aligned_empty, pread_fetch, read_box
 from keras_orbax.errors import CorruptCheckpointError
 
 
@@ -64,7 +64,15 @@ class ContiguousArray:
             extent=list(shape), src_start=[lo for lo, _ in bounds], dst_start=[0] * len(shape)
         )
         with open(self.file, "rb", buffering=0) as file:
-            read_box(file.fileno(), self.file, self.offset, self.shape, box, out, shape, self.dtype)
+            read_box(
+                pread_fetch(file.fileno(), self.file),
+                self.offset,
+                self.shape,
+                box,
+                out,
+                shape,
+                self.dtype,
+            )
         return _cast(out.view(self.dtype).reshape(shape), dtype)
 
 

@@ -11,16 +11,20 @@ Anything else (compressed, OCDBT, remote) is not this format and goes through Or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from keras_orbax import _storage
 from keras_orbax._checksum import crc32c
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._metadata import STATE, VariableRecord
@@ -39,7 +43,7 @@ class FastArray:
     """One array in the fast format: where its shard files are and how they are laid out."""
 
     key: str
-    directory: Path
+    directory: Any  # a pathlib.Path, or an epath.Path in object storage
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
@@ -79,7 +83,7 @@ class FastArray:
     def chunk_bytes(self) -> int:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
-    def file(self, coords: tuple[int, ...]) -> Path:
+    def file(self, coords: tuple[int, ...]) -> Any:
         return self.directory.joinpath("c", *map(str, coords))
 
     def chunks_of(self, index: Index) -> list[tuple[int, ...]]:
@@ -99,10 +103,11 @@ class FastArray:
         """
         problems = []
         coords = dict.fromkeys(c for index in indices for c in self.chunks_of(index))
+        sizes = self._object_sizes() if _storage.is_remote(self.directory) else None
         for path in map(self.file, coords):
             try:
-                size = path.stat().st_size
-            except FileNotFoundError:
+                size = path.stat().st_size if sizes is None else sizes[self._key(path)]
+            except (FileNotFoundError, KeyError):
                 problems.append(f"  {self.key}: missing file {path}")
                 continue
             if size != self.chunk_bytes + _INDEX_BYTES:
@@ -139,28 +144,55 @@ class FastArray:
         np.copyto(cast, data, casting="unsafe")
         return cast
 
+    def _object_sizes(self) -> dict[str, int]:
+        """Object name (relative to the array) -> size, for every shard object, in one listing."""
+        return _storage.object_sizes(self.directory)
+
+    def _key(self, path: Any) -> str:
+        return str(path)[len(str(self.directory)) + 1 :]
+
     def _bounds(self, index: Index) -> list[tuple[int, int]]:
         return [
             (s.start or 0, n if s.stop is None else s.stop)
             for s, n in zip(index, self.shape, strict=True)
         ]
 
-    def _read_box(self, path: Path, box: _Box, out: np.ndarray, out_shape: tuple[int, ...]) -> None:
+    def _read_box(self, path: Any, box: _Box, out: np.ndarray, out_shape: tuple[int, ...]) -> None:
+        if _storage.is_remote(path):
+            store, key = _storage.kvstore(self.directory), self._key(path)
+            fetch = functools.partial(_fetch_ranges, store, key, path)
+            self._read_indexed(path, fetch, None, box, out, out_shape)
+            return
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
-            index = os.pread(fd, _INDEX_BYTES, self.chunk_bytes)
-            offset, stored = struct.unpack("<QQ", index[:16])
-            (crc,) = struct.unpack("<I", index[16:]) if len(index) == _INDEX_BYTES else (None,)
-            size = os.fstat(fd).st_size
-            if offset == _MISSING or stored != self.chunk_bytes or offset + stored > size:
-                raise CorruptCheckpointError(
-                    f"{self.key}: shard file {path} has no data or a bad index."
-                )
-            if crc != crc32c(index[:16]):  # a damaged index could shift the data silently
-                raise CorruptCheckpointError(
-                    f"{self.key}: the shard index of {path} fails its CRC-32C check."
-                )
-            read_box(fd, path, offset, self.chunk_shape, box, out, out_shape, self.dtype)
+            self._read_indexed(
+                path, pread_fetch(fd, path), os.fstat(fd).st_size, box, out, out_shape
+            )
+
+    def _read_indexed(
+        self,
+        path: Any,
+        fetch: Fetch,
+        size: int | None,
+        box: _Box,
+        out: np.ndarray,
+        out_shape: tuple[int, ...],
+    ) -> None:
+        """Checks the shard index of `path`, then reads `box` from where it says the data is."""
+        index = bytearray(_INDEX_BYTES)
+        fetch([(memoryview(index), self.chunk_bytes)])
+        offset, stored = struct.unpack("<QQ", index[:16])
+        (crc,) = struct.unpack("<I", index[16:])
+        end = self.chunk_bytes + _INDEX_BYTES if size is None else size
+        if offset == _MISSING or stored != self.chunk_bytes or offset + stored > end:
+            raise CorruptCheckpointError(
+                f"{self.key}: shard file {path} has no data or a bad index."
+            )
+        if crc != crc32c(bytes(index[:16])):  # a damaged index could shift the data silently
+            raise CorruptCheckpointError(
+                f"{self.key}: the shard index of {path} fails its CRC-32C check."
+            )
+        read_box(fetch, offset, self.chunk_shape, box, out, out_shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,11 +240,24 @@ class _Box:
 
 _SMALL_RUN_BYTES = 1 << 16  # runs shorter than this are read as whole rows, then scattered
 _SPAN_BYTES = 4 << 20  # the temporary buffer for such rows
+_REQUESTS_AT_ONCE = 256  # ranged requests in flight for one box (object storage)
+
+
+Fetch = Callable[[list[tuple[memoryview, int]]], None]  # fills each view from its byte offset
+
+
+def pread_fetch(fd: int, path: Any) -> Fetch:
+    """A `Fetch` reading the local file `fd` with `preadv`."""
+
+    def fetch(requests: list[tuple[memoryview, int]]) -> None:
+        for view, offset in requests:
+            _pread_exactly(fd, view, offset, path)
+
+    return fetch
 
 
 def read_box(
-    fd: int,
-    path: Path,
+    fetch: Fetch,
     offset: int,
     stored_shape: tuple[int, ...],
     box: _Box,
@@ -220,14 +265,15 @@ def read_box(
     out_shape: tuple[int, ...],
     dtype: np.dtype,
 ) -> None:
-    """Reads the part `box` of an array stored in C order at byte `offset` of `fd` into `out` (the
-    flat bytes of a region of `out_shape`).
+    """Reads the part `box` of an array stored in C order at byte `offset` into `out` (the flat
+    bytes of a region of `out_shape`), through `fetch`.
 
-    Contiguous runs of a useful size are each one `preadv` straight into `out`. A box that takes
-    whole stored rows but places them as many short runs (a (65536, 1024) embedding saved split
-    on columns and read split on rows: 512-byte runs) is read instead as spans of those rows, a
-    few MiB at a time, and scattered with numpy: a few large reads instead of one system call per
-    run, and still exactly the bytes needed.
+    Contiguous runs of a useful size are each one read straight into `out` (one `preadv`, or one
+    ranged request in object storage, several in flight). A box that takes whole stored rows but
+    places them as many short runs (a (65536, 1024) embedding saved split on columns and read split
+    on rows: 512-byte runs) is read instead as spans of those rows, a few MiB at a time, and
+    scattered with numpy: a few large reads instead of one per run, and still exactly the bytes
+    needed.
     """
     item = dtype.itemsize
     count, length = box.run_shape(stored_shape, out_shape)
@@ -238,8 +284,12 @@ def read_box(
     coalesce = count > 1 and length * item < _SMALL_RUN_BYTES and wanted == row
     if not coalesce:
         view = out.data
-        for src, dst, length in box.runs(stored_shape, out_shape):
-            _pread_exactly(fd, view[dst * item : (dst + length) * item], offset + src * item, path)
+        requests = [
+            (view[dst * item : (dst + n) * item], offset + src * item)
+            for src, dst, n in box.runs(stored_shape, out_shape)
+        ]
+        for start in range(0, len(requests), _REQUESTS_AT_ONCE):
+            fetch(requests[start : start + _REQUESTS_AT_ONCE])
         return
     target = out.view(dtype).reshape(out_shape)
     inner = tuple(slice(s, s + e) for s, e in zip(box.src_start[1:], box.extent[1:], strict=True))
@@ -249,10 +299,27 @@ def read_box(
     span = np.empty(min(count, rows_per_span) * row * item, dtype=np.uint8)
     for start in range(0, count, rows_per_span):
         n = min(rows_per_span, count - start)
-        _pread_exactly(fd, span.data[: n * row * item], offset + (first + start) * row * item, path)
+        fetch([(span.data[: n * row * item], offset + (first + start) * row * item)])
         rows = span[: n * row * item].view(dtype).reshape((n, *stored_shape[1:]))
         at = box.dst_start[0] + start
         target[(slice(at, at + n), *placed)] = rows[(slice(None), *inner)]
+
+
+def _fetch_ranges(store: Any, key: str, path: Any, requests: list[tuple[memoryview, int]]) -> None:
+    """Fills each view from its byte range of the object `key`, all requests in flight at once."""
+    futures = [
+        store.read(key, byte_range=slice(offset, offset + len(view))) for view, offset in requests
+    ]
+    for (view, _), future in zip(requests, futures, strict=True):
+        try:
+            result = future.result()
+        except ValueError as error:  # tensorstore: a range past the end of the object
+            raise CorruptCheckpointError(f"{path} is truncated: {error}") from error
+        if result.state == "missing":
+            raise CorruptCheckpointError(f"{path} is missing.")
+        if len(result.value) != len(view):
+            raise CorruptCheckpointError(f"{path} is truncated.")
+        view[:] = result.value
 
 
 def _chunks_divide(chunk: tuple, shape: tuple[int, ...]) -> bool:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from keras_orbax import _compat, _keras_format, _steps
+from keras_orbax import _compat, _keras_format, _steps, _storage
 from keras_orbax._metadata import StepRecord
 
 
@@ -132,7 +132,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             )
         )
     return CheckpointInfo(
-        directory=Path(directory),
+        directory=_storage.as_path(directory),
         steps=steps,
         step=step,
         record=_record(step, path),
@@ -147,7 +147,9 @@ def _record(step: int, path: Path) -> StepRecord:
     return _steps.read_record(path)
 
 
-def _disk_bytes(path: Path) -> int:
+def _disk_bytes(path: Any) -> int:
+    if _storage.is_remote(path):
+        return _storage.total_bytes(path)
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 

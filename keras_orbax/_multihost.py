@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = float(os.environ.get("KERAS_ORBAX_SYNC_TIMEOUT_S", "300"))
 _calls = itertools.count()
+_agreed: weakref.WeakSet[BaseException] = weakref.WeakSet()  # raised by `agree`: reported already
 
 
 def process_count() -> int:
@@ -72,12 +74,19 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
         elif not found["ok"]:
             failures[process] = found
     if missing:
-        raise ProcessSyncError(
+        late = ProcessSyncError(
             f"Processes {missing} did not reach '{name}' within {timeout_s:.0f} s (this is process "
             f"{me}). They may have crashed or be stuck; no variable was modified here."
-        ) from error
+        )
+        raise _mark(late) from error
     if failures:
-        raise _combined(name, failures) from error
+        raise _mark(_combined(name, failures)) from error
+
+
+def _mark(error: KerasOrbaxError) -> KerasOrbaxError:
+    """`error`, noted as the outcome of an `agree`, which every process that got there raises."""
+    _agreed.add(error)
+    return error
 
 
 def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
@@ -130,10 +139,16 @@ def _get(client: Any, key: str, deadline: float) -> dict[str, Any] | None:
 
 
 def run_collectively(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """Runs `fn(*args)` on this process, then `agree`s: returns only if it succeeded everywhere."""
+    """Runs `fn(*args)` on this process, then `agree`s: returns only if it succeeded everywhere.
+
+    An error that `fn` got from an `agree` of its own is raised as it is: the processes have
+    reported already.
+    """
     try:
         result = fn(*args)
     except Exception as error:  # reported to every process by `agree`, which re-raises
+        if error in _agreed:
+            raise
         agree(name, error)
         raise
     agree(name, None)

@@ -7,17 +7,17 @@ Two paths, chosen per array:
   `preadv`.
 - Orbax: the `"compact"` format, remote paths and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
-Either way no host or device ever holds a full copy of a sharded array.
+Either way no host or device ever holds a full copy of a sharded array. Where several processes hold
+replicas of a region, `_replicas.share` lets one of them read it and the others receive it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,14 +27,16 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
-from keras_orbax import _keys
+from keras_orbax import _keys, _replicas
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._fast_format import FastArray, Index
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
 from keras_orbax.errors import CorruptCheckpointError
 
-_TS_BYTES_READ = "/tensorstore/kvstore/file/bytes_read"
+_TS_BYTES_READ = "/tensorstore/kvstore/"
+# Bytes from storage itself (not from a layer over it, such as OCDBT, which would count them twice).
+_TS_STORAGE_BYTES_READ = {f"/tensorstore/kvstore/{d}/bytes_read" for d in ("file", "gcs", "s3")}
 _Task = tuple["ReadRequest", Any, Index]  # one region of one array (a FastArray or other reader)
 
 
@@ -60,6 +62,12 @@ class ReadPlan:
     via_orbax: list[ReadRequest]
     checkpointable: str = STATE  # the Orbax checkpointable holding the arrays read via Orbax
     tree_paths: dict[str, str] | None = None  # key -> path in that tree, where it is not the key
+    shared: Mapping[str, _replicas.Sharing] = dataclasses.field(default_factory=dict)
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of regions this process's devices get from other processes instead of storage."""
+        return sum(sharing.received for sharing in self.shared.values())
 
 
 def plan_reads(
@@ -125,7 +133,9 @@ def read_arrays(
     largest region, whichever is larger; one region always goes). So host memory for reads stays
     within the window plus the regions of the one array being placed (which, on the CPU backend,
     are the devices' own buffers). Collective when some arrays go through Orbax (the compact
-    format): call on every process. `show_progress` draws bytes read and the rate on a terminal.
+    format) or `plan.shared` holds some (one process reads each replicated region, the others
+    receive it, a window of arrays at a time): call on every process. `show_progress` draws bytes
+    read and the rate on a terminal.
 
     Raises:
         CorruptCheckpointError: an array file is unreadable.
@@ -137,11 +147,27 @@ def read_arrays(
     sizes = [_region_bytes(request, index) for request, _, index in tasks]
     window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])
     pieces = _read_ahead(tasks, sizes, workers, window)
+    exchange = _replicas.Exchange(plan, window_bytes or DEFAULT_WINDOW_BYTES)  # same everywhere
+    error: Exception | None = None
     with Progress("restore_sharded", sum(sizes), enabled=show_progress) as progress:
-        for request, group in itertools.groupby(pieces, key=lambda piece: piece[0][0]):
-            read = list(group)
-            progress.advance(sum(data.nbytes for _, data in read))
-            bytes_read += _place(request, read, arrays)
+        for request, _, indices in plan.fast:
+            sharing = plan.shared.get(request.record.key)
+            read = []
+            try:
+                if error is None:
+                    read = [next(pieces) for _ in indices]
+                    progress.advance(sum(data.nbytes for _, data in read))
+                    if read:
+                        bytes_read += _place(request, read, arrays, shared=sharing is not None)
+            except Exception as caught:  # held until every process hears of it: see below
+                if not plan.shared:
+                    raise
+                error = caught
+            if sharing is not None:  # a collective: every process gets here, or raises with all
+                regions = {repr(index): data for (_, _, index), data in read}
+                arrays.update(exchange.add(request, regions, error))
+    if error is not None:
+        raise error
     if plan.via_orbax:
         loaded, nbytes = _read_with_orbax(
             plan.step_dir, plan.via_orbax, plan.checkpointable, plan.tree_paths or {}
@@ -151,12 +177,16 @@ def read_arrays(
     return arrays, bytes_read
 
 
-def _place(request: ReadRequest, read: list, arrays: dict[str, jax.Array]) -> int:
-    """Puts one array's regions on their devices; returns the bytes read from storage for it."""
+def _place(
+    request: ReadRequest, read: list, arrays: dict[str, jax.Array], *, shared: bool = False
+) -> int:
+    """Puts one array's regions on their devices (unless `shared`: the `Exchange` does); returns
+    the bytes read from storage for it."""
     regions = {repr(index): data for (_, _, index), data in read}
-    arrays[request.record.key] = _on_devices(request, regions)
+    if not shared:
+        arrays[request.record.key] = _on_devices(request, regions)
     release = getattr(read[0][0][1], "release", None)
-    if release is not None:  # a value computed on the host: every region is on its devices
+    if release is not None:  # a value computed on the host: every region is read
         release()
     return sum(data.size for data in regions.values()) * np_dtype(request.record.dtype).itemsize
 
@@ -225,4 +255,9 @@ def _read_with_orbax(
 
 def _tensorstore_bytes_read() -> int:
     metrics = ts.experimental_collect_matching_metrics(_TS_BYTES_READ)
-    return sum(int(v.get("value", 0)) for m in metrics for v in m.get("values", []))
+    return sum(
+        int(v.get("value", 0))
+        for m in metrics
+        if m["name"] in _TS_STORAGE_BYTES_READ
+        for v in m.get("values", [])
+    )

@@ -20,7 +20,9 @@ from keras_orbax import (
     _multihost,
     _plan,
     _read,
+    _replicas,
     _steps,
+    _storage,
     _verify,
 )
 from keras_orbax._fast_format import FastArray
@@ -40,8 +42,11 @@ class RestoreResult:
         initialized: Keys of deferred variables the checkpoint lacked, initialized (strict=False).
         skipped: Keys that were not restored: model variables the checkpoint lacks or holds with
             another shape or dtype (kept as they were), and checkpoint entries the model lacks.
-        bytes_read: Bytes of array data this process read.
+        bytes_read: Bytes of array data this process read from storage.
         record: The checkpoint's full keras-orbax record.
+        bytes_received: Bytes of array data this process's devices received from other processes
+            instead of reading them (`single_replica_reads`); with `bytes_read`, every distinct
+            region its devices hold, once.
     """
 
     step: int | None
@@ -51,6 +56,7 @@ class RestoreResult:
     skipped: tuple[str, ...]
     bytes_read: int
     record: StepRecord = dataclasses.field(repr=False)
+    bytes_received: int = 0
 
     @property
     def num_variables(self) -> int:
@@ -65,6 +71,7 @@ def restore_sharded(
     strict: bool = True,
     verify: bool = False,
     read_window_bytes: int | None = None,
+    single_replica_reads: bool | None = None,
     verbose: int = 0,
 ) -> RestoreResult:
     """Restores `model` from a checkpoint, each shard read straight onto its device.
@@ -87,10 +94,19 @@ def restore_sharded(
             written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
+        single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
+            or a layout replicated over a mesh axis that spans processes), one of them reads it
+            from storage and sends it to the others over the interconnect (a JAX collective), so
+            the checkpoint is read once in all, the reading spread evenly over the processes.
+            `None` (default) does so in object storage (`gs://`, `s3://`) and on accelerators
+            (GPU, TPU), not from local files on the CPU backend, where gloo over TCP is slower
+            than reading; `False` has every process read its own replicas. One process: no
+            effect.
         verbose: 1 shows the bytes read and the rate on a terminal (process 0 only).
 
     Returns:
-        A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read.
+        A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read and
+        received.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
@@ -107,21 +123,25 @@ def restore_sharded(
     """
     # Collective: process 0 picks the step; every process checks what it will read, then reads its
     # shards; all raise if any fails, and only then does any process change anything.
-    file = _foreign.weights_file(directory)
-    if _hf.is_transformers_directory(Path(directory)):
+    local = not _storage.is_remote(directory)  # Keras and Hugging Face files: local only
+    share = _replicas.enabled(single_replica_reads, object_storage=not local)
+    file = _foreign.weights_file(directory) if local else None
+    if local and _hf.is_transformers_directory(Path(directory)):
         record, state, plan, reads = _multihost.run_collectively(
             "restore_sharded/plan", _hf.prepare, model, Path(directory), strict
         )
+        reads = _replicas.share(reads) if share else reads
     elif file is not None:
         record, state, plan, reads = _multihost.run_collectively(
             "restore_sharded/plan", _foreign.prepare, model, file, strict
         )
+        reads = _replicas.share(reads) if share else reads
     else:
         step = _multihost.primary_value(
             "restore_sharded/step", _steps.resolve_step, directory, step
         )
         record, state, plan, reads = _multihost.run_collectively(
-            "restore_sharded/plan", _prepare, model, directory, step, strict, verify
+            "restore_sharded/plan", _prepare, model, directory, step, strict, verify, share
         )
     arrays, bytes_read = _multihost.run_collectively(
         "restore_sharded/read",
@@ -147,6 +167,7 @@ def restore_sharded(
         skipped=tuple(k for k in (*not_read, *plan.unexpected) if k not in initialized),
         bytes_read=bytes_read,
         record=record,
+        bytes_received=reads.received_bytes,
     )
 
 
@@ -156,13 +177,17 @@ def _prepare(
     step: int,
     strict: bool,
     verify: bool = False,
+    share: bool = False,
 ) -> tuple[StepRecord, _keys.KeyedState, _plan.Plan, _read.ReadPlan]:
     """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
-    an optimizer that is not built yet is planned through a deferred copy of it."""
+    an optimizer that is not built yet is planned through a deferred copy of it. `share`: read
+    each region replicated across processes on one of them only (`_replicas`)."""
     path, record, state, plan = plan_restore(model, directory, step, strict)
     if plan.problems:
         raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
     reads = _read.plan_reads(path, list(plan.reads.values()))
+    if share:
+        reads = _replicas.share(reads)
     if verify:
         fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
 

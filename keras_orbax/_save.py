@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _write
+from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _storage, _write
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
 from keras_orbax.errors import (
     DeferredVariableError,
@@ -72,7 +72,7 @@ def save(
     keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
     ```
     """
-    _check_format(format)
+    _check_format(format, directory)
     _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
         with (
@@ -88,7 +88,7 @@ def save(
         raise SaveFailedError(
             f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. {intact}"
         ) from error
-    return Path(directory) / str(step)
+    return _storage.as_path(directory) / str(step)
 
 
 def open_checkpointer(
@@ -97,14 +97,16 @@ def open_checkpointer(
     preservation_policy: Any = None,
 ) -> ocp.training.Checkpointer:
     """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
-    _check_format(format)
+    _check_format(format, directory)
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
     if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
         context.checkpointables_options.registry = _fast_registry()
+    if _storage.is_remote(directory):  # no atomic rename: a marker file commits the step
+        context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
     return ocp.training.Checkpointer(
-        directory, context=context, preservation_policy=preservation_policy
+        _storage.as_path(directory), context=context, preservation_policy=preservation_policy
     )
 
 
@@ -174,9 +176,16 @@ def write_step(
     return response
 
 
-def _check_format(format: str) -> None:
+def _check_format(format: str, directory: str | os.PathLike) -> None:
     if format not in _FORMATS:
         raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+    if format == "compact" and os.fspath(directory).startswith("s3://"):
+        # Orbax builds a local file path for the arrays of an s3:// checkpoint in this format.
+        raise ValueError(
+            "format='compact' cannot be written to s3:// (Orbax's tensorstore path for it is "
+            "local-only); use the default format='fast'. "
+            f"Received: format={format!r}, directory={os.fspath(directory)!r}"
+        )
 
 
 def _checked_variables(

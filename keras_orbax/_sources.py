@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax import _foreign, _h5_files, _keras_format, _read, _steps
+from keras_orbax import _foreign, _h5_files, _keras_format, _read, _steps, _storage
 from keras_orbax._keys import MODEL, OPTIMIZER
 from keras_orbax._metadata import StepRecord, VariableRecord
 
@@ -55,13 +55,16 @@ class Source:
         return np.asarray(self.read_array(key))
 
 
-def split_step(spec: str | os.PathLike) -> tuple[Path, int | None]:
-    """`"/ckpt@100"` -> `(Path("/ckpt"), 100)`; a path that exists as given is taken whole."""
+def split_step(spec: str | os.PathLike) -> tuple[Any, int | None]:
+    """`"/ckpt@100"` -> `(Path("/ckpt"), 100)`; a path that exists as given is taken whole.
+
+    An object-store URL (`gs://`, `s3://`) gives an `etils.epath.Path`.
+    """
     text = os.fspath(spec)
     match = _AT_STEP.match(text)
-    if match and not Path(text).exists():
-        return Path(match.group(1)), int(match.group(2))
-    return Path(text), None
+    if match and not _storage.as_path(text).exists():
+        return _storage.as_path(match.group(1)), int(match.group(2))
+    return _storage.as_path(text), None
 
 
 def open_source(spec: str | os.PathLike, step: int | None = None) -> Source:
@@ -73,7 +76,7 @@ def open_source(spec: str | os.PathLike, step: int | None = None) -> Source:
     """
     path, at = split_step(spec)
     step = at if at is not None else step
-    file = _foreign.weights_file(path)
+    file = None if _storage.is_remote(path) else _foreign.weights_file(path)
     if file is not None:
         return _weights_source(file)
     step, step_dir = _steps.step_path(path, step)

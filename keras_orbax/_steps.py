@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat
+from keras_orbax import _compat, _storage
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -24,10 +25,18 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     either: the process died between the rename and the metadata write, or while retention was
     deleting the step (Orbax deletes in place); neither can be restored.
     """
-    if not Path(directory).is_dir():
+    root = _storage.as_path(directory)
+    if not root.is_dir():
         return []
-    found = _NAME_FORMAT.find_all(directory)
-    return sorted(m.step for m in found if _compat.step_metadata_file(m.path).is_file())
+    return sorted(m.step for m in _NAME_FORMAT.find_all(root) if _is_complete(m.path))
+
+
+def _is_complete(step_dir: Any) -> bool:
+    """The step has its metadata file and, in object storage, Orbax's commit marker: objects are
+    written in place, so the marker, written last, is what commits the step."""
+    if _storage.is_remote(step_dir) and not (step_dir / _storage.COMMIT_FILE).exists():
+        return False
+    return _compat.step_metadata_file(step_dir).is_file()
 
 
 def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path]:
@@ -37,7 +46,7 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
         CheckpointNotFoundError: `directory` is missing, holds no committed step, or not `step`.
         CorruptCheckpointError: `step` (or, with no committed step, the latest) lacks its metadata.
     """
-    root = Path(directory)
+    root = _storage.as_path(directory)
     if not root.exists():
         raise CheckpointNotFoundError(f"Checkpoint directory does not exist: '{root}'")
     if not root.is_dir():
@@ -49,9 +58,10 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
         names = step if step is not None else unfinished
         raise CorruptCheckpointError(
             f"Checkpoint step {names} of '{root}' has no metadata file "
-            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name}): its save was cut "
-            "off after the step was renamed, or retention was deleting it. It cannot be restored."
-            + (f" Committed steps: {steps}." if steps else "")
+            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name})"
+            + (f" or no commit marker ({_storage.COMMIT_FILE})" if _storage.is_remote(root) else "")
+            + ": its save was cut off before it committed, or retention was deleting it. "
+            "It cannot be restored." + (f" Committed steps: {steps}." if steps else "")
         )
     if not steps:
         raise CheckpointNotFoundError(
@@ -65,13 +75,13 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
             f"Step {step} is not a committed step of '{root}'. Committed steps: {steps}. "
             f"Received: step={step}"
         )
-    return step, Path(_NAME_FORMAT.find_step(root, step).path)
+    return step, _storage.as_path(_NAME_FORMAT.find_step(root, step).path)
 
 
 def _unfinished_steps(root: Path) -> list[int]:
     """Steps renamed as committed whose metadata file is missing (see `committed_steps`)."""
     found = _NAME_FORMAT.find_all(root)
-    return sorted(m.step for m in found if not _compat.step_metadata_file(m.path).is_file())
+    return sorted(m.step for m in found if not _is_complete(m.path))
 
 
 def resolve_step(directory: str | os.PathLike, step: int | None) -> int:

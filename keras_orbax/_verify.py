@@ -9,8 +9,9 @@ import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from keras_orbax import _checksum, _steps, _write
+from keras_orbax import _checksum, _steps, _storage, _write
 from keras_orbax._fast_format import FastArray
 from keras_orbax._metadata import STATE
 from keras_orbax._progress import Progress
@@ -148,12 +149,17 @@ def _recorded_checksums(state: Path) -> dict[str, int]:
     return found
 
 
+def _open_unbuffered(file: Any) -> Any:
+    """A local file without Python's buffer (reads go straight to the caller), or an object."""
+    return file.open("rb") if _storage.is_remote(file) else open(file, "rb", buffering=0)
+
+
 def _check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
     """(problem or None, bytes read, CRC-32 of the whole file)."""
     expected = chunk_bytes + _checksum.INDEX_BYTES
     crc, size, tail = 0, 0, b""
     try:
-        with open(file, "rb", buffering=0) as handle:
+        with _open_unbuffered(file) as handle:
             while block := handle.read(_READ_BYTES):
                 crc = _checksum.update(crc, block)
                 size += len(block)

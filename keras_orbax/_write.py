@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax import _checksum, _compat, _multihost
+from keras_orbax import _checksum, _compat, _multihost, _storage
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -91,7 +91,7 @@ class FastArrayLeafHandler(_compat.array_leaf_handler()):  # type: ignore[misc]
 
         async def write() -> None:
             await parent.await_creation()
-            await asyncio.to_thread(write_arrays, Path(parent.path), arrays, shards)
+            await asyncio.to_thread(write_arrays, _storage.as_path(parent.path), arrays, shards)
 
         return write()
 
@@ -125,18 +125,17 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     return shards
 
 
-def write_arrays(directory: Path, arrays: list[_Array], shards: list[_Shard]) -> None:
+def write_arrays(directory: Any, arrays: list[_Array], shards: list[_Shard]) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
-    durably: each file and each directory is fsync-ed before this returns."""
-    primary = _multihost.is_primary()
+    durably: each file and each directory is fsync-ed (an object is durable once written)
+    before this returns."""
+    files = _metadata_files(arrays)
+    if _storage.is_remote(directory):
+        _write_objects(directory, files, shards)
+        return
     dirs = {directory / a.name for a in arrays} | {(directory / s.relative).parent for s in shards}
     for path in sorted(dirs):
         path.mkdir(parents=True, exist_ok=True)
-    files: list[tuple[str, bytes]] = []
-    if primary:
-        files += [(f"{a.name}/zarr.json", _zarr_json(a)) for a in arrays]
-        files.append(("_sharding", _sharding_json(arrays)))
-    files.append((f"array_metadatas/process_{jax.process_index()}", _array_metadatas(arrays)))
     (directory / "array_metadatas").mkdir(exist_ok=True)
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
@@ -145,13 +144,46 @@ def write_arrays(directory: Path, arrays: list[_Array], shards: list[_Shard]) ->
         )
         list(pool.map(lambda f: _write_file(directory / f[0], f[1]), files))
         (directory / CHECKSUMS_DIR).mkdir(exist_ok=True)
-        _write_file(
-            directory / CHECKSUMS_DIR / f"process_{jax.process_index()}.json",
-            json.dumps({"algorithm": _checksum.ALGORITHM, "files": checksums}).encode(),
-        )
+        _write_file(directory / _checksums_name(), _checksums_json(checksums))
         synced = dirs | {p.parent for p in dirs}
         synced |= {directory, directory / "array_metadatas", directory / CHECKSUMS_DIR}
         list(pool.map(_fsync_dir, sorted(synced)))
+
+
+def _metadata_files(arrays: list[_Array]) -> list[tuple[str, bytes]]:
+    """(relative name, content) of the array metadata files this process writes."""
+    files: list[tuple[str, bytes]] = []
+    if _multihost.is_primary():
+        files += [(f"{a.name}/zarr.json", _zarr_json(a)) for a in arrays]
+        files.append(("_sharding", _sharding_json(arrays)))
+    files.append((f"array_metadatas/process_{jax.process_index()}", _array_metadatas(arrays)))
+    return files
+
+
+def _checksums_name() -> str:
+    return f"{CHECKSUMS_DIR}/process_{jax.process_index()}.json"
+
+
+def _checksums_json(checksums: dict[str, dict[str, int]]) -> bytes:
+    return json.dumps({"algorithm": _checksum.ALGORITHM, "files": checksums}).encode()
+
+
+def _write_objects(directory: Any, files: list[tuple[str, bytes]], shards: list[_Shard]) -> None:
+    """The same files as objects under an object-store prefix, a few in flight at a time (each
+    shard is copied once into the request body)."""
+    store = _storage.kvstore(directory)
+
+    def put_shard(shard: _Shard) -> tuple[str, dict[str, int]]:
+        view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
+        index = _checksum.shard_index(len(view))
+        crc = _checksum.update(_checksum.update(0, view), index)
+        store.write(shard.relative, b"".join((view, index))).result()
+        return shard.relative, {_checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        checksums = dict(pool.map(put_shard, shards))
+        list(pool.map(lambda f: store.write(f[0], f[1]).result(), files))
+    store.write(_checksums_name(), _checksums_json(checksums)).result()
 
 
 def _write_shard(path: Path, data: np.ndarray) -> dict[str, int]:

@@ -37,39 +37,65 @@ def _dir(path: Path) -> Path:
     return path
 
 
+MODEL_BYTES = (16 * 4096 + 4096 + 4096 * 8 + 8) * 4  # the arrays of one step of `mlp(4096)`
+
+
 def _assert_read(report: dict, layout: str) -> None:
     entry = report[layout]
     assert entry["mismatches"] == [], layout
     assert entry["sharding_ok"], layout
-    # Array bytes: exactly the distinct shards this process's devices own, whatever the layout.
-    assert entry["bytes_read"] == entry["own_shard_bytes"], (layout, entry)
-    # All bytes the process read from files (/proc/self/io), metadata included.
-    assert entry["rchar"] <= entry["own_shard_bytes"] + SLACK, (layout, entry)
+    # Array bytes: each distinct shard this process's devices own, read or received, exactly once.
+    assert entry["bytes_read"] + entry["bytes_received"] == entry["own_shard_bytes"], (
+        layout,
+        entry,
+    )
+    # All bytes the process read from files (/proc/self/io), metadata included: `bytes_read` is real.
+    assert entry["rchar"] <= entry["bytes_read"] + SLACK, (layout, entry)
 
 
-def test_four_processes_read_what_two_wrote(written):
-    results = run_workers(
+@pytest.fixture(scope="module")
+def four_readers(written) -> list[dict]:
+    """Step 1 restored by 4 processes x 2 devices under several layouts, replicas read once or not."""
+    return run_workers(
         WORKER,
         4,
         2,
         {
             "action": "read",
             "directory": str(written / "arange"),
-            "layouts": ["2x4", "4x2"],
+            "layouts": ["2x4", "4x2", "dp:on", "dp:off", "replicated:on", "replicated:off"],
             "trained": str(written / "trained"),
             "reference": str(written / "w" / "trained.npz"),
         },
         workdir=_dir(written / "w4"),
     )
-    total = 0
-    for report in results:
+
+
+def test_four_processes_read_what_two_wrote(four_readers):
+    for report in four_readers:
         _assert_read(report, "2x4")
         _assert_read(report, "4x2")
-        total += report["2x4"]["bytes_read"]
         assert report["load_model"] == {"wrong": [], "iterations": 8}
-    model_bytes = (16 * 4096 + 4096 + 4096 * 8 + 8) * 4
+    # The default on CPU: each process reads its replicas. Kernels split over all 8 devices,
+    # biases replicated on all: kernels read once in all, biases once per process.
     replicated = (4096 + 8) * 4
-    assert total == model_bytes + 3 * replicated  # biases: one copy per process, kernels: once
+    total = sum(report["2x4"]["bytes_read"] for report in four_readers)
+    assert total == MODEL_BYTES + 3 * replicated
+
+
+@pytest.mark.parametrize("layout", ["dp", "replicated"])
+def test_each_replicated_byte_is_read_from_storage_once(four_readers, layout):
+    """DataParallel (everything on every device) and kernels replicated over the "batch" axis, which
+    spans the 4 processes: one process reads each region, the others receive it; the reading is
+    spread over all of them. With `single_replica_reads=False` each process reads its replicas."""
+    for report in four_readers:
+        _assert_read(report, f"{layout}:on")
+        _assert_read(report, f"{layout}:off")
+    read = [report[f"{layout}:on"]["bytes_read"] for report in four_readers]
+    assert sum(read) <= 1.05 * MODEL_BYTES, read
+    assert min(read) > 0 and max(read) <= 1.5 * sum(read) / 4, read  # spread over the processes
+    read_off = [report[f"{layout}:off"]["bytes_read"] for report in four_readers]
+    assert sum(read_off) == 4 * MODEL_BYTES, read_off
 
 
 def test_one_process_reads_what_two_wrote(written, distribution):
@@ -126,29 +152,46 @@ def test_process_killed_during_save_leaves_the_previous_step(tmp_path):
     assert keras_orbax.restore_sharded(model, directory).step == 1
 
 
-def test_missing_file_on_one_process_fails_everywhere_without_hanging(written, tmp_path):
+def test_damage_seen_by_one_process_fails_everywhere_without_hanging(written, tmp_path):
+    """A shard file missing on one process fails the plan; a shard that only one process reads
+    (a bias replicated on both, read by process 0 alone) fails in the middle of the reads, before
+    the collective that would send it to process 1. Either way: the same error everywhere."""
     import shutil
 
-    directory = tmp_path / "damaged"
-    shutil.copytree(written / "arange", directory)
+    missing, bad_index = tmp_path / "missing", tmp_path / "bad_index"
+    shutil.copytree(written / "arange", missing)
+    shutil.copytree(written / "arange", bad_index)
     # On the (2, 4) mesh, row 1 of the kernel's shards belongs to process 1's devices only.
-    (directory / "1" / "state" / "layers.dense.vars.0" / "c" / "1" / "2").unlink()
+    (missing / "1" / "state" / "layers.dense.vars.0" / "c" / "1" / "2").unlink()
+    # The hidden bias (16 KiB, one piece) goes to process 0, the least loaded, lowest index.
+    bias = bad_index / "1" / "state" / "layers.dense.vars.1" / "c" / "0"
+    damaged = bytearray(bias.read_bytes())
+    damaged[-1] ^= 0xFF  # the CRC-32C of the shard index
+    bias.write_bytes(bytes(damaged))
     results = run_workers(  # a hang fails as WorkerFailed after the timeout
         WORKER,
         2,
         4,
-        {"action": "read_expect_error", "directory": str(directory)},
+        {
+            "action": "read_expect_error",
+            "directory": "",
+            "directories": [str(missing), str(bad_index)],
+        },
         timeout=300,
         workdir=_dir(tmp_path / "w"),
     )
-    messages = {r["message"] for r in results}
-    assert len(messages) == 1, messages  # the same error on every process
-    message = messages.pop()
-    assert [r["type"] for r in results] == ["CorruptCheckpointError"] * 2
-    assert "failed on 1 of 2 processes" in message
-    assert "process 1: CorruptCheckpointError" in message
-    assert "layers/dense/vars/0: missing file" in message and "c/1/2" in message
-    assert all(r["untouched"] for r in results)
+    for n, (process, details) in enumerate(
+        [(1, ["layers/dense/vars/0: missing file", "c/1/2"]), (0, ["CRC-32C", "vars.1"])]
+    ):
+        reports = [r["restores"][n] for r in results]
+        messages = {r["message"] for r in reports}
+        assert len(messages) == 1, messages  # the same error on every process
+        message = messages.pop()
+        assert [r["type"] for r in reports] == ["CorruptCheckpointError"] * 2
+        assert "failed on 1 of 2 processes" in message
+        assert f"process {process}: CorruptCheckpointError" in message
+        assert all(detail in message for detail in details), message
+        assert all(r["untouched"] for r in reports)
 
 
 def test_process_0_decides_the_step_for_every_process(written, tmp_path):
