@@ -27,7 +27,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from keras_orbax import _multihost
+from keras_orbax import _multihost, _storage
 from keras_orbax.errors import StepLockedError
 
 try:
@@ -35,7 +35,6 @@ try:
 except ImportError:  # Windows: no flock, no lock
     fcntl = None  # type: ignore[assignment]
 
-REMOTE_SCHEMES = ("gs://", "s3://")
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -52,7 +51,7 @@ def writer_lock(directory: str | os.PathLike, step: int) -> Iterator[None]:
         StepLockedError: another writer holds it; nothing was written.
         OSError: the lock file cannot be created (e.g. a read-only directory).
     """
-    if fcntl is None or os.fspath(directory).startswith(REMOTE_SCHEMES):
+    if fcntl is None or _storage.is_remote(directory):
         yield
         return
     taken: list[int] = []
