@@ -17,6 +17,7 @@ from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
 from keras_orbax._resume import ResumePoint
 from keras_orbax._retention import Retention, loggable, metric
+from keras_orbax._writer_lock import writer_lock
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
@@ -276,26 +277,29 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
                 "on_train_begin has not run."
             )
-        try:
-            response = _save.write_step(
-                self._checkpointer,
-                self.model,
-                step=step,
-                epoch=epoch,
-                batch=batch,
-                metrics=metrics,
-                extra={"reason": reason},
-                blocking=blocking,
-                weights_only=self.save_weights_only,
-            )
-        except KerasOrbaxError:
-            raise
-        except Exception as error:
-            self._fail(f"Saving step {step} to '{self.directory}' failed", error)
+        with contextlib.ExitStack() as lock:
+            try:
+                lock.enter_context(writer_lock(self.directory, step))
+                response = _save.write_step(
+                    self._checkpointer,
+                    self.model,
+                    step=step,
+                    epoch=epoch,
+                    batch=batch,
+                    metrics=metrics,
+                    extra={"reason": reason},
+                    blocking=blocking,
+                    weights_only=self.save_weights_only,
+                )
+            except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
+                self._close(failing=True)
+                raise
+            except Exception as error:
+                self._fail(f"Saving step {step} to '{self.directory}' failed", error)
+            if not blocking:  # the lock is held until the background save commits or fails
+                assert self._saves is not None, "on_train_begin starts the collector"
+                self._pending = self._saves.submit(step, response, lock.pop_all().close)
         self._last_saved_step = step
-        if not blocking:
-            assert self._saves is not None, "on_train_begin starts the collector"
-            self._pending = self._saves.submit(step, response)
         self._report(step, epoch, batch, reason, note)
 
     def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:

@@ -57,11 +57,13 @@ class FastArray:
             chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
         except (OSError, ValueError, TypeError, KeyError):  # Orbax reads it, or says what is wrong
             return None
+        # Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool).
+        raw = {"name": "bytes"} if np_dtype(record.dtype).itemsize == 1 else _RAW
         plain = {
             "name": "sharding_indexed",
             "configuration": {
                 "chunk_shape": list(chunk),
-                "codecs": [_RAW],
+                "codecs": [raw],
                 "index_codecs": [_RAW, {"name": "crc32c"}],
             },
         }

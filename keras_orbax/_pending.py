@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 
@@ -20,6 +21,9 @@ class PendingSave:
         return self.error
 
 
+_Item = tuple[PendingSave, Any, Callable[[], None]]
+
+
 class Collector:
     """One thread that collects the results of background saves.
 
@@ -29,13 +33,16 @@ class Collector:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[PendingSave, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="keras_orbax_saves", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, response: Any) -> PendingSave:
+    def submit(
+        self, step: int, response: Any, on_done: Callable[[], None] = lambda: None
+    ) -> PendingSave:
+        """Collects `response`; then calls `on_done` (e.g. releasing a lock), committed or not."""
         pending = PendingSave(step)
-        self._queue.put((pending, response))
+        self._queue.put((pending, response, on_done))
         return pending
 
     def close(self) -> None:
@@ -44,10 +51,13 @@ class Collector:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            pending, response = item
+            pending, response, on_done = item
             try:
                 response.result()
             except BaseException as error:  # handed to the training thread by join()
                 pending.error = error
             finally:
-                pending.done.set()
+                try:
+                    on_done()
+                finally:
+                    pending.done.set()

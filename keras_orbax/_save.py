@@ -14,6 +14,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _storage, _write
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
+from keras_orbax._writer_lock import writer_lock
 from keras_orbax.errors import (
     DeferredVariableError,
     KerasOrbaxError,
@@ -66,6 +67,10 @@ def save(
 
     Raises:
         StepExistsError: `step` is committed already and `overwrite` is False.
+        StepLockedError: another writer is saving `step` to `directory` right now (with or
+            without `overwrite`); nothing was written. Local directories only: `gs://` and
+            `s3://` directories are not locked.
+        SaveFailedError: the write failed (e.g. a full disk); the committed steps are intact.
 
     Example:
     ```python
@@ -76,6 +81,7 @@ def save(
     _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
         with (
+            writer_lock(directory, step),  # released once the checkpointer has closed
             _quiet.skipped_merge_notices(directory),
             open_checkpointer(directory, format) as checkpointer,
         ):

@@ -24,6 +24,13 @@ class StepExistsError(KerasOrbaxError, FileExistsError):
     """`save` was asked to write a step that is already committed."""
 
 
+class StepLockedError(KerasOrbaxError, BlockingIOError):
+    """Another writer is saving the same step to the same directory right now; nothing was written.
+
+    Raised at once, without waiting: the other writer's save goes on and commits normally.
+    """
+
+
 class DuplicateKeyError(KerasOrbaxError, ValueError):
     """Two different variables of one model map to the same checkpoint key."""
 

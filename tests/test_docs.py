@@ -3,7 +3,8 @@
 A page's blocks run in order in one namespace (later blocks use what earlier ones built), in a fresh
 temporary working directory, on the 8 virtual CPU devices, with no distribution set at the start. A
 block that cannot run here (a cluster launch, a download) is preceded by `<!-- norun: reason -->`;
-those are few, and each must give its reason.
+those are few, and each must give its reason. A page that names `s3://checkpoints/...` or
+`gs://checkpoints/...` runs against the test session's local S3 and GCS servers.
 """
 
 from __future__ import annotations
@@ -70,9 +71,22 @@ def test_pages_have_code():
     }
 
 
+BUCKET = "checkpoints"  # a page naming s3://checkpoints/... or gs://checkpoints/... gets both
+
+
+def _use_object_stores(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Points the environment at the local S3 and GCS servers, each with a bucket `BUCKET`."""
+    for kind in ("s3", "gcs"):
+        store = request.getfixturevalue(f"{kind}_store")
+        store.use(monkeypatch)
+        store.new_bucket(BUCKET)
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
-def test_page_runs(page, tmp_path, monkeypatch, distribution):
+def test_page_runs(page, tmp_path, monkeypatch, distribution, request):
     source = page.read_text()
+    if f"://{BUCKET}/" in source:
+        _use_object_stores(request, monkeypatch)
     if "keras_hub" in source and importlib.util.find_spec("keras_hub") is None:
         if os.environ.get("KERAS_ORBAX_REQUIRE_HUB"):
             pytest.fail("keras-hub is not installed (KERAS_ORBAX_REQUIRE_HUB is set)")

@@ -1,4 +1,4 @@
-"""The machine misbehaves: a full disk, a read-only directory, two writers at once.
+"""The machine misbehaves: a full disk, a read-only directory, two writers at once, a dead writer.
 
 The disk and the read-only directory are real filesystems of the test's own (a size-limited tmpfs,
 a read-only bind mount), which needs root and mount(2); as root, permission bits do not stop a
@@ -11,8 +11,11 @@ import contextlib
 import errno
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +25,12 @@ import pytest
 
 import keras_orbax
 from keras_orbax import _steps
-from keras_orbax.errors import SaveFailedError
+from keras_orbax._writer_lock import lock_path
+from keras_orbax.errors import SaveFailedError, StepLockedError
 from tests import _models
 from tests._harness import REPO_ROOT, WORKERS_DIR
 
+HANG_S = 300  # only to stop a hung process; no test asserts on time
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="mounting a tmpfs or a read-only bind mount needs root"
 )
@@ -54,9 +59,14 @@ def _fill(directory: Path) -> Path:
     return filler
 
 
-def _fit(model: keras.Model, epochs: int, checkpoint: keras_orbax.ModelCheckpoint) -> None:
+def _fit(
+    model: keras.Model,
+    epochs: int,
+    checkpoint: keras_orbax.ModelCheckpoint,
+    *others: keras.callbacks.Callback,
+) -> None:
     x, y = np.ones((32, 16), "float32"), np.ones((32, 8), "float32")
-    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[checkpoint])
+    model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, callbacks=[checkpoint, *others])
 
 
 def _state(model: keras.Model) -> list[np.ndarray]:
@@ -125,11 +135,9 @@ def test_read_only_directory_restores_and_refuses_saves(tmp_path, distribution):
 def test_two_writers_at_once(tmp_path, distribution):
     """Two processes save to one directory at the same moment: the same step, then each its own.
 
-    The same step: never a step mixing the two writers. Today both fail (Orbax gives both the same
-    temporary directory, `5.orbax-checkpoint-tmp`, and each trips over the other's files) with
-    Orbax's own errors and step 5 is not committed; a later save of step 5 commits. If a per-step
-    lock lands, tighten `same_step` to exactly one "ok" and a clear error for the other. Their own
-    steps: both commit. The step saved before either started is never touched."""
+    The same step: exactly one commits it, whole; the other gets `StepLockedError` (the first
+    holds the step's lock) or, if the first committed before it looked, `StepExistsError`. Their
+    own steps: both commit. The step saved before either started is never touched."""
     distribution(_models.model_parallel((2, 4)))
     directory = tmp_path / "ckpt"
     first = _models.mlp()
@@ -146,39 +154,184 @@ def test_two_writers_at_once(tmp_path, distribution):
             "workdir": str(tmp_path),
             "result": str(tmp_path / f"writer_{writer}.json"),
         }
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
         with open(tmp_path / f"writer_{writer}.log", "wb") as log:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(WORKERS_DIR / "concurrent_save.py"), json.dumps(args)],
                     cwd=REPO_ROOT,
-                    env=env,
+                    env=_worker_env(),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
             )
     for writer, proc in enumerate(procs):
         log = tmp_path / f"writer_{writer}.log"
-        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=HANG_S) == 0, log.read_text()[-3000:]
     outcomes = [json.loads((tmp_path / f"writer_{w}.json").read_text()) for w in (0, 1)]
 
     same_step = [o[0] for o in outcomes]
+    assert same_step.count("ok") == 1, outcomes
+    assert re.match(
+        r"keras_orbax\.errors\.(StepLockedError: Cannot save step 5 to '.*ckpt': another writer "
+        r"\(PID \d+ on .*\)|StepExistsError: Step 5 is already committed)",
+        same_step[1 - same_step.index("ok")],
+    ), outcomes
     assert [o[1] for o in outcomes] == ["ok", "ok"], outcomes
-    committed = _steps.committed_steps(directory)
-    assert committed == ([1, 5, 6, 7] if "ok" in same_step else [1, 6, 7]), (committed, outcomes)
-    if "ok" not in same_step:  # neither committed: the next save of that step must
-        keras_orbax.save(first, directory, step=5)
-        first_values = np.concatenate([v.ravel() for v in before])
+    assert _steps.committed_steps(directory) == [1, 5, 6, 7]
+    assert _lock_files(directory) == []
 
     model = _models.mlp()
     keras_orbax.restore_sharded(model, directory, 1)
     _assert_equal(_models.values(model.variables), before)
     keras_orbax.restore_sharded(model, directory, 5)
     step5 = np.concatenate([v.ravel() for v in _models.values(model.variables)])
-    if "ok" in same_step:  # one writer's values, whole
-        assert len(set(step5.tolist())) == 1 and step5[0] in (1.0, 2.0), "step 5 mixes writers"
-    else:
-        np.testing.assert_array_equal(step5, first_values)
+    winner = 1.0 + same_step.index("ok")  # writer w saves the value w + 1
+    assert (step5 == winner).all(), "step 5 is not the winning writer's, whole"
     for step, value in ((6, 1.0), (7, 2.0)):
         keras_orbax.restore_sharded(model, directory, step)
         assert all((v == value).all() for v in _models.values(model.variables)), step
+
+
+def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_path, distribution):
+    """A second writer of step 5, with or without overwrite, gets `StepLockedError` naming the
+    holder's PID and writes nothing; other steps save meanwhile; the holder then commits step 5."""
+    distribution(_models.model_parallel((2, 4)))
+    directory = tmp_path / "ckpt"
+    model = _models.mlp()
+    keras_orbax.save(model, directory, step=1)
+    before = _models.values(model.variables)
+    go = tmp_path / "go"
+    with _lock_holder(tmp_path, directory, 5, go=go) as holder:
+        match = (
+            rf"Cannot save step 5 to '{re.escape(str(directory))}': another writer "
+            rf"\(PID {holder.pid} on .+\) is saving that step right now and holds its lock, "
+            r".*\.keras_orbax\.5\.lock\. Nothing was written; the committed steps are intact"
+        )
+        for overwrite in (False, True):
+            with pytest.raises(StepLockedError, match=match) as raised:
+                keras_orbax.save(model, directory, step=5, overwrite=overwrite)
+            assert isinstance(raised.value, BlockingIOError)
+        assert _steps.committed_steps(directory) == [1]
+        keras_orbax.save(model, directory, step=6)  # another step: no wait, no error
+        go.write_text("")
+        assert holder.wait(timeout=HANG_S) == 0, (tmp_path / "holder_5.log").read_text()[-3000:]
+
+    assert _steps.committed_steps(directory) == [1, 5, 6]
+    assert _lock_files(directory) == []
+    restored = _models.mlp()
+    keras_orbax.restore_sharded(restored, directory, 5)
+    want = [v + 1000 for v in _models.arange_values([tuple(v.shape) for v in model.variables])]
+    _assert_equal(_models.values(restored.variables), want)
+    for step in (1, 6):
+        keras_orbax.restore_sharded(restored, directory, step)
+        _assert_equal(_models.values(restored.variables), before)
+
+
+def test_a_killed_writers_lock_does_not_block_the_next_save(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    directory = tmp_path / "ckpt"
+    model = _models.mlp()
+    _models.fill_arange(model)
+    with _lock_holder(tmp_path, directory, 3, go=None) as holder:
+        with pytest.raises(StepLockedError, match=rf"PID {holder.pid} "):
+            keras_orbax.save(model, directory, step=3)
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(timeout=HANG_S) == -signal.SIGKILL
+    assert _lock_files(directory) == [".keras_orbax.3.lock"]  # left behind, unlocked by the kernel
+
+    keras_orbax.save(model, directory, step=3)
+    assert _steps.committed_steps(directory) == [3]
+    assert _lock_files(directory) == []
+    restored = _models.mlp()
+    keras_orbax.restore_sharded(restored, directory)
+    _assert_equal(_models.values(restored.variables), _models.values(model.variables))
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_callback_stops_at_a_step_another_writer_holds(tmp_path, distribution, background):
+    """`fit` raises `StepLockedError` at the held step, the steps before it intact; once the holder
+    is gone, resuming finishes the run. Meanwhile, each step the callback has started is locked
+    until it is committed (a background save too)."""
+    distribution(_models.model_parallel((2, 4)))
+    directory = tmp_path / "ckpt"
+    model = _models.compile_adam(_models.mlp())
+    after_epoch_1 = _Snapshot()
+    checkpoint = keras_orbax.ModelCheckpoint(
+        directory, max_to_keep=None, save_on_background=background
+    )
+    with _lock_holder(tmp_path, directory, 8, go=None) as holder:
+        with pytest.raises(StepLockedError, match=rf"step 8 .*PID {holder.pid} "):
+            _fit(model, 2, checkpoint, after_epoch_1)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=HANG_S)
+    assert _steps.committed_steps(directory) == [4]
+    _assert_equal(_restored(directory), after_epoch_1.state)
+
+    resumed = _models.compile_adam(_models.mlp())
+    checkpoint = keras_orbax.ModelCheckpoint(
+        directory, max_to_keep=None, save_on_background=background, resume=True
+    )
+    _fit(resumed, 2, checkpoint, _LockedUntilCommitted(checkpoint))
+    assert _steps.committed_steps(directory) == [4, 8]
+    assert _lock_files(directory) == []
+    _assert_equal(_restored(directory), _state(resumed))
+
+
+class _Snapshot(keras.callbacks.Callback):
+    """The model's state at the end of the first epoch."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if epoch == 0:
+            self.state = _state(self.model)
+
+
+class _LockedUntilCommitted(keras.callbacks.Callback):
+    """After each batch, the step the checkpoint last started is committed or still locked.
+
+    The lock is read first: a lock released before that read was released after the commit."""
+
+    def __init__(self, checkpoint: keras_orbax.ModelCheckpoint) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        step = self.checkpoint._last_saved_step
+        if step is not None:
+            locked = lock_path(self.checkpoint.directory, step).exists()
+            assert locked or step in _steps.committed_steps(self.checkpoint.directory), step
+
+
+@contextlib.contextmanager
+def _lock_holder(
+    tmp_path: Path, directory: Path, step: int, *, go: Path | None
+) -> Iterator[subprocess.Popen]:
+    """A process holding the lock of `step` (`workers/hold_step_lock.py`), killed on the way out."""
+    ready = tmp_path / f"holder_{step}.ready"
+    args = {"directory": str(directory), "step": step, "ready": str(ready), "go": go and str(go)}
+    log = tmp_path / f"holder_{step}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKERS_DIR / "hold_step_lock.py"), json.dumps(args)],
+            cwd=REPO_ROOT,
+            env=_worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _worker_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
+
+
+def _lock_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob(".keras_orbax.*.lock"))

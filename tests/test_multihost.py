@@ -210,3 +210,27 @@ def test_process_0_decides_the_step_for_every_process(written, tmp_path):
     )
     assert [r["step"] for r in results] == [1, 1]
     assert all(r["mismatches"] == [] for r in results)
+
+
+def test_four_processes_write_and_read_a_bucket_once(s3_store, tmp_path):
+    """4 processes x 2 devices save into S3 (each its own shards, committed by the marker), then
+    restore under layouts that replicate across processes: every replicated region is fetched from
+    the store by one process only (the default in object storage), values exact."""
+    url = s3_store.new_bucket()
+    reports = run_workers(
+        WORKER,
+        4,
+        2,
+        {"action": "bucket", "directory": url, "layouts": ["dp", "replicated"]},
+        workdir=tmp_path,
+        env=s3_store.env,
+    )
+    for layout in ("dp", "replicated"):
+        for report in reports:
+            entry = report[layout]
+            assert entry["mismatches"] == [], layout
+            assert entry["sharding_ok"], layout
+            assert entry["bytes_read"] + entry["bytes_received"] == entry["own_shard_bytes"]
+        fetched = sum(report[layout]["bytes_read"] for report in reports)
+        assert fetched <= 1.05 * MODEL_BYTES, (layout, fetched, MODEL_BYTES)
+        assert all(report[layout]["bytes_read"] > 0 for report in reports), layout  # spread out

@@ -11,6 +11,8 @@ args: {"action": ..., "directory": ..., plus what the action needs}
 - "save_big": save a small step, then a large one, writing <workdir>/saving before it (for SIGKILL).
 - "read_expect_error": restore step 1 of each of args["directories"] (`single_replica_reads=True`);
   report the error each got.
+- "bucket": args["directory"] is an object-store URL: save `mlp` (arange values) at step 1 under the
+  "replicated" layout, then "read" it under args["layouts"] (replicas read once: the default there).
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ def _local_batches(x: np.ndarray, y: np.ndarray):
             yield x[rows], y[rows]
 
 
-def read(directory: Path, layouts: list[str], trained: str | None, reference: str | None) -> dict:
+def read(
+    directory: Path | str, layouts: list[str], trained: str | None, reference: str | None
+) -> dict:
     report: dict = {}
     # XLA reads ~0.8 MB of files the first time it compiles in a process (a restore that shares
     # replicas compiles its collective): not restore I/O, so done before measuring.
@@ -196,13 +200,23 @@ def read_own_view(directories: list[str]) -> dict:
     return {"step": result.step, "mismatches": _compare_with_arange(model)}
 
 
+def bucket(url: str, layouts: list[str]) -> dict:
+    keras.distribution.set_distribution(_distribution("replicated"))
+    model = _models.mlp(width=WIDTH)
+    _models.fill_arange(model)
+    keras_orbax.save(model, f"{url}/arange", step=1)
+    return read(f"{url}/arange", layouts, None, None)
+
+
 def main() -> None:
     ctx = init_worker()
     keras.utils.set_random_seed(0)  # every process must initialize the same values
     args = ctx.args
     directory = Path(args["directory"])
     action = args["action"]
-    if action == "write":
+    if action == "bucket":
+        write_result(bucket(args["directory"], args["layouts"]))
+    elif action == "write":
         write_result(write(directory, ctx.workdir))
     elif action == "read":
         write_result(read(directory, args["layouts"], args.get("trained"), args.get("reference")))
