@@ -103,13 +103,29 @@ class Store:
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
         )
 
-    def new_bucket(self) -> str:
-        """Creates an empty bucket with a fresh name; returns its URL (`s3://…` or `gs://…`)."""
-        name = f"ko-{uuid.uuid4().hex[:16]}"
+    def new_bucket(self, name: str | None = None) -> str:
+        """Creates an empty bucket; returns its URL (`s3://…` or `gs://…`).
+
+        Args:
+            name: The bucket's name; a fresh one if None. A bucket of that name made earlier in
+                the session is emptied instead (for pages that name their bucket).
+        """
+        name = name or f"ko-{uuid.uuid4().hex[:16]}"
         if self.kind == "s3":
-            s3_client(self).create_bucket(Bucket=name)
+            client = s3_client(self)
+            if name in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                for key in self.keys(f"s3://{name}"):
+                    client.delete_object(Bucket=name, Key=key)
+            else:
+                client.create_bucket(Bucket=name)
         else:
-            gcs_client(self).create_bucket(name)
+            client = gcs_client(self)
+            bucket = client.lookup_bucket(name)
+            if bucket is None:
+                client.create_bucket(name)
+            else:
+                for blob in client.list_blobs(name):
+                    blob.delete()
         return f"{self.scheme}://{name}"
 
     def keys(self, url: str) -> list[str]:

@@ -23,6 +23,19 @@ def test_each_bucket_is_new_and_empty(store):
     assert store.keys(first) == store.keys(second) == []
 
 
+def test_a_named_bucket_is_emptied_when_made_again(store):
+    url = store.new_bucket("checkpoints-test")
+    name = _bucket_name(url)
+    assert url == f"{store.scheme}://checkpoints-test"
+    if store.kind == "s3":
+        _object_stores().s3_client(store).put_object(Bucket=name, Key="a/b", Body=b"x")
+    else:
+        _object_stores().gcs_client(store).bucket(name).blob("a/b").upload_from_string(b"x")
+    assert store.keys(url) == ["a/b"]
+    assert store.new_bucket("checkpoints-test") == url
+    assert store.keys(url) == []
+
+
 def _check_kvstore(spec: dict) -> None:
     """Write, ranged read, generation round trip, list; then a sharded zarr3 array, by region."""
     kv = ts.KvStore.open(spec).result()
