@@ -10,7 +10,10 @@ file evicted with `posix_fadvise(DONTNEED)` before the restore). Prints, per cas
 process read from storage (`RestoreResult.bytes_read`) and their total against the step's size, and
 the median wall time between two barriers around `restore_sharded`.
 
-Usage: python benchmarks/replica_benchmark.py [--mib 128] [--repeats 3]
+With `--store s3` or `--store gcs` the step lives in a bucket of a local server started for the run
+(moto, gcp-storage-emulator: tests/_object_stores.py) and is only measured warm (no page cache there).
+
+Usage: python benchmarks/replica_benchmark.py [--mib 128] [--repeats 3] [--store file|s3|gcs]
 """
 
 from __future__ import annotations
@@ -76,16 +79,18 @@ def worker() -> None:
     import keras_orbax
 
     keras.utils.set_random_seed(0)
-    directory, mib, repeats = Path(ctx.args["directory"]), ctx.args["mib"], ctx.args["repeats"]
+    directory, mib, repeats = ctx.args["directory"], ctx.args["mib"], ctx.args["repeats"]
+    remote = "://" in directory
     results = []
     for layout in LAYOUTS:
         keras.distribution.set_distribution(_distribution(layout))
-        for temperature in ("first", "warm", "cold"):  # "first" compiles; not reported
+        # "first" compiles; not reported. Nothing to evict in a bucket.
+        for temperature in ("first", "warm") if remote else ("first", "warm", "cold"):
             for share in (True, False) * (1 if temperature == "first" else repeats):
                 with keras_orbax.deferred_init():
                     model = _model(mib)
                 if temperature == "cold" and ctx.process_id == 0:
-                    _evict(directory)
+                    _evict(Path(directory))
                 multihost_utils.sync_global_devices("before")
                 start = time.perf_counter()
                 result = keras_orbax.restore_sharded(model, directory, single_replica_reads=share)
@@ -109,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--store", choices=("file", "s3", "gcs"), default="file")
     args = parser.parse_args()
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,7 +124,15 @@ def main() -> None:
     from tests._harness import run_workers
 
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp) / "ckpt"
+        store, env = None, {}
+        directory: str = str(Path(tmp) / "ckpt")
+        if args.store != "file":
+            from tests import _object_stores
+
+            store = _object_stores.start(args.store, Path(tmp))
+            env = store.env
+            os.environ.update(env)
+            directory = store.new_bucket() + "/ckpt"
         model = _model(args.mib)
         keras_orbax.save(model, directory, step=1)
         step_bytes = sum(int(v.value.nbytes) for v in model.variables)
@@ -130,10 +144,14 @@ def main() -> None:
             __file__,
             4,
             2,
-            {"directory": str(directory), "mib": args.mib, "repeats": args.repeats},
+            {"directory": directory, "mib": args.mib, "repeats": args.repeats},
             timeout=3600,
             workdir=workdir,
+            env=env,
         )
+        if store is not None:
+            _object_stores.stop(store)
+    print(f"storage: {args.store}")
     _print(reports, step_bytes)
 
 

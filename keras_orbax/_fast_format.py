@@ -286,12 +286,15 @@ def read_box(
     coalesce = count > 1 and length * item < _SMALL_RUN_BYTES and wanted == row
     if not coalesce:
         view = out.data
-        requests = [
-            (view[dst * item : (dst + n) * item], offset + src * item)
-            for src, dst, n in box.runs(stored_shape, out_shape)
-        ]
-        for start in range(0, len(requests), _REQUESTS_AT_ONCE):
-            fetch(requests[start : start + _REQUESTS_AT_ONCE])
+        runs = iter(box.runs(stored_shape, out_shape))
+        # A few requests at a time: a view per run of a large box would cost more than its bytes.
+        while batch := list(itertools.islice(runs, _REQUESTS_AT_ONCE)):
+            fetch(
+                [
+                    (view[dst * item : (dst + n) * item], offset + src * item)
+                    for src, dst, n in batch
+                ]
+            )
         return
     target = out.view(dtype).reshape(out_shape)
     inner = tuple(slice(s, s + e) for s, e in zip(box.src_start[1:], box.extent[1:], strict=True))
