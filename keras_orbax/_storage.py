@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import sys
 from typing import Any
 
 import tensorstore as ts
@@ -62,9 +63,10 @@ def configure_environment() -> None:
         url = emulator if "://" in emulator else f"http://{emulator}"
         os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    from keras_orbax import _compat
+    if "etils.epath" in sys.modules:  # imported already: it may have decided before
+        from keras_orbax import _compat
 
-    _compat.epath_forget_tensorflow()
+        _compat.epath_forget_tensorflow()
 
 
 def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
