@@ -20,7 +20,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_orbax import _compat, _keys
+from keras_orbax import _compat, _compat_loading, _keys
 from keras_orbax._contiguous import ComputedArray
 
 Reader = Any  # ContiguousArray | H5SliceArray | ComputedArray
@@ -64,16 +64,16 @@ def trace_load(
     assigned: list[str] = []
 
     def load(*placeholders: Any) -> list[Any]:
-        store = _compat.tracing_store(dict(zip(names, placeholders, strict=True)))
+        store = _compat_loading.tracing_store(dict(zip(names, placeholders, strict=True)))
         with keras.StatelessScope(initialize_variables=False) as scope:
-            _compat.load_state(model, store, errors, skip=optimizer and model.optimizer)
+            _compat_loading.load_state(model, store, errors, skip=optimizer and model.optimizer)
             if optimizer is not None:
-                _compat.load_state(optimizer, store, errors, path="optimizer")
-        updates = _compat.stateless_updates(scope)
+                _compat_loading.load_state(optimizer, store, errors, path="optimizer")
+        updates = _compat_loading.stateless_updates(scope)
         assigned.extend(by_id[i] for i in updates if i in by_id)
         return [updates[i] for i in updates if i in by_id]
 
-    _compat.cache_walk_skipsets()
+    _compat_loading.cache_walk_skipsets()
     closed = jax.make_jaxpr(load)(*abstract)
     feeds, consumed = _feeds(closed, names, arrays, assigned, state)
     problems = [_problem(saveable, error, model) for saveable, error in errors.values()]
@@ -100,7 +100,7 @@ def _feeds(
             feeds[key] = Feed(array, name, tuple(array.shape), str(array.dtype))
             consumed.add(name)
             continue
-        needed = _compat.inputs_of(jaxpr, position)
+        needed = _compat_loading.inputs_of(jaxpr, position)
         consumed.update(names[i] for i in needed)
         shape = tuple(int(n) for n in variable.shape)
         dtype = _compat.stored_dtype(variable)
@@ -114,12 +114,12 @@ def _feeds(
 def _stored_source(out: Any, inputs: dict[Any, int], producers: dict[Any, Any]) -> int | None:
     """The input that `out` is, through casts only; None if it is computed."""
     var = out
-    while not _compat.is_literal(var) and var not in inputs:
+    while not _compat_loading.is_literal(var) and var not in inputs:
         eqn = producers.get(var)
         if eqn is None or eqn.primitive.name != "convert_element_type":
             return None
         var = eqn.invars[0]
-    return None if _compat.is_literal(var) else inputs[var]
+    return None if _compat_loading.is_literal(var) else inputs[var]
 
 
 def _host_computation(
@@ -129,7 +129,7 @@ def _host_computation(
         stored = [arrays[names[i]] for i in needed]
         full = [a.read(tuple(slice(None) for _ in a.shape), a.dtype) for a in stored]
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return np.asarray(_compat.evaluate_output(closed, position, needed, full))
+            return np.asarray(_compat_loading.evaluate_output(closed, position, needed, full))
 
     return compute
 

@@ -1,0 +1,147 @@
+"""Private Keras and JAX symbols that `_keras_loader` needs to run Keras's own loading walk on
+placeholders instead of data (the rest are in `_compat`). Each says why no public API serves.
+
+Checked against keras 3.15.1 and jax 0.10.2; tests/test_keras_files.py runs every one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras.src.backend.common import global_state
+from keras.src.saving import saving_lib
+
+
+class _TracingStore(saving_lib.H5IOStore):
+    """A read-mode `H5IOStore` whose entries are traced placeholders instead of h5 datasets.
+
+    Why private: `saving_lib._load_state` accepts only Keras's own store classes (it checks with
+    `isinstance`), and it is the one place where Keras decides which stored array each variable of
+    each layer gets (`load_own_variables`). Subclassing the store lets that exact logic run on
+    placeholders; the interface used (`get`, `has_path`, `keys`, `__getitem__`, `__len__`,
+    `__contains__`, `__bool__`) is `H5IOStore`'s own.
+    """
+
+    def __init__(self, placeholders: dict[str, Any]) -> None:  # no file is opened
+        self.mode = "r"
+        self._placeholders = placeholders
+        self._group = "vars"
+
+    def __bool__(self) -> bool:
+        return True
+
+    def get(self, path: str) -> _TracingStore:
+        self._group = f"{path}/vars" if path else "vars"
+        return self
+
+    def has_path(self, path: str) -> bool:
+        return any(name.startswith(f"{path}/") for name in self._placeholders)
+
+    def keys(self) -> list[str]:
+        prefix = f"{self._group}/"
+        return [
+            name[len(prefix) :]
+            for name in self._placeholders
+            if name.startswith(prefix) and "/" not in name[len(prefix) :]
+        ]
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return f"{self._group}/{key}" in self._placeholders
+
+    def __getitem__(self, key: str) -> Any:
+        return self._placeholders[f"{self._group}/{key}"]
+
+    def close(self) -> None:
+        return None
+
+
+def tracing_store(placeholders: dict[str, Any]) -> Any:
+    return _TracingStore(placeholders)
+
+
+def cache_walk_skipsets() -> None:
+    """Makes Keras's saving walk create no objects while it runs.
+
+    Why private: `saving_lib.get_attr_skipset` builds a reference object (an `Optimizer(1.0)`, a
+    `Layer()`) on every call, because it reads its cache under `saving_attr_skiplist_*` but writes
+    it under `saving_attr_skipset_*` (Keras 3.15). Inside a `StatelessScope` that construction
+    fails (a variable made from a number); filling the key it reads, outside the scope, avoids it.
+    """
+    for obj_type in (
+        "Operation",
+        "Layer",
+        "Functional",
+        "Sequential",
+        "Metric",
+        "Optimizer",
+        "Loss",
+    ):
+        key = f"saving_attr_skiplist_{obj_type}"
+        if global_state.get_global_attribute(key, None) is None:
+            global_state.set_global_attribute(key, saving_lib.get_attr_skipset(obj_type))
+
+
+def load_state(
+    saveable: Any, store: Any, errors: dict[int, Any], *, skip: Any = None, path: str = ""
+) -> None:
+    """Keras's own loading walk (`saving_lib._load_state`), collecting each object's failure.
+
+    Why private: it is what `load_weights` runs; no public API walks a model over a store. `skip`
+    is treated as already loaded (the optimizer, when a stand-in is walked in its place).
+    """
+    visited = {id(skip)} if skip is not None else set()
+    saving_lib._load_state(
+        saveable,
+        store,
+        None,
+        path,
+        visited_saveables=visited,
+        failed_saveables=set(),
+        error_msgs=errors,
+    )
+
+
+def stateless_updates(scope: keras.StatelessScope) -> dict[int, Any]:
+    """The values assigned inside a `StatelessScope`, by `id(variable)`, in assignment order.
+
+    Why private: the scope keeps them in `state_mapping` only; `get_current_value` needs the
+    variable, and we want every assignment the walk made.
+    """
+    return dict(scope.state_mapping)
+
+
+def is_literal(var: Any) -> bool:
+    """Why private: jaxpr literals are `jax._src.core.Literal`; `jax.extend` does not export it."""
+    from jax._src import core
+
+    return isinstance(var, core.Literal)
+
+
+def inputs_of(jaxpr: Any, position: int) -> list[int]:
+    """The inputs that output `position` of a jaxpr depends on.
+
+    Why private: dead-code elimination of a jaxpr (`partial_eval.dce_jaxpr`) has no public API.
+    """
+    from jax._src.interpreters import partial_eval
+
+    used = [i == position for i in range(len(jaxpr.outvars))]
+    _, used_inputs = partial_eval.dce_jaxpr(jaxpr, used)
+    return [i for i, flag in enumerate(used_inputs) if flag]
+
+
+def evaluate_output(closed: Any, position: int, needed: list[int], values: list[Any]) -> Any:
+    """Output `position` of a closed jaxpr, from the values of the inputs it needs.
+
+    Why private: see `inputs_of`; `jax.core.eval_jaxpr` runs the pruned program.
+    """
+    import jax
+    from jax._src.interpreters import partial_eval
+
+    used = [i == position for i in range(len(closed.jaxpr.outvars))]
+    pruned, _ = partial_eval.dce_jaxpr(closed.jaxpr, used)
+    (out,) = jax.core.eval_jaxpr(pruned, closed.consts, *values)
+    return out
