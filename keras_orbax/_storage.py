@@ -19,6 +19,7 @@ keras_orbax.save(model, "s3://bucket/run-1", step=100)
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import sys
@@ -28,6 +29,7 @@ import tensorstore as ts
 
 REMOTE_SCHEMES = ("gs://", "s3://")
 COMMIT_FILE = "commit_success.txt"  # Orbax's marker of a committed step where rename is not atomic
+_GCS_URL = "TENSORSTORE_GCS_HTTP_URL"
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -61,7 +63,7 @@ def configure_environment() -> None:
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
         url = emulator if "://" in emulator else f"http://{emulator}"
-        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
+        os.environ.setdefault(_GCS_URL, url)
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     if "etils.epath" in sys.modules:  # imported already: it may have decided before
         from keras_orbax import _compat
@@ -94,25 +96,15 @@ def kvstore(path: str | os.PathLike) -> ts.KvStore:
     """An open tensorstore kvstore rooted at the object-store prefix `path`."""
     configure_environment()
     spec = kvstore_spec(path)
-    return (
-        _open_bucket(spec["driver"], spec["bucket"], spec.get("endpoint"), _region(spec))
-        / (spec["path"])
-    )
-
-
-def _region(spec: dict[str, Any]) -> str | None:
-    return spec.get("aws_region")
+    prefix = spec.pop("path")
+    # tensorstore's gcs driver reads its endpoint from the environment: part of the cache key.
+    return _open_bucket(json.dumps(spec, sort_keys=True), os.environ.get(_GCS_URL)) / prefix
 
 
 @functools.lru_cache(maxsize=16)
-def _open_bucket(driver: str, bucket: str, endpoint: str | None, region: str | None) -> ts.KvStore:
+def _open_bucket(spec: str, gcs_url: str | None) -> ts.KvStore:
     """One kvstore per bucket and endpoint: its connections and credentials are reused."""
-    spec: dict[str, Any] = {"driver": driver, "bucket": bucket}
-    if endpoint:
-        spec["endpoint"] = endpoint
-    if region:
-        spec["aws_region"] = region
-    return ts.KvStore.open(spec).result()
+    return ts.KvStore.open(json.loads(spec)).result()
 
 
 def total_bytes(path: str | os.PathLike) -> int:
