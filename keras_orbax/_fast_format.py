@@ -4,8 +4,9 @@ An array saved in the fast format is a zarr v3 array whose chunks are the saved 
 file: the raw little-endian bytes in C order, followed by a 20-byte zarr shard index (docs/format.md).
 A region of the array (one target shard) is read from each file it overlaps with `preadv`, straight
 into a 64-byte-aligned host buffer: the CPU backend adopts such a buffer without a copy, and an
-accelerator copies it to device memory once. When the region is a saved shard, that is one read.
-Anything else (compressed, OCDBT, remote) is not this format and goes through Orbax.
+accelerator copies it to device memory once. When the region is a saved shard, that is one read. In
+object storage each file is an object and each read a ranged request, many in flight at once.
+Anything else (compressed, OCDBT) is not this format and goes through Orbax.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Two paths, chosen per array:
   saved shard files, exactly its bytes, into an aligned host buffer that the device adopts; devices
   that hold the same shard share that read. Any target layout: a shard that matches a saved one is one
   `preadv`.
-- Orbax: the `"compact"` format, remote paths and anything else, with a `jax.ShapeDtypeStruct` target,
+- Orbax: the `"compact"` format and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
 Either way no host or device ever holds a full copy of a sharded array. Where several processes hold
 replicas of a region, `_replicas.share` lets one of them read it and the others receive it.
