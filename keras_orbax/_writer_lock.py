@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ except ImportError:  # Windows: no flock, no lock
     fcntl = None  # type: ignore[assignment]
 
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_HOLDER_WAIT_S = 2.0
 
 
 def lock_path(directory: str | os.PathLike, step: int) -> Path:
@@ -122,12 +124,21 @@ def _names(path: Path, fd: int) -> bool:
 
 
 def _holder(fd: int) -> str:
-    """`PID <pid> on <host>` as the holder wrote it, or a note that it has not yet."""
-    try:
-        pid, host = os.pread(fd, 256, 0).decode().split()
-    except (OSError, UnicodeDecodeError, ValueError):
-        return "its PID not yet recorded"
-    return f"PID {pid} on {host}"
+    """`PID <pid> on <host>` as the holder wrote it, or a note that it has not yet.
+
+    The holder records itself just after taking the lock: a writer refused in between waits up to
+    `_HOLDER_WAIT_S` for the record rather than name no one.
+    """
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        try:
+            pid, host = os.pread(fd, 256, 0).decode().split()
+        except (OSError, UnicodeDecodeError, ValueError):
+            if time.monotonic() > deadline:
+                return "its PID not yet recorded"
+            time.sleep(0.01)
+        else:
+            return f"PID {pid} on {host}"
 
 
 def _busy_message(directory: str | os.PathLike, step: int, holder: str, path: Path) -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,7 +175,8 @@ def test_two_writers_at_once(tmp_path, distribution):
     assert same_step.count("ok") == 1, outcomes
     assert re.match(
         r"keras_orbax\.errors\.(StepLockedError: Cannot save step 5 to '.*ckpt': another writer "
-        r"\(PID \d+ on .*\)|StepExistsError: Step 5 is already committed)",
+        r"\((PID \d+ on .*|its PID not yet recorded)\)"
+        r"|StepExistsError: Step 5 is already committed)",
         same_step[1 - same_step.index("ok")],
     ), outcomes
     assert [o[1] for o in outcomes] == ["ok", "ok"], outcomes
@@ -225,6 +228,40 @@ def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_pat
     for step in (1, 6):
         keras_orbax.restore_sharded(restored, directory, step)
         _assert_equal(_models.values(restored.variables), before)
+
+
+def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distribution):
+    """The holder records its PID just after it takes the lock; a second writer refused in that
+    instant waits for the record instead of naming no one."""
+    distribution(_models.model_parallel((2, 4)))
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    fd = os.open(lock_path(directory, 5), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, nothing recorded yet
+        record = threading.Thread(target=_record_once_opened, args=(fd, lock_path(directory, 5)))
+        record.start()
+        with pytest.raises(StepLockedError, match=r"another writer \(PID 4242 on other-host\)"):
+            keras_orbax.save(_models.mlp(), directory, step=5)
+        record.join()
+    finally:
+        os.close(fd)
+    assert _steps.committed_steps(directory) == []
+
+
+def _record_once_opened(fd: int, path: Path) -> None:
+    """Writes a holder's record into `fd` 0.1 s after another descriptor opens `path`."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):  # a descriptor closed while listed
+            if any(
+                int(other) != fd and os.readlink(f"/proc/self/fd/{other}") == str(path)
+                for other in os.listdir("/proc/self/fd")
+            ):
+                break
+        time.sleep(0.001)
+    time.sleep(0.1)
+    os.write(fd, b"4242 other-host\n")
 
 
 def test_a_killed_writers_lock_does_not_block_the_next_save(tmp_path, distribution):

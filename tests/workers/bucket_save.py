@@ -6,7 +6,8 @@ environment. Arguments: one JSON object in argv[1]: `directory` (the `s3://`/`gs
 `marker` (a local file written once step 1 is committed, just before step 2 starts).
 
 Step 1 is `_models.mlp()` filled with `arange`; step 2 is a larger model (16 MiB of kernels in 32
-shard objects), so its save is still running when the test sees its first object and kills.
+shard objects, 64 MiB on S3, which moto takes faster), so its save is still running when the test
+sees its first object and kills.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ model = _models.mlp()
 _models.fill_arange(model)
 keras_orbax.save(model, args["directory"], step=1)
 
-big = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(4)])
+# moto takes a 16 MiB step faster than the test can list and kill: 64 MiB there.
+width = 2048 if args["directory"].startswith("s3://") else 1024
+big = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width) for _ in range(4)])
 Path(args["marker"]).write_text("")
 keras_orbax.save(big, args["directory"], step=2)
 print("step 2 committed: the test did not kill this process in time", flush=True)
