@@ -10,6 +10,7 @@ import pytest
 import keras_orbax
 
 VOCAB = 64
+WIDTH = 32  # GPTQ compiles a step per column: a narrow model keeps it to seconds
 
 
 class _Tokenizer:
@@ -25,7 +26,7 @@ class _Tokenizer:
 class _Block(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.dense = keras.layers.Dense(128)
+        self.dense = keras.layers.Dense(WIDTH)
 
     def call(self, x):
         return self.dense(x)
@@ -33,14 +34,14 @@ class _Block(keras.layers.Layer):
 
 def _quantized(mode: str, seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.layers.Embedding(VOCAB, 128), _Block(), _Block()])
+    model = keras.Sequential([keras.layers.Embedding(VOCAB, WIDTH), _Block(), _Block()])
     model.build((None, 10))
     structure = {"pre_block_layers": [model.layers[0]], "sequential_blocks": model.layers[1:]}
     config_class = keras.quantizers.GPTQConfig if mode == "gptq" else keras.quantizers.AWQConfig
     config = config_class(
         dataset=["some calibration text for the test"],
         tokenizer=_Tokenizer(),
-        group_size=32,
+        group_size=16,
         quantization_layer_structure=structure,
         num_samples=4,
         sequence_length=10,

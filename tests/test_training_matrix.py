@@ -22,36 +22,50 @@ WORKER = Path(__file__).parent / "workers" / "matrix_resume.py"
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> dict[str, str]:
     """Saves every case on a (2, 4) mesh after a few batches, keeps training it to get the expected
-    state, then restores each in one fresh process on the same mesh (on another, the float sums of a
-    sharded matmul run in another order, so training on could not be bit-identical)."""
+    state, then restores each in a fresh process on the same mesh (on another, the float sums of a
+    sharded matmul run in another order, so training on could not be bit-identical). Two workers,
+    each started once its half of the cases is saved, so the second half's saves overlap the first
+    worker's restores."""
     import keras
 
     directory = tmp_path_factory.mktemp("matrix")
+    halves = [_matrix.CASES[::2], _matrix.CASES[1::2]]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    workers = []
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(_matrix.distribution((2, 4)))
     try:
         data = _matrix.batches()
-        for case in _matrix.CASES:
-            with _matrix.policy(case.policy):
-                model = _matrix.build(case)
-                _matrix.train(model, data[: _matrix.BATCHES_BEFORE])
-                keras_orbax.save(model, directory / case.name, step=_matrix.BATCHES_BEFORE)
-                _matrix.train(model, data[_matrix.BATCHES_BEFORE :])
-                expected = _matrix.state(model)
-            np.savez(directory / f"{case.name}.npz", **{f"v{i}": v for i, v in enumerate(expected)})
+        for half in halves:
+            for case in half:
+                with _matrix.policy(case.policy):
+                    model = _matrix.build(case)
+                    _matrix.train(model, data[: _matrix.BATCHES_BEFORE])
+                    keras_orbax.save(model, directory / case.name, step=_matrix.BATCHES_BEFORE)
+                    _matrix.train(model, data[_matrix.BATCHES_BEFORE :])
+                    expected = _matrix.state(model)
+                arrays = {f"v{i}": v for i, v in enumerate(expected)}
+                np.savez(directory / f"{case.name}.npz", **arrays)
+            command = [sys.executable, str(WORKER), str(directory), *(case.name for case in half)]
+            log = directory / f"worker_{len(workers)}"
+            with open(f"{log}.out", "wb") as out, open(f"{log}.err", "wb") as err:
+                workers.append((log, subprocess.Popen(command, env=env, stdout=out, stderr=err)))
+    except BaseException:
+        for _, worker in workers:
+            worker.kill()
+        raise
     finally:
         keras.distribution.set_distribution(previous)
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(directory), *(case.name for case in _matrix.CASES)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results: dict[str, str] = {}
+    for log, worker in workers:
+        try:
+            returncode = worker.wait(timeout=900)
+        finally:
+            worker.kill()
+        assert returncode == 0, Path(f"{log}.err").read_text()[-3000:]
+        results.update(json.loads(Path(f"{log}.out").read_text().strip().splitlines()[-1]))
+    return results
 
 
 @pytest.mark.parametrize("case", _matrix.CASES, ids=lambda case: case.name)
