@@ -123,12 +123,8 @@ def test_save_then_restore_sharded_under_model_parallel(store, bucket, mesh_2x4)
     _assert_restored(model, expected)
 
 
-# Paths reach both stores through the same code (save and restore above, on both); the tests below
-# that add no store-specific step run on S3 only, to keep the suite short.
-
-
-def test_restore_onto_other_layouts(s3_bucket, distribution):
-    url = f"{s3_bucket}/run"
+def test_restore_onto_other_layouts(bucket, distribution):
+    url = f"{bucket}/run"
     distribution(_models.model_parallel((2, 4)))
     expected = _saved_arange(url)
 
@@ -180,8 +176,8 @@ def test_model_checkpoint_keeps_the_latest_and_resumes_exactly(store, bucket, me
     assert _steps_in_bucket(store, url) == {"6"}
 
 
-def test_load_model_from_a_bucket(s3_bucket, mesh_2x4):
-    url = f"{s3_bucket}/run"
+def test_load_model_from_a_bucket(bucket, mesh_2x4):
+    url = f"{bucket}/run"
     source = _compiled_mlp(seed=3)
     source.optimizer.build(source.trainable_variables)
     _models.fill_arange(source)
@@ -199,6 +195,8 @@ def test_load_model_from_a_bucket(s3_bucket, mesh_2x4):
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(source(x)))
 
 
+# The command line reaches both stores through the code tested on both above: S3 only, to keep the
+# suite short.
 def test_inspect_and_the_command_line(s3_store, s3_bucket, mesh_2x4):
     url = f"{s3_bucket}/run"
     model = _models.mlp()
