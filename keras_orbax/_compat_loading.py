@@ -133,8 +133,8 @@ def inputs_of(jaxpr: Any, position: int) -> list[int]:
     return [i for i, flag in enumerate(used_inputs) if flag]
 
 
-def evaluate_output(closed: Any, position: int, needed: list[int], values: list[Any]) -> Any:
-    """Output `position` of a closed jaxpr, from the values of the inputs it needs.
+def evaluate_output(closed: Any, position: int, values: list[Any]) -> Any:
+    """Output `position` of a closed jaxpr, from the values of the inputs it needs (`inputs_of`).
 
     Why private: see `inputs_of`; `jax.core.eval_jaxpr` runs the pruned program.
     """

@@ -129,7 +129,7 @@ def _host_computation(
         stored = [arrays[names[i]] for i in needed]
         full = [a.read(tuple(slice(None) for _ in a.shape), a.dtype) for a in stored]
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return np.asarray(_compat_loading.evaluate_output(closed, position, needed, full))
+            return np.asarray(_compat_loading.evaluate_output(closed, position, full))
 
     return compute
 
