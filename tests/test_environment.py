@@ -236,10 +236,11 @@ def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distributi
     distribution(_models.model_parallel((2, 4)))
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    fd = os.open(lock_path(directory, 5), os.O_RDWR | os.O_CREAT)
+    lock = lock_path(directory, 5)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, nothing recorded yet
-        record = threading.Thread(target=_record_once_opened, args=(fd, lock_path(directory, 5)))
+        record = threading.Thread(target=_record_once_opened, args=(fd, lock))
         record.start()
         with pytest.raises(StepLockedError, match=r"another writer \(PID 4242 on other-host\)"):
             keras_orbax.save(_models.mlp(), directory, step=5)

@@ -1,6 +1,6 @@
 """Checkpoints in object storage: `s3://bucket/prefix` and `gs://bucket/prefix`, given as plain strings.
 
-Most tests run against both local servers (`tests/_object_stores.py`: moto for S3, a patched
+Every test runs against both local servers (`tests/_object_stores.py`: moto for S3, a patched
 gcp-storage-emulator for GCS), each in a fresh bucket, with the endpoint and credentials only in the
 standard environment variables. Objects are listed, deleted and damaged with the stores' own
 clients, never through keras-orbax. The working directory is an empty folder that must stay empty:
@@ -195,10 +195,8 @@ def test_load_model_from_a_bucket(bucket, mesh_2x4):
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(source(x)))
 
 
-# The command line reaches both stores through the code tested on both above: S3 only, to keep the
-# suite short.
-def test_inspect_and_the_command_line(s3_store, s3_bucket, mesh_2x4):
-    url = f"{s3_bucket}/run"
+def test_inspect_and_the_command_line(store, bucket, mesh_2x4):
+    url = f"{bucket}/run"
     model = _models.mlp()
     keras_orbax.save(model, url, step=5, epoch=2)
     keras_orbax.save(model, url, step=9, epoch=3)
@@ -211,7 +209,7 @@ def test_inspect_and_the_command_line(s3_store, s3_bucket, mesh_2x4):
     assert str(info).startswith(f"{url}: steps [5, 9]; step 5, epoch 2, 4 variables, 3.2 KiB")
     assert all(s.disk_bytes >= MLP_BYTES for s in info.summaries)
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KERAS_BACKEND": "jax", **s3_store.env}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KERAS_BACKEND": "jax", **store.env}
     printed = subprocess.run(
         [sys.executable, "-m", "keras_orbax", "inspect", url],
         capture_output=True,
