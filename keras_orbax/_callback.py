@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _multihost, _quiet, _save, _steps
+from keras_orbax import _compat, _keys, _multihost, _quiet, _save, _steps
 from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
 from keras_orbax._restore import RestoreResult, restore_sharded
@@ -173,6 +173,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         ]
         if self.save_on_background and self._saves is None:
             self._saves = Collector()
+            self._saves.staging.prepare(self._state_values())
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -277,20 +278,24 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
                 "on_train_begin has not run."
             )
+        staging: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if not blocking and self._saves is not None:  # the shards are copied into warm buffers
+            staging = self._saves.staging.active()
         with contextlib.ExitStack() as lock:
             try:
                 lock.enter_context(writer_lock(self.directory, step))
-                response = _save.write_step(
-                    self._checkpointer,
-                    self.model,
-                    step=step,
-                    epoch=epoch,
-                    batch=batch,
-                    metrics=metrics,
-                    extra={"reason": reason},
-                    blocking=blocking,
-                    weights_only=self.save_weights_only,
-                )
+                with staging:
+                    response = _save.write_step(
+                        self._checkpointer,
+                        self.model,
+                        step=step,
+                        epoch=epoch,
+                        batch=batch,
+                        metrics=metrics,
+                        extra={"reason": reason},
+                        blocking=blocking,
+                        weights_only=self.save_weights_only,
+                    )
             except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
                 self._close(failing=True)
                 raise
@@ -301,6 +306,12 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 self._pending = self._saves.submit(step, response, lock.pop_all().close)
         self._last_saved_step = step
         self._report(step, epoch, batch, reason, note)
+
+    def _state_values(self) -> list[Any]:
+        """The arrays a save of this model writes (for the background saves' host buffers)."""
+        state = _keys.keyed_state(self.model)
+        variables = state.of_role(_keys.MODEL) if self.save_weights_only else state.variables
+        return [_compat.current_value(v) for v in variables.values() if _compat.is_allocated(v)]
 
     def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
         """(epoch, batch) to record: the next epoch to run, or the batches done in this one.

@@ -32,7 +32,21 @@ def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
     Why private: Keras has no public walk over a model's tracked children by attribute name, and we want
     checkpoint keys that follow the same structure as `.weights.h5` (stable across rebuilds).
     """
+    _cache_attr_skipset(obj._obj_type())
     yield from saving_lib._walk_saveable(obj)
+
+
+def _cache_attr_skipset(obj_type: str) -> None:
+    """Makes Keras's cache of attribute skip-sets hit.
+
+    Why: `saving_lib.get_attr_skipset` looks its cache up under `saving_attr_skiplist_<type>` but
+    stores under `saving_attr_skipset_<type>`, so every layer walked builds a throwaway `Layer()`
+    (0.7 ms each: 1.8 s of a 5000-variable restore). Storing the set under the name it looks up
+    gives it the same answer, once per type.
+    """
+    lookup = f"saving_attr_skiplist_{obj_type}"
+    if global_state.get_global_attribute(lookup) is None:
+        global_state.set_global_attribute(lookup, saving_lib.get_attr_skipset(obj_type))
 
 
 def to_snake_case(name: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
@@ -72,6 +73,11 @@ class StepRecord:
 
 def versions() -> dict[str, str]:
     """Versions of the packages that wrote a checkpoint."""
+    return dict(_versions())
+
+
+@functools.cache  # 1 ms of a background save's blocking time otherwise
+def _versions() -> dict[str, str]:
     names = ("keras-orbax", "keras", "jax", "jaxlib", "orbax-checkpoint", "tensorstore")
     found = {}
     for name in names:

@@ -7,13 +7,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint.experimental.v1 as ocp
+import orbax.checkpoint as ocp
 
 from keras_orbax import _compat, _storage
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
+# Orbax's own step naming. The v0 form: v1's wraps it and reads every step's metadata file (which
+# holds the keras-orbax record, ~200 bytes per variable) for timestamps we never use, twice per listing.
 _NAME_FORMAT = ocp.path.step.standard_name_format()
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax import _checksum, _compat, _multihost, _storage
+from keras_orbax import _checksum, _compat, _multihost, _staging, _storage
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -113,14 +113,20 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
     accelerator; on CPU a view of the device buffer unless `copy`)."""
     picked = [(p.name, s) for p in params for s in p.value.addressable_shards if s.replica_id == 0]
-    host = jax.device_get([s.data for _, s in picked])
+    host = [np.asarray(data) for data in jax.device_get([s.data for _, s in picked])]
+    staging = _staging.active()
+    if not copy:
+        host = [np.ascontiguousarray(data) for data in host]
+    elif staging is not None:  # a background save of the callback: its warm buffers
+        host = staging.copy(host)
+    else:
+        host = [np.array(data, order="C") for data in host]
     shards = []
     for (name, shard), data in zip(picked, host, strict=True):
         chunk = shard.data.shape
         coords = tuple(
             (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
         )
-        data = np.array(data, order="C") if copy else np.ascontiguousarray(data)
         shards.append(_Shard(name, coords, data))
     return shards
 

@@ -1,0 +1,114 @@
+"""Host buffers a background save copies the state into, kept from one save to the next.
+
+A background save must copy the state's shards before `fit` goes on (the next train step donates
+their buffers). Copying into freshly allocated memory costs a page fault per 4 KiB, which is most of
+that copy and varies with the host's load (0.12 s median, 1.4 s at worst, for 768 MiB on 2 cores).
+`HostStaging` allocates and touches its buffers once, in the background when training begins, and
+copies into them with several threads, so each save pays for a warm `memcpy` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+_ACTIVE: contextvars.ContextVar[HostStaging | None] = contextvars.ContextVar(
+    "keras_orbax_staging", default=None
+)
+_Kind = tuple[tuple[int, ...], np.dtype]
+_PAGE = 4096
+
+
+class HostStaging:
+    """Reusable host buffers for the shards of one state, one save at a time.
+
+    Example (what `ModelCheckpoint` does):
+
+        staging = HostStaging()
+        staging.prepare(v.value for v in model.variables)   # returns at once
+        with staging.active():
+            write_step(..., blocking=False)                  # copies into the buffers
+        staging.release()                                    # after that save has committed
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[_Kind, list[np.ndarray]] = defaultdict(list)
+        self._lent: list[tuple[_Kind, np.ndarray]] = []
+        self._lock = threading.Lock()
+        self._preparing: threading.Thread | None = None
+        self._copiers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "keras_orbax_staging")
+
+    def prepare(self, arrays: Iterable[jax.Array]) -> None:
+        """Starts allocating and touching a buffer for each shard of `arrays` that a save copies
+        (replica 0 of each shard this process holds); returns at once."""
+        kinds = [
+            (tuple(shard.data.shape), np.dtype(shard.data.dtype))
+            for array in arrays
+            for shard in array.addressable_shards
+            if shard.replica_id == 0 and shard.data.size > 0
+        ]
+        self._preparing = threading.Thread(
+            target=self._allocate, args=(kinds,), name="keras_orbax_staging", daemon=True
+        )
+        self._preparing.start()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within it, saves copy shards into these buffers (`copy`)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    def copy(self, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """C-contiguous copies of `shards` in buffers lent until `release`."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        with self._lock:
+            buffers = [self._take((tuple(s.shape), np.dtype(s.dtype))) for s in shards]
+        list(self._copiers.map(np.copyto, buffers, shards))
+        return buffers
+
+    def release(self) -> None:
+        """Takes back every buffer lent: the save that used them has finished."""
+        with self._lock:
+            for kind, buffer in self._lent:
+                self._free[kind].append(buffer)
+            self._lent.clear()
+
+    def close(self) -> None:
+        """Frees the buffers."""
+        if self._preparing is not None:
+            self._preparing.join()
+        self._copiers.shutdown()
+        with self._lock:
+            self._free.clear()
+            self._lent.clear()
+
+    def _take(self, kind: _Kind) -> np.ndarray:
+        free = self._free[kind]
+        buffer = free.pop() if free else np.empty(kind[0], kind[1])
+        self._lent.append((kind, buffer))
+        return buffer
+
+    def _allocate(self, kinds: list[_Kind]) -> None:
+        for shape, dtype in kinds:
+            buffer = np.empty(shape, dtype)
+            buffer.reshape(-1).view(np.uint8)[::_PAGE] = 0  # every page faulted in now
+            with self._lock:
+                self._free[(shape, dtype)].append(buffer)
+
+
+def active() -> HostStaging | None:
+    """The staging of the save being started, if its caller set one (`HostStaging.active`)."""
+    return _ACTIVE.get()
