@@ -8,6 +8,7 @@ import os
 import warnings
 from typing import Any, NoReturn
 
+import jax
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
@@ -295,6 +296,10 @@ class ModelCheckpoint(_compat.MonitorCallback):
                         extra={"reason": reason},
                         blocking=blocking,
                         weights_only=self.save_weights_only,
+                        # Orbax's part of the save runs in the background too. Not for compact
+                        # arrays (Orbax's own serializer reads the live arrays), nor across
+                        # processes (its collectives would interleave with the train step's).
+                        start_later=self.format == "fast" and jax.process_count() == 1,
                     )
             except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
                 self._close(failing=True)

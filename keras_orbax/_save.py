@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,11 +145,14 @@ def write_step(
     overwrite: bool = False,
     blocking: bool = True,
     weights_only: bool = False,
-) -> ocp.AsyncResponse | None:
+    start_later: bool = False,
+) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
     `weights_only` keeps the model's own variables (trainable, non-trainable, seed-generator state)
-    and leaves out optimizer and metric state.
+    and leaves out optimizer and metric state. `start_later` (fast format, not `blocking`) only
+    copies the shards to the host now and returns a `LaterSave`: its `result()`, called from
+    another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
     """
     state, variables = _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
@@ -162,24 +166,42 @@ def write_step(
         versions=versions(),
         extra=extra or {},
     )
-    # Waited for at once, the save may write from the live device buffers; in the background it
-    # must copy them first (the next train step donates them).
-    writing = _write.shards_stay_unchanged() if blocking else contextlib.nullcontext()
-    with writing:
-        response = checkpointer.save_async(
+    # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
+    values = {key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
+
+    def start() -> ocp.AsyncResponse | None:
+        return checkpointer.save_async(
             step,
-            # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
-            _keys.nest(
-                {key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
-            ),
+            _keys.nest(values),
             force=True,
             overwrite=overwrite,
             metrics=metrics,
             custom_metadata={FORMAT_NAME: record.to_json()},
         )
+
+    if start_later and not blocking:
+        staged = _write.stage({key.replace("/", "."): value for key, value in values.items()})
+        return LaterSave(start, staged)
+    # Waited for at once, the save may write from the live device buffers; in the background it
+    # must copy them first (the next train step donates them).
+    with _write.shards_stay_unchanged() if blocking else contextlib.nullcontext():
+        response = start()
     if blocking and response is not None:
         response.result()
     return response
+
+
+class LaterSave:
+    """A save whose shards are on the host already; `result()` writes and commits it."""
+
+    def __init__(self, start: Callable[[], ocp.AsyncResponse | None], staged: Any) -> None:
+        self._start, self._staged = start, staged
+
+    def result(self) -> None:
+        with _write.from_staged(self._staged):
+            response = self._start()
+        if response is not None:
+            response.result()
 
 
 def _check_format(format: str, directory: str | os.PathLike) -> None:

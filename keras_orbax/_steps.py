@@ -7,16 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import orbax.checkpoint as ocp
-
 from keras_orbax import _compat, _storage
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
-# Orbax's own step naming. The v0 form: v1's wraps it and reads every step's metadata file (which
-# holds the keras-orbax record, ~200 bytes per variable) for timestamps we never use, twice per listing.
-_NAME_FORMAT = ocp.path.step.standard_name_format()
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
@@ -30,7 +25,20 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     root = _storage.as_path(directory)
     if not root.is_dir():
         return []
-    return sorted(m.step for m in _NAME_FORMAT.find_all(root) if _is_complete(m.path))
+    return sorted(step for step, path in _step_dirs(root) if _is_complete(path))
+
+
+def _step_dirs(root: Any) -> list[tuple[int, Any]]:
+    """`(step, directory)` of each step Orbax has renamed as committed: directories named by the
+    bare step number, as Orbax's `standard_name_format()` names them (a save in progress is under
+    `<step>.orbax-checkpoint-tmp-*`). Listed here rather than with Orbax's `find_all`, which reads
+    every step's metadata file (holding the keras-orbax record) for timestamps, in a thread pool:
+    10-15 ms of a background save's blocking time, 0.5 s with 5000 variables."""
+    return [
+        (int(path.name), path)
+        for path in root.iterdir()
+        if path.name.isdecimal() and str(int(path.name)) == path.name and path.is_dir()
+    ]
 
 
 def _is_complete(step_dir: Any) -> bool:
@@ -77,13 +85,12 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
             f"Step {step} is not a committed step of '{root}'. Committed steps: {steps}. "
             f"Received: step={step}"
         )
-    return step, _storage.as_path(_NAME_FORMAT.find_step(root, step).path)
+    return step, root / str(step)
 
 
 def _unfinished_steps(root: Path) -> list[int]:
     """Steps renamed as committed whose metadata file is missing (see `committed_steps`)."""
-    found = _NAME_FORMAT.find_all(root)
-    return sorted(m.step for m in found if not _is_complete(m.path))
+    return sorted(step for step, path in _step_dirs(root) if not _is_complete(path))
 
 
 def resolve_step(directory: str | os.PathLike, step: int | None) -> int:

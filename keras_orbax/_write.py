@@ -22,10 +22,10 @@ import contextvars
 import dataclasses
 import json
 import os
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,6 +38,9 @@ CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json
 # (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
 _WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
 _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
+_STAGED: contextvars.ContextVar[Mapping[str, list[_Shard]] | None] = contextvars.ContextVar(
+    "keras_orbax_staged_shards", default=None
+)
 
 
 @contextlib.contextmanager
@@ -52,6 +55,32 @@ def shards_stay_unchanged() -> Iterator[None]:
         yield
     finally:
         _COPY_SHARDS.reset(token)
+
+
+def stage(values: Mapping[str, Any]) -> dict[str, list[_Shard]]:
+    """Host copies, taken now, of the shards this process writes for `values` (Orbax parameter
+    name -> array): a save started later under `from_staged` writes these, whatever has become of
+    the arrays' buffers since (a train step donates them)."""
+    params = [_Param(name, value) for name, value in values.items() if _writable(value)]
+    staged: dict[str, list[_Shard]] = {p.name: [] for p in params}
+    for shard in _host_shards(params, copy=True):
+        staged[shard.array].append(shard)
+    return staged
+
+
+@contextlib.contextmanager
+def from_staged(staged: Mapping[str, list[_Shard]]) -> Iterator[None]:
+    """Within it, a save writes the shards `stage` copied instead of reading the arrays."""
+    token = _STAGED.set(staged)
+    try:
+        yield
+    finally:
+        _STAGED.reset(token)
+
+
+class _Param(NamedTuple):
+    name: str
+    value: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +115,11 @@ class FastArrayLeafHandler(_compat.array_leaf_handler()):  # type: ignore[misc]
         if not all(_writable(p.value) for p in params):
             return await super().serialize(params, serialization_context)
         arrays = [_describe(p.name, p.value) for p in params]
-        shards = _host_shards(params, copy=_COPY_SHARDS.get())
+        staged = _STAGED.get()
+        if staged is not None and all(p.name in staged for p in params):
+            shards = [shard for p in params for shard in staged[p.name]]
+        else:
+            shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
 
         async def write() -> None:

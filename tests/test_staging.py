@@ -65,3 +65,26 @@ def test_each_background_save_holds_its_own_epoch_while_buffers_are_reused(tmp_p
         got = _models.values(restored.variables + restored.optimizer.variables)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
+
+
+def test_a_save_started_later_writes_the_state_as_it_was_staged(tmp_path, mp):
+    """`ModelCheckpoint`'s background save: the shards are copied, the train step then donates
+    (here: deletes) every buffer, and only afterwards does Orbax's part of the save run."""
+    from keras_orbax import _save
+
+    model = _models.compile_adam(_models.mlp(width=32))
+    model.optimizer.build(model.trainable_variables)
+    _models.fill_arange(model)
+    want = _models.values(model.variables + model.optimizer.variables)
+    with _save.open_checkpointer(tmp_path, "fast") as checkpointer:
+        later = _save.write_step(checkpointer, model, step=1, blocking=False, start_later=True)
+        for variable in model.variables + model.optimizer.variables:
+            variable.value.delete()
+        later.result()
+
+    restored = _models.compile_adam(_models.mlp(width=32))
+    restored.optimizer.build(restored.trainable_variables)
+    keras_orbax.restore_sharded(restored, tmp_path, step=1)
+    got = _models.values(restored.variables + restored.optimizer.variables)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
