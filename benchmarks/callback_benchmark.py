@@ -1,6 +1,6 @@
 """How long `fit` is blocked per checkpoint: keras-orbax async vs keras-orbax sync vs Keras's OrbaxCheckpoint.
 
-    .venv/bin/python benchmarks/callback_benchmark.py [--mib 256] [--epochs 3] [--steps 8]
+    .venv/bin/python benchmarks/callback_benchmark.py [--mib 256] [--epochs 4] [--steps 8] [--json PATH]
 
 One model (Dense stack, float32 parameters of about `--mib` MiB, Adam: three times that in state)
 under ModelParallel on 8 virtual CPU devices trains `--epochs` epochs of `--steps` batches per
@@ -15,7 +15,7 @@ training loop is blocked. "per save" is the mean of the `on_epoch_end` hooks (wh
 start); `on_train_end` (waiting for the last background save and closing) is reported apart, as
 is the wall time of the whole `fit` against a `fit` without a callback. The same model keeps
 training across variants (compiled once); each variant writes to its own fresh directory.
-Results go to stdout and `benchmarks/_work/callback/results.json`.
+Results go to stdout and `--json` (default `benchmarks/_work/callback/results.json`).
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=256, help="float32 parameters, MiB")
     parser.add_argument("--epochs", type=int, default=4, help="epochs (= saves) per variant")
     parser.add_argument("--steps", type=int, default=8, help="batches per epoch")
+    parser.add_argument("--json", default=str(WORK / "results.json"), help="where results go")
     args = parser.parse_args()
 
     width = int(round((args.mib * 2**20 / 4 / LAYERS) ** 0.5 / 64) * 64)
@@ -169,7 +170,7 @@ def main() -> None:
     sync = results["variants"]["keras_orbax sync"]["blocked_per_save_s"]
     for entry in results["variants"].values():
         entry["blocked_vs_keras_orbax_sync"] = entry["blocked_per_save_s"] / sync
-    (WORK / "results.json").write_text(json.dumps(results, indent=2))
+    Path(args.json).write_text(json.dumps(results, indent=2))
     report(results)
 
 

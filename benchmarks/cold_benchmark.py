@@ -5,7 +5,7 @@ and runs in a fresh process.
     ko_cold     `deferred_init` + `restore_sharded` of the benchmark model with Adam
     read_cold   every file of the step read once with 8 threads (the floor)
 
-Usage: python benchmarks/cold_benchmark.py [--params-gib 0.5] [--repeats 3]
+Usage: python benchmarks/cold_benchmark.py [--params-gib 0.5] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--params-gib", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default=os.path.join(HERE, "_work", "cold"))
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     bm.set_env()
@@ -97,6 +98,11 @@ def main() -> None:
         f"cold restore {ours:.2f} s, cold read of the same files {floor:.2f} s: {ours / floor:.2f} x"
     )
     print(json.dumps(results))
+    if args.json:
+        summary = {"params_gib": args.params_gib, "repeats": args.repeats, "seconds": results}
+        summary.update(median_s={"read_cold": floor, "ko_cold": ours}, ratio=ours / floor)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":

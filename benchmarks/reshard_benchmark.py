@@ -6,7 +6,7 @@ case in a fresh process, deferred: `same` split on the last axis again, `rows` s
 axis (every device needs a slice of every saved shard: short runs in each file). Prints median
 seconds and the ratio.
 
-Usage: python benchmarks/reshard_benchmark.py [--rows 65536] [--cols 1024] [--repeats 3]
+Usage: python benchmarks/reshard_benchmark.py [--rows 65536] [--cols 1024] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", default=os.path.join(HERE, "_work", "reshard"))
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     bm.set_env()
@@ -85,6 +86,11 @@ def main() -> None:
     same, rows = (statistics.median(figures[m]) for m in ("same", "rows"))
     print(f"same layout {same:.3f} s, another layout {rows:.3f} s: {rows / same:.2f} x")
     print(json.dumps(figures))
+    if args.json:
+        summary = {"rows": args.rows, "cols": args.cols, "repeats": args.repeats}
+        summary.update(seconds=figures, median_s={"same": same, "rows": rows}, ratio=rows / same)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":
