@@ -13,7 +13,6 @@ from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 
-
 def committed_steps(directory: str | os.PathLike) -> list[int]:
     """The committed steps under `directory`, ascending; `[]` if there are none.
 

@@ -56,7 +56,9 @@ def test_each_background_save_holds_its_own_epoch_while_buffers_are_reused(tmp_p
     rng = np.random.default_rng(0)
     x, y = rng.random((32, 16), dtype="float32"), rng.random((32, 8), dtype="float32")
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
-    model.fit(x, y, batch_size=8, epochs=4, verbose=0, shuffle=False, callbacks=[record, checkpoint])
+    model.fit(
+        x, y, batch_size=8, epochs=4, verbose=0, shuffle=False, callbacks=[record, checkpoint]
+    )
 
     for epoch, want in enumerate(record.states):
         restored = _models.compile_adam(_models.mlp(width=32))
