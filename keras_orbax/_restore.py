@@ -13,6 +13,7 @@ from keras_orbax import (
     _compat,
     _deferred,
     _foreign,
+    _gc,
     _hf,
     _keras_format,
     _keys,
@@ -63,6 +64,7 @@ class RestoreResult:
         return len(self.restored)
 
 
+@_gc.paused()
 def restore_sharded(
     model: keras.Model,
     directory: str | os.PathLike,

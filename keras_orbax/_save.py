@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _quiet, _shardings, _steps, _storage, _write
+from keras_orbax import _compat, _gc, _keys, _quiet, _shardings, _steps, _storage, _write
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
 from keras_orbax._writer_lock import writer_lock
 from keras_orbax.errors import (
@@ -38,6 +38,7 @@ _FORMATS: dict[str, dict[str, bool]] = {
 }
 
 
+@_gc.paused()
 def save(
     model: keras.Model,
     directory: str | os.PathLike,
