@@ -29,9 +29,10 @@ import tensorstore as ts
 
 from keras_orbax import _keys, _replicas
 from keras_orbax._dtypes import np_dtype
-from keras_orbax._fast_format import FastArray, Index
+from keras_orbax._fast_format import FastArray
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
+from keras_orbax._runs import Index
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/"
