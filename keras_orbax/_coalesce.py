@@ -5,7 +5,7 @@ first axis and restored split on its last: 512 bytes of every row of every saved
 read per row when read alone, half a million `preadv` calls for that embedding. The regions this
 process's devices hold often tile whole rows between them. `plan` finds, in each block, the bands of
 rows where they do (or tile a narrower box: then each row of it is one read, not one per region),
-and `Together` reads each such band once, in pieces of a few MiB, scattering every piece into each
+and `Together` reads each such band once, in pieces of about 1 MiB, scattering every piece into each
 region with numpy. It still reads only bytes some region needs (the multi-host byte counts stay
 exact); any other part is read box by box, as alone.
 """
@@ -22,7 +22,7 @@ import numpy as np
 
 from keras_orbax._runs import Block, Box, Index, aligned_empty, bounds, cast, read_box, short_runs
 
-_PIECE_BYTES = 4 << 20  # rows of a band read at once, then scattered (one buffer per job)
+_PIECE_BYTES = 1 << 20  # rows of a band read at once, then scattered (measured: 1 MiB beat 4 MiB)
 _JOB_BYTES = 32 << 20  # bytes one job reads; jobs run in parallel on the reading threads
 Blocks = Callable[[Index], list[Block]]
 
@@ -83,10 +83,6 @@ class Together:
         self.shapes, self.dtype, self._jobs = shapes, dtype, jobs
         self._outs: list[np.ndarray] = []
 
-    @property
-    def nbytes(self) -> int:
-        return sum(math.prod(shape) for shape in self.shapes) * self.dtype.itemsize
-
     def jobs(self) -> list[Callable[[], None]]:
         """Allocates the regions (untouched pages until read); the jobs that fill them."""
         self._outs = [
@@ -105,7 +101,7 @@ class Together:
         largest = max(
             (math.prod(s.union.extent) for s in job.steps if isinstance(s, _Piece)), default=0
         )
-        buffer = np.empty(largest * item, np.uint8)
+        buffer = np.empty(largest * item, np.uint8)  # one piece of rows at a time
         with block.opener() as (fetch, offset):
             for step in job.steps:
                 if isinstance(step, _Direct):
@@ -113,20 +109,21 @@ class Together:
                     flat = out.reshape(-1).view(np.uint8)
                     read_box(fetch, offset, block.shape, step.box, flat, out.shape, self.dtype)
                     continue
-                union = step.union
-                size = math.prod(union.extent)
-                rows = buffer[: size * item]
-                read_box(fetch, offset, block.shape, union, rows, tuple(union.extent), self.dtype)
-                piece = rows.view(self.dtype).reshape(union.extent)
-                for region, box in step.parts:
-                    source = tuple(
-                        slice(s - u, s - u + e)
-                        for s, u, e in zip(box.src_start, union.src_start, box.extent, strict=True)
-                    )
-                    placed = tuple(
-                        slice(d, d + e) for d, e in zip(box.dst_start, box.extent, strict=True)
-                    )
-                    self._outs[region][placed] = piece[source]
+                shape = tuple(step.union.extent)
+                rows = buffer[: math.prod(shape) * item]
+                read_box(fetch, offset, block.shape, step.union, rows, shape, self.dtype)
+                self._scatter(rows.view(self.dtype).reshape(shape), step)
+
+    def _scatter(self, piece: np.ndarray, step: _Piece) -> None:
+        """Copies each part of `piece` (the rows `step.union` of the block) into its region."""
+        origin = step.union.src_start
+        for region, box in step.parts:
+            source = tuple(
+                slice(s - o, s - o + e)
+                for s, o, e in zip(box.src_start, origin, box.extent, strict=True)
+            )
+            placed = tuple(slice(d, d + e) for d, e in zip(box.dst_start, box.extent, strict=True))
+            self._outs[region][placed] = piece[source]
 
 
 def _steps(

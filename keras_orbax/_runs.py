@@ -28,7 +28,7 @@ Fetch = Callable[[list[tuple[memoryview, int]]], None]  # fills each view from i
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
 _OWN_MAPPING_BYTES = 1 << 20
 _SMALL_RUN_BYTES = 1 << 16  # runs shorter than this are read as whole rows, then scattered
-_SPAN_BYTES = 4 << 20  # the temporary buffer for such rows
+_SPAN_BYTES = 1 << 20  # the temporary buffer for such rows (1 MiB: faster and smaller than 4)
 _REQUESTS_AT_ONCE = 256  # ranged requests in flight for one box (object storage)
 
 
@@ -149,7 +149,7 @@ def read_box(
     Contiguous runs of a useful size are each one read straight into `out` (one `preadv`, or one
     ranged request in object storage, several in flight). A box that takes whole stored rows but
     places them as many short runs (a (65536, 1024) embedding saved split on columns and read split
-    on rows: 512-byte runs) is read instead as spans of those rows, a few MiB at a time, and
+    on rows: 512-byte runs) is read instead as spans of those rows, 1 MiB at a time, and
     scattered with numpy: a few large reads instead of one per run, and still exactly the bytes
     needed. (A box that cuts the stored rows is many short reads here; `_coalesce` reads such
     boxes of several regions together.)
