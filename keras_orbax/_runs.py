@@ -27,7 +27,7 @@ Fetch = Callable[[list[tuple[memoryview, int]]], None]  # fills each view from i
 
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
 _OWN_MAPPING_BYTES = 1 << 20
-_SMALL_RUN_BYTES = 1 << 16  # runs shorter than this are read as whole rows, then scattered
+_SMALL_RUN_BYTES = 1 << 16  # shorter runs are read as rows, then scattered (also `_coalesce`)
 _SPAN_BYTES = 1 << 20  # the temporary buffer for such rows (1 MiB: faster and smaller than 4)
 _REQUESTS_AT_ONCE = 256  # ranged requests in flight for one box (object storage)
 
