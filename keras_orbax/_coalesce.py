@@ -143,6 +143,8 @@ def _steps(
             for r, b in boxes
             if b.src_start[0] <= top < b.src_start[0] + b.extent[0]
         ]
+        if not band:  # rows no region here needs
+            continue
         union = _tiled(band)
         worth = any(
             short_runs(b, stored, shapes[r], item) and not b.whole_rows(stored) for r, b in band

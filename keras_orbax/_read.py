@@ -4,7 +4,7 @@ Two paths, chosen per array:
 - Fast format (`_fast_format`): each distinct shard this process's devices need is read once from the
   saved shard files, exactly its bytes, into an aligned host buffer that the device adopts; devices
   that hold the same shard share that read. Any target layout: a shard that matches a saved one is one
-  `preadv`.
+  `preadv`; regions that cut the same saved rows are read together (`_coalesce`).
 - Orbax: the `"compact"` format and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
 Either way no host or device ever holds a full copy of a sharded array. Where several processes hold

@@ -218,6 +218,19 @@ def test_only_the_bytes_some_region_needs(
         assert len(reads.calls) < 40
 
 
+def test_rows_that_no_region_needs_are_skipped(tmp_path, monkeypatch, small_pieces):
+    array, want = _stored(tmp_path, (40, 64), "float32")
+    small_pieces(4)
+    halves = [slice(0, 32), slice(32, 64)]
+    indices = [(rows, half) for rows in (slice(0, 8), slice(24, 40)) for half in halves]
+    reads = _Reads(monkeypatch)
+    got = _read_together(array, indices)
+    assert got is not None
+    for index, region in zip(indices, got, strict=True):
+        np.testing.assert_array_equal(region, want[index])
+    assert sum(n for n, _ in reads.calls) == sum(want[index].nbytes for index in indices)
+
+
 def test_regions_that_tile_no_box_are_read_alone(tmp_path, monkeypatch):
     array, want = _stored(tmp_path, (40, 64), "float32")
     indices = [COLUMNS[0], COLUMNS[2], COLUMNS[5]]  # gaps between them: reading across would waste
