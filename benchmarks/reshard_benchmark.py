@@ -1,12 +1,23 @@
 """Restoring onto a layout that cuts the saved shards differently, against the same bytes onto the saved
 layout, in one run (issue: any layout at the same-layout speed).
 
-A (rows, cols) float32 embedding is saved split on its last axis over 8 devices, then restored, each
-case in a fresh process, deferred: `same` split on the last axis again, `rows` split on the first
-axis (every device needs a slice of every saved shard: short runs in each file). Prints median
-seconds and the ratio.
+A (rows, cols) float32 embedding is saved under one layout, then restored deferred, each restore in a
+fresh process, onto the saved layout (`same`) and onto another (`other`):
+- `cols`: saved split on the last axis over 8 devices; `other` splits the first axis (each device needs
+  whole rows of every saved shard, placed as short runs).
+- `rows`: saved split on the first axis; `other` splits the last axis (each device needs a short run of
+  every row of every saved shard).
+- `2d`: saved split ("batch", "model") on a (2, 4) mesh; `other` splits ("model", "batch") (whole
+  stored rows, as `cols`).
+- `2d_rows`: the reverse, saved ("model", "batch"), `other` ("batch", "model"): cuts the stored rows.
+- `h5`: a `.weights.h5` (one contiguous dataset); `same` splits the first axis (each region one
+  contiguous run), `other` the last.
+Prints, per case, median seconds of each restore (wall and process CPU: on a shared machine the CPU
+time is the steadier figure), the ratio, and the peak growth of resident memory
+during the restore (VmHWM after minus VmRSS before, default allocator) against the array's bytes.
 
-Usage: python benchmarks/reshard_benchmark.py [--rows 65536] [--cols 1024] [--repeats 3] [--json PATH]
+Usage: python benchmarks/reshard_benchmark.py [--rows 65536] [--cols 1024] [--repeats 3]
+    [--cases cols,rows,2d,2d_rows,h5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +34,15 @@ sys.path.insert(0, HERE)
 
 import bench_model as bm  # noqa: E402
 
+# case -> (mesh shape, mesh axes, saved layout, other layout)
+CASES = {
+    "cols": ((8,), ("model",), (None, "model"), ("model", None)),
+    "rows": ((8,), ("model",), ("model", None), (None, "model")),
+    "2d": ((2, 4), ("batch", "model"), ("batch", "model"), ("model", "batch")),
+    "2d_rows": ((2, 4), ("batch", "model"), ("model", "batch"), ("batch", "model")),
+    "h5": ((8,), ("model",), ("model", None), (None, "model")),
+}
+
 
 def _model(rows: int, cols: int):
     import keras
@@ -31,8 +51,11 @@ def _model(rows: int, cols: int):
     return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
 
 
-def _distribution(axes: tuple):
-    return bm.make_distribution(mesh_shape=(8,), axes=("model",), rules={"embed/embeddings": axes})
+def _distribution(case: str, axes: tuple):
+    mesh_shape, mesh_axes = CASES[case][:2]
+    return bm.make_distribution(
+        mesh_shape=mesh_shape, axes=mesh_axes, rules={"embed/embeddings": axes}
+    )
 
 
 def child(mode: str, args: argparse.Namespace) -> dict:
@@ -41,22 +64,32 @@ def child(mode: str, args: argparse.Namespace) -> dict:
 
     import keras_orbax
 
-    if mode == "save":
-        keras.distribution.set_distribution(_distribution((None, "model")))
+    case, what = mode.split(":")
+    saved, other = CASES[case][2:]
+    work = os.path.join(args.work, case)
+    if case == "h5":
+        work = os.path.join(work, "embed.weights.h5")
+    if what == "save":
+        keras.distribution.set_distribution(_distribution(case, saved))
         model = _model(args.rows, args.cols)
         model.layers[1].embeddings.assign(
             np.random.default_rng(0).standard_normal((args.rows, args.cols), dtype="float32")
         )
-        keras_orbax.save(model, args.work, step=1, overwrite=True)
+        if case == "h5":
+            os.makedirs(os.path.dirname(work), exist_ok=True)
+            model.save_weights(work)
+        else:
+            keras_orbax.save(model, work, step=1, overwrite=True)
         return {}
-    axes = (None, "model") if mode == "same" else ("model", None)
-    keras.distribution.set_distribution(_distribution(axes))
+    keras.distribution.set_distribution(_distribution(case, saved if what == "same" else other))
     with keras_orbax.deferred_init():
         model = _model(args.rows, args.cols)
+    before = bm.rss_bytes()
     clock = bm.clock()
-    result = keras_orbax.restore_sharded(model, args.work)
-    seconds = bm.since(clock)[0]
-    return {"seconds": seconds, "bytes_read": result.bytes_read}
+    result = keras_orbax.restore_sharded(model, work)
+    seconds, cpu = bm.since(clock)
+    growth = bm.peak_rss_bytes() - before
+    return {"seconds": seconds, "cpu": cpu, "bytes_read": result.bytes_read, "peak_growth": growth}
 
 
 def main() -> None:
@@ -64,6 +97,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=65536)
     parser.add_argument("--cols", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--work", default=os.path.join(HERE, "_work", "reshard"))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--child", default=None)
@@ -79,16 +113,38 @@ def main() -> None:
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    run("save")
-    figures = {
-        mode: [run(mode)["seconds"] for _ in range(args.repeats)] for mode in ("same", "rows")
-    }
-    same, rows = (statistics.median(figures[m]) for m in ("same", "rows"))
-    print(f"same layout {same:.3f} s, another layout {rows:.3f} s: {rows / same:.2f} x")
+    nbytes = args.rows * args.cols * 4
+    figures, medians = {}, {}
+    for case in args.cases.split(","):
+        run(f"{case}:save")
+        # Alternate the two restores, so that a slow minute of a shared machine hits both.
+        runs: dict[str, list[dict]] = {"same": [], "other": []}
+        for _ in range(args.repeats):
+            for what in runs:
+                runs[what].append(run(f"{case}:{what}"))
+        same, other = (statistics.median(r["seconds"] for r in runs[w]) for w in runs)
+        cpu_same, cpu_other = (statistics.median(r["cpu"] for r in runs[w]) for w in runs)
+        peaks = {w: max(r["peak_growth"] for r in runs[w]) / nbytes for w in runs}
+        print(
+            f"{case}: same layout {same:.3f} s, other layout {other:.3f} s: {other / same:.2f} x "
+            f"(CPU {cpu_same:.3f} s / {cpu_other:.3f} s: {cpu_other / cpu_same:.2f} x); "
+            f"peak growth {peaks['same']:.2f} x / {peaks['other']:.2f} x the array"
+        )
+        figures[case] = {
+            w: {k: [round(r[k], 3) for r in runs[w]] for k in ("seconds", "cpu")} for w in runs
+        }
+        medians[case] = {
+            "same": same,
+            "other": other,
+            "cpu_same": cpu_same,
+            "cpu_other": cpu_other,
+            "peak_same": peaks["same"],
+            "peak_other": peaks["other"],
+        }
     print(json.dumps(figures))
     if args.json:
         summary = {"rows": args.rows, "cols": args.cols, "repeats": args.repeats}
-        summary.update(seconds=figures, median_s={"same": same, "rows": rows}, ratio=rows / same)
+        summary.update(seconds=figures, median_s=medians)
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
 

@@ -207,18 +207,18 @@ def many_restore_items(raw: dict) -> list[dict]:
 
 
 def reshard_items(raw: dict) -> list[dict]:
-    m = raw["median_s"]
     return [
         item(
             "reshard",
-            "reshard",
-            m["rows"],
+            f"reshard {case}",
+            m["other"],
             m["same"],
             1.5,
             names=("other layout", "same layout"),
             ref_name="restore onto the saved layout",
             n=raw["repeats"],
-        ),
+        )
+        for case, m in raw["median_s"].items()
     ]
 
 

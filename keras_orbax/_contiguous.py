@@ -11,6 +11,7 @@ computed on the host (`ComputedArray`) when Keras's own loader derives a value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._fast_format import Index, _Box, aligned_empty, pread_fetch, read_box
+from keras_orbax._runs import Block, Index, aligned_empty, bounds, cast, local_file, read_box
 from keras_orbax.errors import CorruptCheckpointError
 
 
@@ -55,25 +56,20 @@ class ContiguousArray:
                 f"{self.offset + self.nbytes}, the file has {size}. No variable was modified."
             )
 
+    def blocks(self, index: Index) -> list[Block]:
+        """The array as one block (every region is a box of it)."""
+        opener = functools.partial(local_file, self.file, self.offset)
+        return [Block((0,) * len(self.shape), self.shape, opener)]
+
     def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
         """The region `index`, read once into a 64-byte-aligned buffer, cast to `dtype`."""
-        bounds = _bounds(index, self.shape)
-        shape = tuple(hi - lo for lo, hi in bounds)
+        region = bounds(index, self.shape)
+        shape = tuple(hi - lo for lo, hi in region)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        box = _Box(
-            extent=list(shape), src_start=[lo for lo, _ in bounds], dst_start=[0] * len(shape)
-        )
-        with open(self.file, "rb", buffering=0) as file:
-            read_box(
-                pread_fetch(file.fileno(), self.file),
-                self.offset,
-                self.shape,
-                box,
-                out,
-                shape,
-                self.dtype,
-            )
-        return _cast(out.view(self.dtype).reshape(shape), dtype)
+        (block,) = self.blocks(index)
+        with block.opener() as (fetch, offset):
+            read_box(fetch, offset, self.shape, block.box(region), out, shape, self.dtype)
+        return cast(out.view(self.dtype).reshape(shape), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +92,7 @@ class H5SliceArray:
 
         with h5py.File(self.file, "r") as file:
             region = np.asarray(file[self.dataset][tuple(index)])
-        return _cast(region.view(self.dtype) if region.dtype != self.dtype else region, dtype)
+        return cast(region.view(self.dtype) if region.dtype != self.dtype else region, dtype)
 
 
 class ComputedArray:
@@ -129,17 +125,3 @@ class ComputedArray:
         )
         np.copyto(out, region, casting="unsafe")
         return out
-
-
-def _bounds(index: Index, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    return [
-        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
-    ]
-
-
-def _cast(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    if np.dtype(dtype) == data.dtype:
-        return data
-    cast = aligned_empty(data.size * np.dtype(dtype).itemsize).view(dtype).reshape(data.shape)
-    np.copyto(cast, data, casting="unsafe")
-    return cast

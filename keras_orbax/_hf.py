@@ -20,9 +20,9 @@ import numpy as np
 
 from keras_orbax import _compat, _keys, _plan, _read
 from keras_orbax._contiguous import ComputedArray, ContiguousArray
-from keras_orbax._fast_format import Index, aligned_empty
 from keras_orbax._keys import METRIC
 from keras_orbax._metadata import StepRecord, VariableRecord
+from keras_orbax._runs import Index, aligned_empty
 from keras_orbax.errors import CheckpointMismatchError
 
 

@@ -4,7 +4,7 @@ Two paths, chosen per array:
 - Fast format (`_fast_format`): each distinct shard this process's devices need is read once from the
   saved shard files, exactly its bytes, into an aligned host buffer that the device adopts; devices
   that hold the same shard share that read. Any target layout: a shard that matches a saved one is one
-  `preadv`.
+  `preadv`; regions that cut the same saved rows are read together (`_coalesce`).
 - Orbax: the `"compact"` format and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
 Either way no host or device ever holds a full copy of a sharded array. Where several processes hold
@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,13 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
-from keras_orbax import _keys, _replicas
+from keras_orbax import _coalesce, _keys, _replicas
+from keras_orbax._contiguous import ContiguousArray
 from keras_orbax._dtypes import np_dtype
-from keras_orbax._fast_format import FastArray, Index
+from keras_orbax._fast_format import FastArray
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
+from keras_orbax._runs import Index
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/"
@@ -140,13 +142,15 @@ def read_arrays(
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
-    tasks = [(request, array, index) for request, array, indices in plan.fast for index in indices]
+    units = [
+        unit for request, array, indices in plan.fast for unit in _units(request, array, indices)
+    ]
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    sizes = [_region_bytes(request, index) for request, _, index in tasks]
+    sizes = [_region_bytes(request, index) for unit in units for request, _, index in unit.tasks]
     window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])
-    pieces = _read_ahead(tasks, sizes, workers, window)
+    pieces = _read_ahead(units, workers, window)
     exchange = _replicas.Exchange(plan, window_bytes or DEFAULT_WINDOW_BYTES)  # same everywhere
     error: Exception | None = None
     with Progress("restore_sharded", sum(sizes), enabled=show_progress) as progress:
@@ -201,26 +205,66 @@ def _on_devices(request: ReadRequest, regions: dict[str, np.ndarray]) -> jax.Arr
     return jax.make_array_from_callback(request.target.shape, request.target.sharding, region)
 
 
-def _read_ahead(
-    tasks: list[_Task], sizes: list[int], workers: int, window: int
-) -> Iterator[tuple[_Task, np.ndarray]]:
-    """Each task's region, in order, read by a pool of threads ahead of the consumer by at most
-    `window` bytes (and `2 * workers` tasks), but always by one task."""
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """Regions of one array that the reading threads read together: one region (`tasks` alone), or
+    several regions that cut the same stored rows (`together`, `_coalesce`)."""
+
+    tasks: list[_Task]
+    together: _coalesce.Together | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(_region_bytes(request, index) for request, _, index in self.tasks)
+
+    def start(self, pool: ThreadPoolExecutor) -> Callable[[], list[np.ndarray]]:
+        """Submits the reads to `pool`; returns what waits for the regions, in the order of `tasks`."""
+        dtype = np.dtype(self.tasks[0][0].target.dtype)
+        if self.together is None:
+            _, array, index = self.tasks[0]
+            single = pool.submit(array.read, index, dtype)
+            return lambda: [single.result()]
+        together = self.together
+        futures = [pool.submit(job) for job in together.jobs()]
+
+        def regions() -> list[np.ndarray]:
+            for future in futures:
+                future.result()
+            return together.regions(dtype)
+
+        return regions
+
+
+def _units(request: ReadRequest, array: Any, indices: list[Index]) -> list[Unit]:
+    """The regions `indices` of one array: read together where they cut the same stored rows, else
+    each alone."""
+    if isinstance(array, FastArray | ContiguousArray) and len(indices) > 1:
+        together = _coalesce.plan(array.blocks, array.shape, array.dtype, indices)
+        if together is not None:
+            return [Unit([(request, array, index) for index in indices], together)]
+    return [Unit([(request, array, index)]) for index in indices]
+
+
+def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[_Task, np.ndarray]]:
+    """Each region of each unit, in order, read by a pool of threads ahead of the consumer by at
+    most `window` bytes (and `2 * workers` units), but always by one unit."""
     with ThreadPoolExecutor(workers) as pool:
-        pending: collections.deque[tuple[_Task, Future[np.ndarray], int]] = collections.deque()
+        pending: collections.deque[tuple[Unit, Callable[[], list[np.ndarray]], int]] = (
+            collections.deque()
+        )
+        sizes = [unit.size for unit in units]
         ahead, following = 0, 0
-        for _ in tasks:
-            while following < len(tasks) and (
+        for _ in units:
+            while following < len(units) and (
                 not pending or (ahead + sizes[following] <= window and len(pending) < 2 * workers)
             ):
-                request, array, index = task = tasks[following]
-                future = pool.submit(array.read, index, np.dtype(request.target.dtype))
-                pending.append((task, future, sizes[following]))
+                unit = units[following]
+                pending.append((unit, unit.start(pool), sizes[following]))
                 ahead += sizes[following]
                 following += 1
-            task, future, size = pending.popleft()
+            unit, regions, size = pending.popleft()
             ahead -= size
-            yield task, future.result()
+            yield from zip(unit.tasks, regions(), strict=True)
 
 
 def _region_bytes(request: ReadRequest, index: Index) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from keras_orbax import _multihost
-from keras_orbax._fast_format import Index
+from keras_orbax._runs import Index
 
 if TYPE_CHECKING:
     from keras_orbax._read import ReadPlan, ReadRequest

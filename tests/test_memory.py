@@ -41,6 +41,18 @@ def test_deferred_restore_peaks_at_one_copy_of_the_model(tmp_path):
     assert growth <= 1.15 * model_bytes, figures
 
 
+def test_restore_onto_regions_that_cut_the_saved_rows_peaks_at_one_copy(tmp_path):
+    _run("save", tmp_path)
+    figures = _run("restore_cut", tmp_path)
+    kernel_bytes, bias_bytes = (2048 * 4096 + 4096 * 2048) * 4, (4096 + 2048) * 4
+    # Saved (2, 4), restored (1, 8): each target region takes half of every row of 4 saved shards,
+    # read together with the other regions in pieces of 1 MiB (one buffer per reading thread).
+    assert figures["resident"] == kernel_bytes + 8 * bias_bytes
+    assert figures["bytes_read"] == kernel_bytes + bias_bytes
+    growth = figures["peak"] - figures["after_imports"]
+    assert growth <= 1.15 * (kernel_bytes + bias_bytes), figures
+
+
 def test_deferred_load_of_a_keras_weights_file_peaks_at_one_copy(tmp_path):
     _run("save_h5", tmp_path)
     figures = _run("restore_h5", tmp_path)

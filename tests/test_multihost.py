@@ -63,7 +63,7 @@ def four_readers(written) -> list[dict]:
         {
             "action": "read",
             "directory": str(written / "arange"),
-            "layouts": ["2x4", "4x2", "dp:on", "dp:off", "replicated:on", "replicated:off"],
+            "layouts": ["2x4", "4x2", "1x8", "dp:on", "dp:off", "replicated:on", "replicated:off"],
             "trained": str(written / "trained"),
             "reference": str(written / "w" / "trained.npz"),
         },
@@ -75,6 +75,7 @@ def test_four_processes_read_what_two_wrote(four_readers):
     for report in four_readers:
         _assert_read(report, "2x4")
         _assert_read(report, "4x2")
+        _assert_read(report, "1x8")  # regions cut the saved rows: each process reads them together
         assert report["load_model"] == {"wrong": [], "iterations": 8}
     # The default on CPU: each process reads its replicas. Kernels split over all 8 devices,
     # biases replicated on all: kernels read once in all, biases once per process.

@@ -1,7 +1,8 @@
 """Saves (`save DIR`) or restores deferred (`restore DIR`) a 64 MiB model; prints JSON with RSS figures.
 
 `save_h5 DIR` / `restore_h5 DIR` do the same through Keras's `.weights.h5` with a model dominated
-by one large embedding.
+by one large embedding. `restore_cut DIR` restores what `save` wrote onto a (1, 8) mesh, whose
+regions cut the rows of every saved shard (they are read together, `_coalesce`).
 
 Run in a fresh process so that the peak RSS (VmHWM) belongs to this restore alone.
 """
@@ -43,7 +44,8 @@ def build_embedding() -> keras.Model:
 
 
 def main(mode: str, directory: str) -> None:
-    mesh = DeviceMesh((2, 4), ("batch", "model"), jax.devices())
+    mesh_shape = (1, 8) if mode == "restore_cut" else (2, 4)
+    mesh = DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
     layout_map = LayoutMap(mesh)
     layout_map[".*kernel"] = ("batch", "model")
     layout_map[".*embeddings"] = ("batch", "model")
