@@ -163,20 +163,17 @@ class FastArray:
     def _read_whole(self, region: list[tuple[int, int]], out: np.ndarray) -> bool:
         """Reads a region that is exactly one saved shard, data and index in one `preadv` (one
         system call where the general path makes three: most of the time of a restore of many
-        small variables). False, with nothing read, where that does not apply: object storage,
-        or an index placing the data elsewhere than at the start (then the general path reads)."""
+        small variables). False where that does not apply (object storage, a short read, an
+        index placing the data elsewhere than at the start): then the general path reads."""
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         path = self.file(coords)
         if _storage.is_remote(path):
             return False
         index = bytearray(_INDEX_BYTES)
         with open(path, "rb", buffering=0) as file:
-            got = os.preadv(file.fileno(), [out, index], 0)
-        if got != self.chunk_bytes + _INDEX_BYTES:
-            raise CorruptCheckpointError(
-                f"{self.key}: shard file {path} is truncated: read {got} bytes, expected "
-                f"{self.chunk_bytes + _INDEX_BYTES}."
-            )
+            got = os.preadv(file.fileno(), [out.data, index], 0)
+        if got != self.chunk_bytes + _INDEX_BYTES:  # short: the general path reads or says why
+            return False
         return self._check_index(path, index, self.chunk_bytes + _INDEX_BYTES) == 0
 
     def _object_sizes(self) -> dict[str, int]:

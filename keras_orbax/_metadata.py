@@ -51,8 +51,13 @@ class StepRecord:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        record = dataclasses.asdict(self)
-        record["variables"] = [dataclasses.asdict(v) for v in self.variables.values()]
+        """The record as stored (JSON-ready; it shares its dicts with this record). Built field by
+        field: `dataclasses.asdict` deep-copies, 0.5 s for 5000 variables."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = [f.name for f in dataclasses.fields(VariableRecord)]
+        record["variables"] = [
+            {name: getattr(v, name) for name in fields} for v in self.variables.values()
+        ]
         return record
 
     @classmethod

@@ -80,14 +80,16 @@ def save(
     ```
     """
     _check_format(format, directory)
-    _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
+    checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
         with (
             writer_lock(directory, step),  # released once the checkpointer has closed
             _quiet.skipped_merge_notices(directory),
             open_checkpointer(directory, format) as checkpointer,
         ):
-            write_step(checkpointer, model, step=step, epoch=epoch, overwrite=overwrite)
+            write_step(
+                checkpointer, model, step=step, epoch=epoch, overwrite=overwrite, checked=checked
+            )
     except KerasOrbaxError:
         raise
     except Exception as error:  # the write itself failed: a full disk, a read-only directory...
@@ -147,6 +149,7 @@ def write_step(
     blocking: bool = True,
     weights_only: bool = False,
     start_later: bool = False,
+    checked: tuple[_keys.KeyedState, dict[str, keras.Variable]] | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -154,8 +157,9 @@ def write_step(
     and leaves out optimizer and metric state. `start_later` (fast format, not `blocking`) only
     copies the shards to the host now and returns a `LaterSave`: its `result()`, called from
     another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
+    `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
     """
-    state, variables = _checked_variables(
+    state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
     )
     record = StepRecord(
