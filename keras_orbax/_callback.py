@@ -13,10 +13,11 @@ import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax import _compat, _keys, _multihost, _quiet, _save, _steps
+from keras_orbax._callback_args import validate
 from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
-from keras_orbax._restore import RestoreResult, restore_sharded
-from keras_orbax._resume import ResumePoint
+from keras_orbax._restore import RestoreResult
+from keras_orbax._resume import ResumePoint, resume
 from keras_orbax._retention import Retention, loggable, metric
 from keras_orbax._writer_lock import writer_lock
 from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
@@ -97,7 +98,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         save_on_preemption: bool = True,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
-        _validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
+        validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
         if resume and save_weights_only:
             raise ValueError(
                 "resume=True needs the optimizer state, which save_weights_only=True leaves out. "
@@ -337,31 +338,8 @@ class ModelCheckpoint(_compat.MonitorCallback):
     # -- resume, retention, monitoring -----------------------------------------------------------
 
     def _restore(self) -> None:
-        self.restored = restore_sharded(self.model, self.directory)
-        record = self.restored.record
-        where = f"epoch {record.epoch}" + (f", batch {record.batch}" if record.batch else "")
-        logger.info(
-            "Resuming from step %d of '%s' (%s).", self.restored.step, self.directory, where
-        )
-        if record.batch:
-            logger.info(
-                "Step %d was saved mid-epoch: the first %d batches of epoch %d are read from the "
-                "input and dropped, untrained.",
-                self.restored.step,
-                record.batch,
-                record.epoch,
-            )
-        if record.epoch is None:
-            logger.warning(
-                "Step %d of '%s' records no epoch (it was not written by ModelCheckpoint): fit "
-                "starts at its own initial_epoch.",
-                self.restored.step,
-                self.directory,
-            )
-            return
-        _compat.set_initial_epoch(self.model, record.epoch)
-        self._set_epoch = True
-        self._resume_point = ResumePoint(self.model, record.epoch, record.batch or 0)
+        self.restored, self._resume_point = resume(self.model, self.directory)
+        self._set_epoch = self._resume_point is not None
 
     def _ensure_monitor_op(self) -> None:
         """Settles the monitor's direction, and folds in the best value stored in the directory."""
@@ -437,36 +415,3 @@ class ModelCheckpoint(_compat.MonitorCallback):
                 f"{error}. {self._intact_note()}"
             ) from error
         self._notices.close()  # every save has finished logging
-
-
-def _validate(
-    directory: Any,
-    save_freq: Any,
-    max_to_keep: Any,
-    keep_best: Any,
-    keep_every: Any,
-    format: Any,
-) -> None:
-    if keras.backend.backend() != "jax":
-        raise RuntimeError(
-            f"keras-orbax needs the JAX backend. Received: backend={keras.backend.backend()}"
-        )
-    if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
-        raise ValueError(f"directory must be a non-empty path. Received: directory={directory!r}")
-    if save_freq != "epoch" and not _positive_int(save_freq):
-        raise ValueError(
-            f"save_freq must be 'epoch' or a positive int. Received: save_freq={save_freq!r}"
-        )
-    for name, value in (
-        ("max_to_keep", max_to_keep),
-        ("keep_best", keep_best),
-        ("keep_every", keep_every),
-    ):
-        if value is not None and not _positive_int(value):
-            raise ValueError(f"{name} must be None or a positive int. Received: {name}={value!r}")
-    if format not in ("fast", "compact"):
-        raise ValueError(f"format must be 'fast' or 'compact'. Received: format={format!r}")
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

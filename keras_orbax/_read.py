@@ -138,9 +138,9 @@ def read_arrays(
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
-    Regions are read by a pool of threads across all arrays at once, ahead of the arrays being put
-    on their devices, with at most `window_bytes` of regions read ahead (default: 512 MiB or the
-    largest region, whichever is larger; one region always goes). So host memory for reads stays
+    Regions are read by a pool of threads across all arrays at once, in waves of at most
+    `window_bytes` (default: 512 MiB or the largest region, whichever is larger; one region always
+    goes), each wave read before its arrays are put on their devices. So host memory for reads stays
     within the window plus the regions of the one array being placed (which, on the CPU backend,
     are the devices' own buffers). Collective when some arrays go through Orbax (the compact
     format) or `plan.shared` holds some (one process reads each replicated region, the others

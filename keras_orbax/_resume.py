@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -10,6 +11,36 @@ import keras
 import numpy as np
 
 from keras_orbax import _compat
+from keras_orbax._restore import RestoreResult, restore_sharded
+
+logger = logging.getLogger("keras_orbax")
+
+
+def resume(model: keras.Model, directory: Any) -> tuple[RestoreResult, ResumePoint | None]:
+    """Restores the latest step of `directory` into `model` and sets `fit` to start at the epoch
+    (and batch) it records; the `ResumePoint` is None where the step records no epoch."""
+    restored = restore_sharded(model, directory)
+    record = restored.record
+    where = f"epoch {record.epoch}" + (f", batch {record.batch}" if record.batch else "")
+    logger.info("Resuming from step %d of '%s' (%s).", restored.step, directory, where)
+    if record.batch:
+        logger.info(
+            "Step %d was saved mid-epoch: the first %d batches of epoch %d are read from the "
+            "input and dropped, untrained.",
+            restored.step,
+            record.batch,
+            record.epoch,
+        )
+    if record.epoch is None:
+        logger.warning(
+            "Step %d of '%s' records no epoch (it was not written by ModelCheckpoint): fit "
+            "starts at its own initial_epoch.",
+            restored.step,
+            directory,
+        )
+        return restored, None
+    _compat.set_initial_epoch(model, record.epoch)
+    return restored, ResumePoint(model, record.epoch, record.batch or 0)
 
 
 class ResumePoint:
