@@ -176,6 +176,7 @@ class ModelCheckpoint(_compat.MonitorCallback):
         if self.save_on_background and self._saves is None:
             self._saves = Collector()
             self._saves.staging.prepare(self._state_values())
+            _save.warm_up()
         if self.save_on_preemption:
             self._watcher.start()
 

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +45,8 @@ class HostStaging:
         self._lent: list[tuple[_Kind, np.ndarray]] = []
         self._lock = threading.Lock()
         self._preparing: threading.Thread | None = None
-        self._copiers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), "keras_orbax_staging")
+        self._workers = min(8, os.cpu_count() or 1)
+        self._copiers = ThreadPoolExecutor(self._workers, "keras_orbax_staging")
 
     def prepare(self, arrays: Iterable[jax.Array]) -> None:
         """Starts allocating and touching a buffer for each shard of `arrays` that a save copies
@@ -102,6 +104,7 @@ class HostStaging:
         return buffer
 
     def _allocate(self, kinds: list[_Kind]) -> None:
+        list(self._copiers.map(time.sleep, [0.001] * self._workers))  # its threads started now
         for shape, dtype in kinds:
             buffer = np.empty(shape, dtype)
             buffer.reshape(-1).view(np.uint8)[::_PAGE] = 0  # every page faulted in now
