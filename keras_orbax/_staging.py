@@ -78,7 +78,8 @@ class HostStaging:
             self._preparing = None
         with self._lock:
             buffers = [self._take((tuple(s.shape), np.dtype(s.dtype))) for s in shards]
-        list(self._copiers.map(np.copyto, buffers, shards))
+        pairs = list(zip(buffers, shards, strict=True))
+        list(self._copiers.map(_copy_all, _split(pairs, self._workers)))
         return buffers
 
     def release(self) -> None:
@@ -110,6 +111,27 @@ class HostStaging:
             buffer.reshape(-1).view(np.uint8)[::_PAGE] = 0  # every page faulted in now
             with self._lock:
                 self._free[(shape, dtype)].append(buffer)
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for buffer, shard in pairs:
+        np.copyto(buffer, shard)
+
+
+def _split(
+    pairs: list[tuple[np.ndarray, np.ndarray]], parts: int
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """`pairs` in at most `parts` consecutive runs of about equal bytes (one task per copying
+    thread, not one per shard: thousands of small shards would queue as many futures)."""
+    total = sum(buffer.nbytes for buffer, _ in pairs)
+    runs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    done = 0
+    for pair in pairs:
+        if runs[-1] and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(pair)
+        done += pair[0].nbytes
+    return runs
 
 
 def active() -> HostStaging | None:
