@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from keras_orbax import _storage
-from keras_orbax._checksum import crc32c
+from keras_orbax._checksum import crc32c, shard_index
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._runs import (
@@ -153,6 +153,11 @@ class FastArray:
                 read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
         return cast(out.view(self.dtype).reshape(shape), dtype)
 
+    @functools.cached_property
+    def _plain_index(self) -> bytes:
+        """The shard index of a file holding the chunk at offset 0, with its CRC-32C."""
+        return shard_index(self.chunk_bytes)
+
     def is_one_shard(self, index: Index) -> bool:
         """The region `index` is exactly one saved shard (the saved layout, or a coarser one)."""
         return all(
@@ -170,10 +175,15 @@ class FastArray:
         if _storage.is_remote(path):
             return False
         index = bytearray(_INDEX_BYTES)
-        with open(path, "rb", buffering=0) as file:
-            got = os.preadv(file.fileno(), [out.data, index], 0)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            got = os.preadv(fd, [out.data, index], 0)
+        finally:
+            os.close(fd)
         if got != self.chunk_bytes + _INDEX_BYTES:  # short: the general path reads or says why
             return False
+        if index == self._plain_index:  # the index every keras-orbax shard file has (CRC included)
+            return True
         return self._check_index(path, index, self.chunk_bytes + _INDEX_BYTES) == 0
 
     def _object_sizes(self) -> dict[str, int]:

@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
-from keras_orbax import _coalesce, _keys, _replicas
+from keras_orbax import _coalesce, _keys, _replicas, _storage
 from keras_orbax._contiguous import ContiguousArray
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._fast_format import FastArray
@@ -215,6 +215,16 @@ class Unit:
     tasks: list[_Task]
     together: _coalesce.Together | None = None
 
+    @property
+    def is_small(self) -> bool:
+        """Small regions of local files: reading them is mostly Python, not waiting on storage
+        (object storage is: its requests want many threads in flight)."""
+        return (
+            self.together is None
+            and self.size <= _BATCH_BYTES
+            and not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
+        )
+
     @functools.cached_property
     def size(self) -> int:
         return sum(_region_bytes(request, index) for request, _, index in self.tasks)
@@ -251,6 +261,11 @@ def _read_each(tasks: list[_Task]) -> list[np.ndarray]:
 
 
 _BATCH_BYTES, _BATCH_REGIONS = 1 << 20, 64
+# Threads for batches of small regions: each region costs some 20 us of Python around a short read,
+# so more threads only pass the GIL around (5000 variables, 12,500 regions in the page cache: 1.41 s
+# with 16 threads, 1.13-1.22 s with 4, 1.03-1.08 s with 2, 1.02 s with 1); a few keep reads of
+# files not in the page cache overlapping.
+_SMALL_WORKERS = 2
 
 
 def _batched(units: list[Unit]) -> list[Unit]:
@@ -287,13 +302,17 @@ def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[
     small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
     """
     sizes = [unit.size for unit in units]
-    with ThreadPoolExecutor(workers) as pool:
+    with (
+        ThreadPoolExecutor(workers) as pool,
+        ThreadPoolExecutor(min(workers, _SMALL_WORKERS)) as small_pool,
+    ):
         following = 0
         while following < len(units):
             wave: list[tuple[Unit, Callable[[], list[np.ndarray]]]] = []
             nbytes = 0
             while following < len(units) and (not wave or nbytes + sizes[following] <= window):
-                wave.append((units[following], units[following].start(pool)))
+                unit = units[following]
+                wave.append((unit, unit.start(small_pool if unit.is_small else pool)))
                 nbytes += sizes[following]
                 following += 1
             read = [regions() for _, regions in wave]
