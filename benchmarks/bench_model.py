@@ -101,6 +101,27 @@ def build_model(spec: ModelSpec, optimizer=None, build_optimizer: bool = True):
     return model
 
 
+def independent_dense(layers: int, width: int):
+    """`layers` independent Dense(width) layers in one model, built: many small variables (a
+    Sequential this deep exceeds Python's recursion limit when it builds). Set the distribution
+    first. The 5000-variable model of save_benchmark.py --many and many_restore_benchmark.py."""
+    import keras
+
+    class Blocks(keras.Model):
+        def __init__(self, blocks):
+            super().__init__(name="blocks")
+            self.blocks = blocks
+
+        def call(self, x):
+            return x
+
+    model = Blocks([keras.layers.Dense(width) for _ in range(layers)])
+    for block in model.blocks:
+        block.build((None, width))
+    model.built = True
+    return model
+
+
 def sample_batch(spec: ModelSpec, seed: int = 1):
     import numpy as np
 

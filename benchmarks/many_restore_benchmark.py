@@ -39,26 +39,6 @@ CASES = ("ko", "read", "keras_h5")
 READ_THREADS = 8
 
 
-def build(layers: int, width: int):
-    """`layers` independent Dense(width) layers in one model (a Sequential this deep exceeds
-    Python's recursion limit when it builds). Set the distribution first."""
-    import keras
-
-    class Blocks(keras.Model):
-        def __init__(self, blocks):
-            super().__init__(name="blocks")
-            self.blocks = blocks
-
-        def call(self, x):
-            return x
-
-    model = Blocks([keras.layers.Dense(width) for _ in range(layers)])
-    for block in model.blocks:
-        block.build((None, width))
-    model.built = True
-    return model
-
-
 def set_distribution() -> None:
     import keras
 
@@ -94,7 +74,7 @@ def save(args) -> dict:
     import keras_orbax
 
     set_distribution()
-    model = build(args.layers, args.width)
+    model = bm.independent_dense(args.layers, args.width)
     for i, v in enumerate(model.variables):
         v.assign(jax.random.normal(jax.random.key(i), v.shape))
     keras_orbax.save(model, os.path.join(args.work, "ko"), step=1)
@@ -114,11 +94,11 @@ def run_case(case: str, args) -> dict:
     set_distribution()
     if case == "ko":
         with keras_orbax.deferred_init():
-            model = build(args.layers, args.width)
+            model = bm.independent_dense(args.layers, args.width)
         start = bm.clock()
         keras_orbax.restore_sharded(model, os.path.join(args.work, "ko"))
     else:
-        model = build(args.layers, args.width)
+        model = bm.independent_dense(args.layers, args.width)
         start = bm.clock()
         model.load_weights(os.path.join(args.work, "model.weights.h5"))
     wall, cpu = bm.since(start)

@@ -51,11 +51,8 @@ def build(layers: int, width: int, many: bool):
 
     rules = {r".*kernel": (None, "model") if many else ("batch", "model")}
     keras.distribution.set_distribution(bm.make_distribution(rules=rules))
-    if many:  # a Sequential this deep exceeds Python's recursion limit when it builds
-        model = _Blocks([keras.layers.Dense(width) for _ in range(layers)])
-        for block in model.blocks:
-            block.build((None, width))
-        model.built = True
+    if many:
+        model = bm.independent_dense(layers, width)
     else:
         model = keras.Sequential(
             [keras.Input((width,))] + [keras.layers.Dense(width) for _ in range(layers)]
@@ -69,22 +66,6 @@ def build(layers: int, width: int, many: bool):
             v.assign(jax.random.normal(jax.random.key(i), v.shape))
     jax.block_until_ready([v.value for v in variables])  # dispatch is asynchronous
     return model, variables
-
-
-def _Blocks(blocks):
-    import keras
-
-    class Blocks(keras.Model):
-        """Independent Dense layers: many small variables, no deep call graph."""
-
-        def __init__(self, blocks):
-            super().__init__(name="blocks")
-            self.blocks = blocks
-
-        def call(self, x):
-            return x
-
-    return Blocks(blocks)
 
 
 def save_floor(variables, directory: str) -> None:
