@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax import _steps, _writer_lock
 from keras_orbax._writer_lock import lock_path
 from keras_orbax.errors import SaveFailedError, StepLockedError
 from tests import _models
@@ -230,9 +230,12 @@ def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_pat
         _assert_equal(_models.values(restored.variables), before)
 
 
-def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distribution):
+def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distribution, monkeypatch):
     """The holder records its PID just after it takes the lock; a second writer refused in that
     instant waits for the record instead of naming no one."""
+    # The refused writer waits up to `_HOLDER_WAIT_S` (2 s) for the record; on a loaded machine the
+    # recording thread below may take longer than that to be scheduled, so the bound is lifted.
+    monkeypatch.setattr(_writer_lock, "_HOLDER_WAIT_S", HANG_S)
     distribution(_models.model_parallel((2, 4)))
     directory = tmp_path / "ckpt"
     directory.mkdir()
