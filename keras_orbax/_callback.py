@@ -12,7 +12,7 @@ import jax
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _keys, _multihost, _quiet, _save, _steps
+from keras_orbax import _compat, _keys, _multihost, _quiet, _save, _steps, _write
 from keras_orbax._callback_args import validate
 from keras_orbax._pending import Collector, PendingSave
 from keras_orbax._preemption import PreemptionWatcher
@@ -175,7 +175,8 @@ class ModelCheckpoint(_compat.MonitorCallback):
         ]
         if self.save_on_background and self._saves is None:
             self._saves = Collector()
-            self._saves.staging.prepare(self._state_values())
+            unpacked = (v for v in self._state_values() if not _write.is_packed(v))
+            self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
             _save.warm_up()
         if self.save_on_preemption:
             self._watcher.start()

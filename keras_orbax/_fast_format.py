@@ -44,6 +44,8 @@ from keras_orbax.errors import CorruptCheckpointError
 _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
 _MISSING = 2**64 - 1
 _RAW = {"name": "bytes", "configuration": {"endian": "little"}}
+# Chunk keys c/0/1 (Orbax's), or c.0.1: the one file of a small array (no directories under it).
+_KEY_ENCODINGS = ({"name": "default"}, {"name": "default", "configuration": {"separator": "."}})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class FastArray:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
+    separator: str = "/"  # of the chunk keys: c/0/1, or c.0.1 (a small array's one file)
 
     @classmethod
     def open(cls, step_dir: Path, record: VariableRecord) -> FastArray | None:
@@ -78,22 +81,23 @@ class FastArray:
         fits = (
             spec.get("zarr_format") == 3
             and spec.get("codecs") == [plain]
-            and spec.get("chunk_key_encoding") == {"name": "default"}
+            and spec.get("chunk_key_encoding") in _KEY_ENCODINGS
             and spec.get("data_type") == record.dtype
             and tuple(spec.get("shape", ())) == record.shape
             and _chunks_divide(chunk, record.shape)
         )
-        return (
-            cls(record.key, directory, record.shape, chunk, np_dtype(record.dtype))
-            if fits
-            else None
-        )
+        if not fits:
+            return None
+        separator = spec["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+        return cls(record.key, directory, record.shape, chunk, np_dtype(record.dtype), separator)
 
     @property
     def chunk_bytes(self) -> int:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
     def file(self, coords: tuple[int, ...]) -> Any:
+        if self.separator == ".":
+            return self.directory / ".".join(["c", *map(str, coords)])
         return self.directory.joinpath("c", *map(str, coords))
 
     def chunks_of(self, index: Index) -> list[tuple[int, ...]]:

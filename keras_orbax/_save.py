@@ -24,9 +24,10 @@ from keras_orbax.errors import (
 )
 
 SaveFormat = Literal["fast", "compact"]
-# "fast": one uncompressed file per shard, chunk = shard, so restore reads each file once, straight
-# into the buffer its device uses (docs/format.md). "compact": Orbax's defaults, zstd-compressed
-# chunks in one OCDBT database per process: smaller, fewer files.
+# "fast": one uncompressed file per shard, chunk = shard (one file for an array of <= 1 MiB), so
+# restore reads each file once, straight into the buffer its device uses (docs/format.md); keras-orbax
+# writes these files itself (`_write`). "compact": Orbax's defaults, zstd-compressed chunks in one
+# OCDBT database per process: smaller, fewer files.
 _FORMATS: dict[str, dict[str, bool]] = {
     "fast": {
         "use_zarr3": True,

@@ -5,7 +5,9 @@ directory, barrier across processes, rename); only the `jax.Array` leaves go thr
 `FastArrayLeafHandler`, which writes the very files Orbax's tensorstore path would
 (`tests/test_format.py` compares them byte for byte): per array a zarr v3 `zarr.json` whose chunk
 is the saved shard, one file per distinct shard (the raw C-order bytes, then the 20-byte
-`sharding_indexed` index), `_sharding` and `array_metadatas/process_<i>`. What it does not do that
+`sharding_indexed` index), `_sharding` and `array_metadatas/process_<i>`. One difference: an array
+of at most `PACK_BYTES` is one chunk in one file, `<array>/c.0.0`, however it is sharded (the bytes
+Orbax writes for it replicated, under a chunk key with no directories). What it does not do that
 tensorstore does: encode each shard into a second buffer, write every file under a temporary name
 and rename it, and fsync the directory after every file. Here each file is written once from the
 shard's own buffer (on CPU, the device buffer itself) by a pool of threads, checksummed piece by
@@ -37,6 +39,9 @@ CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json
 # ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
 # (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
 _WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
+# An array of at most this many bytes is one chunk in one file, not one per shard: the files of a
+# model of many small variables are what its save costs (5000 variables: ... ).
+PACK_BYTES = 1 << 20
 _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
 _STAGED: contextvars.ContextVar[Mapping[str, list[_Shard]] | None] = contextvars.ContextVar(
     "keras_orbax_staged_shards", default=None
@@ -86,12 +91,13 @@ class _Param(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Shard:
     array: str  # Orbax parameter name: the array's directory
-    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...>
+    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
     data: np.ndarray  # C-contiguous host bytes
+    packed: bool = False
 
     @property
     def relative(self) -> str:
-        return "/".join([self.array, "c", *map(str, self.coords)])
+        return f"{self.array}/" + ("." if self.packed else "/").join(["c", *map(str, self.coords)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +107,7 @@ class _Array:
     chunk: tuple[int, ...]
     dtype: np.dtype
     sharding: Any
+    packed: bool
 
 
 class FastArrayLeafHandler(_compat.array_leaf_handler()):  # type: ignore[misc]
@@ -138,15 +145,40 @@ def _writable(value: Any) -> bool:
 
 
 def _describe(name: str, value: jax.Array) -> _Array:
-    chunk = value.sharding.shard_shape(value.shape)
-    return _Array(name, tuple(value.shape), tuple(chunk), np.dtype(value.dtype), value.sharding)
+    packed = is_packed(value)
+    chunk = value.shape if packed else value.sharding.shard_shape(value.shape)
+    dtype = np.dtype(value.dtype)
+    return _Array(name, tuple(value.shape), tuple(chunk), dtype, value.sharding, packed)
+
+
+def is_packed(value: jax.Array) -> bool:
+    """Whether `value` is saved as one chunk in one file, `<array>/c.0.0`, however it is sharded:
+    small (each file and directory costs a journal commit more than its bytes) and held by one
+    process (which writes that file)."""
+    return (
+        value.nbytes <= PACK_BYTES
+        and len({d.process_index for d in value.sharding.device_set}) == 1
+    )
 
 
 def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
-    accelerator; on CPU a view of the device buffer unless `copy`)."""
+    accelerator; on CPU a view of the device buffer unless `copy`); a packed array's shards
+    assembled into one."""
+    packed = [p for p in params if is_packed(p.value)]
+    params = [p for p in params if not is_packed(p.value)]
     picked = [(p.name, s) for p in params for s in p.value.addressable_shards if s.replica_id == 0]
-    host = [np.asarray(data) for data in jax.device_get([s.data for _, s in picked])]
+    whole = [(p.name, [s for s in p.value.addressable_shards if s.replica_id == 0]) for p in packed]
+    fetched = jax.device_get(
+        [s.data for _, s in picked] + [[s.data for s in ss] for _, ss in whole]
+    )
+    host = [np.asarray(data) for data in fetched[: len(picked)]]
+    assembled = [
+        _Shard(name, (0,) * len(value.shape), _assemble(value, shards, datas), packed=True)
+        for (name, shards), value, datas in zip(
+            whole, (p.value for p in packed), fetched[len(picked) :], strict=True
+        )
+    ]
     staging = _staging.active()
     if not copy:
         host = [np.ascontiguousarray(data) for data in host]
@@ -161,7 +193,15 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
             (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
         )
         shards.append(_Shard(name, coords, data))
-    return shards
+    return shards + assembled
+
+
+def _assemble(value: jax.Array, shards: Sequence[Any], datas: Sequence[Any]) -> np.ndarray:
+    """The whole of `value` in a new C-contiguous host array, from its distinct shards."""
+    whole = np.empty(value.shape, np.dtype(value.dtype))
+    for shard, data in zip(shards, datas, strict=True):
+        whole[shard.index] = data
+    return whole
 
 
 def write_arrays(directory: Any, arrays: list[_Array], shards: list[_Shard]) -> None:
@@ -273,7 +313,7 @@ def _zarr_json(array: _Array) -> bytes:
     inner = raw if array.dtype.itemsize > 1 else {"name": "bytes"}  # no byte order for 1 byte
     spec = {
         "chunk_grid": {"configuration": {"chunk_shape": list(array.chunk)}, "name": "regular"},
-        "chunk_key_encoding": {"name": "default"},
+        "chunk_key_encoding": _KEY_ENCODING_PACKED if array.packed else {"name": "default"},
         "codecs": [
             {
                 "configuration": {
@@ -291,6 +331,9 @@ def _zarr_json(array: _Array) -> bytes:
         "zarr_format": 3,
     }
     return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+_KEY_ENCODING_PACKED = {"configuration": {"separator": "."}, "name": "default"}
 
 
 def _fill_value(dtype: np.dtype) -> Any:

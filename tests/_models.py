@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import keras
 import numpy as np
+import pytest
 from keras.distribution import DataParallel, DeviceMesh, LayoutMap, ModelParallel
 
 
@@ -72,3 +76,15 @@ def fill_arange(model: keras.Model, limit: int | None = None) -> None:
 
 def values(variables: list[keras.Variable]) -> list[np.ndarray]:
     return [np.asarray(v.value) for v in variables]
+
+
+@contextlib.contextmanager
+def one_file_per_shard() -> Iterator[None]:
+    """Within it, saves write every array as one file per shard, small ones too (as the fast format
+    does above `_write.PACK_BYTES`): for tests of that layout (damage to one shard's file, layouts
+    that cut the saved shards)."""
+    from keras_orbax import _write
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_write, "PACK_BYTES", -1)
+        yield

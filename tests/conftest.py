@@ -46,6 +46,15 @@ def distribution():
     keras.distribution.set_distribution(previous)
 
 
+@pytest.fixture
+def one_file_per_shard():
+    """Saves in the test write one file per shard, small arrays too (`_models.one_file_per_shard`)."""
+    from tests import _models
+
+    with _models.one_file_per_shard():
+        yield
+
+
 # Object stores (tests/_object_stores.py): one local S3 and one GCS server per session, started
 # by the first test that needs each; every test gets its own empty bucket.
 

@@ -256,16 +256,22 @@ def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distributi
 def _record_once_opened(fd: int, path: Path) -> None:
     """Writes a holder's record into `fd` 0.1 s after another descriptor opens `path`."""
     deadline = time.monotonic() + HANG_S
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):  # a descriptor closed while listed
-            if any(
-                int(other) != fd and os.readlink(f"/proc/self/fd/{other}") == str(path)
-                for other in os.listdir("/proc/self/fd")
-            ):
-                break
+    while time.monotonic() < deadline and not _opened_elsewhere(fd, path):
         time.sleep(0.001)
     time.sleep(0.1)
     os.write(fd, b"4242 other-host\n")
+
+
+def _opened_elsewhere(fd: int, path: Path) -> bool:
+    """Whether a descriptor of this process other than `fd` has `path` open."""
+    for other in os.listdir("/proc/self/fd"):
+        # One of those listed is the listing's own descriptor, closed by now; others may close
+        # meanwhile: skip each, not the whole listing (whether `path` came before them in it
+        # depended on descriptor numbers, and the test flaked).
+        with contextlib.suppress(OSError):
+            if int(other) != fd and os.readlink(f"/proc/self/fd/{other}") == str(path):
+                return True
+    return False
 
 
 def test_a_killed_writers_lock_does_not_block_the_next_save(tmp_path, distribution):

@@ -19,6 +19,9 @@ from keras_orbax.errors import (
 )
 from tests import _models
 
+# These tests name the files of single shards (`c/1/2`) or cut the saved shards.
+pytestmark = pytest.mark.usefixtures("one_file_per_shard")
+
 
 @pytest.fixture
 def saved(tmp_path, distribution) -> Path:

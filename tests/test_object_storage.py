@@ -268,6 +268,7 @@ def _object_stores():
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.usefixtures("one_file_per_shard")  # damages one shard's object of a split kernel
 def test_damaged_shard_object_is_corrupt_and_the_model_is_untouched(
     store, bucket, mesh_2x4, damage
 ):

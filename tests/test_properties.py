@@ -4,6 +4,7 @@ harmless. Derandomized, bounded: the same examples on every run."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from keras.distribution import DeviceMesh, LayoutMap, ModelParallel
 
 import keras_orbax
 from keras_orbax.errors import KerasOrbaxError
+from tests import _models
 
 SETTINGS = hypothesis.settings(
     max_examples=15,
@@ -141,20 +143,27 @@ def test_save_under_one_layout_restore_under_another(case, fmt, seed):
     which=st.floats(0, 1, exclude_max=True),
     position=st.floats(0, 1, exclude_max=True),
     bit=st.integers(0, 7),
+    packed=st.booleans(),
 )
 def test_one_corrupted_byte_in_a_shard_file_is_detected_or_harmless(
-    case, seed, which, position, bit
+    case, seed, which, position, bit, packed
 ):
     """Fast format, restored with `verify=True` (each shard file's CRC-32C checked before it is
-    read). Outcomes: a typed error with the model untouched, or the saved values exactly (proven
-    harmless). No flip goes undetected."""
+    read), the array in one file (`packed`, as small arrays are) or one per shard. Outcomes: a
+    typed error with the model untouched, or the saved values exactly (proven harmless). No flip
+    goes undetected."""
     shape, dtype, saved_layout, restored_layout = case
     previous = keras.distribution.distribution()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            saved = _save(Path(tmp), shape, dtype, saved_layout, "fast", seed)
-            shards = (Path(tmp) / "1").rglob("*")  # <array>/c/<i>/<j>..., or <array>/c for 0-d
-            files = sorted(p for p in shards if p.is_file() and "c" in p.relative_to(tmp).parts)
+            with contextlib.nullcontext() if packed else _models.one_file_per_shard():
+                saved = _save(Path(tmp), shape, dtype, saved_layout, "fast", seed)
+            # <array>/c/<i>/<j>..., <array>/c.<i>.<j>... (packed), or <array>/c for 0-d
+            files = sorted(
+                p
+                for p in (Path(tmp) / "1").rglob("*")
+                if p.is_file() and ("c" in p.relative_to(tmp).parts or p.name.startswith("c."))
+            )
             path = files[int(which * len(files))]
             data = bytearray(path.read_bytes())
             at = int(position * len(data))

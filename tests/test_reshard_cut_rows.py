@@ -17,6 +17,9 @@ from keras_orbax import _coalesce
 from keras_orbax._contiguous import ContiguousArray
 from keras_orbax._runs import bounds
 
+# These tests name the files of single shards (`c/1/2`) or cut the saved shards.
+pytestmark = pytest.mark.usefixtures("one_file_per_shard")
+
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int32"]
 
 

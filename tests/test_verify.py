@@ -9,6 +9,9 @@ import keras_orbax
 from keras_orbax.errors import CorruptCheckpointError
 from tests import _models
 
+# These tests name the files of single shards (`c/1/2`) or cut the saved shards.
+pytestmark = pytest.mark.usefixtures("one_file_per_shard")
+
 KERNEL = "layers/dense/vars/0"  # the "hidden" layer's kernel, sharded 2 x 4
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from pathlib import Path
 
 import jax
@@ -11,7 +14,9 @@ import orbax.checkpoint.experimental.v1 as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import keras_orbax
 from keras_orbax import _save, _write
+from tests import _models
 
 
 def _tree() -> dict:
@@ -42,35 +47,102 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("blocking", [True, False])
-def test_writer_makes_the_files_orbax_makes(tmp_path, blocking):
+def test_writer_makes_the_files_orbax_makes(tmp_path, blocking, monkeypatch):
+    """Arrays above `PACK_BYTES`: one file per distinct shard, as Orbax writes them."""
+    monkeypatch.setattr(_write, "PACK_BYTES", -1)  # every array of the tree is small
     tree = _tree()
+    theirs, ours = _save_both(tmp_path, tree, tree, blocking)
+    assert sorted(ours) == sorted(theirs)
+    different = [name for name in theirs if theirs[name] != ours[name]]
+    assert different == ["commit_success.txt"]  # it names the directory it was written in
+    _assert_orbax_loads(tmp_path / "ours" / "1", tree)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_small_array_is_one_file_as_orbax_writes_a_replicated_one(tmp_path, blocking):
+    """A small array, however sharded, is one chunk in one file: the bytes Orbax writes for the same
+    values replicated, under the chunk key `c.0.0` (no directories below the array's), while
+    `_sharding` keeps the layout it was saved with."""
+    tree = _tree()
+    replicated = NamedSharding(jax.tree.leaves(tree)[0].sharding.mesh, PartitionSpec())
+    theirs, ours = _save_both(
+        tmp_path, jax.tree.map(lambda a: jax.device_put(a, replicated), tree), tree, blocking
+    )
+    chunk_files = [name for name in ours if re.fullmatch(r".+/c(\.0)*", name)]
+    assert len(chunk_files) == len(jax.tree.leaves(tree))  # one per array, none in a subdirectory
+
+    as_orbax_names = {_slashed(name): content for name, content in ours.items()}
+    assert sorted(as_orbax_names) == sorted(theirs)
+    different = {name for name in theirs if theirs[name] != as_orbax_names[name]}
+    specs = {name for name in different if name.endswith("zarr.json")}
+    assert different - specs == {"_sharding", "commit_success.txt"}
+    for name in specs:
+        spec = json.loads(theirs[name])
+        spec["chunk_key_encoding"]["configuration"] = {"separator": "."}
+        assert json.loads(as_orbax_names[name]) == spec
+    _assert_orbax_loads(tmp_path / "ours" / "1", tree)
+
+
+def _slashed(name: str) -> str:
+    """`<array>/c.0.1` as Orbax names that chunk, `<array>/c/0/1`."""
+    array, _, key = name.rpartition("/")
+    return f"{array}/{key.replace('.', '/')}" if key.startswith("c.") else name
+
+
+def _save_both(tmp_path: Path, for_orbax: dict, for_us: dict, blocking: bool) -> tuple[dict, dict]:
+    """The files of `state/` as Orbax's own array writer and as keras-orbax's save each tree."""
     orbax_context = ocp.Context()
     for option, value in _save._FORMATS["fast"].items():
         setattr(orbax_context.array.saving, option, value)
     with ocp.training.Checkpointer(tmp_path / "orbax", context=orbax_context) as checkpointer:
-        checkpointer.save_pytree(1, tree)
+        checkpointer.save_pytree(1, for_orbax)
     with _save.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
-        context = _write.shards_stay_unchanged() if blocking else _nullcontext()
+        context = _write.shards_stay_unchanged() if blocking else contextlib.nullcontext()
         with context:
-            response = checkpointer.save_async(1, tree)
+            response = checkpointer.save_async(1, for_us)
         response.result()
-
-    theirs, ours = (
-        _files(tmp_path / "orbax" / "1" / "state"),
-        _files(tmp_path / "ours" / "1" / "state"),
-    )
-    assert sorted(ours) == sorted(theirs)
-    different = [name for name in theirs if theirs[name] != ours[name]]
-    assert different == ["commit_success.txt"]  # it names the directory it was written in
-    loaded = ocp.load(tmp_path / "ours" / "1", checkpointable_name="state")
-    assert jax.tree.all(
-        jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), loaded, tree)
-    )
-    meta = ocp.checkpointables_metadata(tmp_path / "ours" / "1")
-    assert meta.metadata is not None
+    return _files(tmp_path / "orbax" / "1" / "state"), _files(tmp_path / "ours" / "1" / "state")
 
 
-def _nullcontext():
-    import contextlib
+def _assert_orbax_loads(step_dir: Path, tree: dict) -> None:
+    """Plain Orbax loads the step: the values, each on the sharding it was saved with."""
+    loaded = ocp.load(step_dir, checkpointable_name="state")
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding.is_equivalent_to(want.sharding, want.ndim)
+    assert ocp.checkpointables_metadata(step_dir).metadata is not None
 
-    return contextlib.nullcontext()
+
+def test_arrays_up_to_pack_bytes_are_one_file_and_restore_onto_any_layout(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp(width=32768)  # the hidden kernel is 2 MiB, the head's exactly 1 MiB
+    assert model.get_layer("head").kernel.value.nbytes == _write.PACK_BYTES
+    _models.fill_arange(model)
+    keras_orbax.save(model, tmp_path, step=1)
+
+    state = tmp_path / "1" / "state"
+    shard_files = {
+        array.name: sorted(
+            str(p.relative_to(array))
+            for p in array.rglob("*")
+            if p.is_file() and p.name != "zarr.json"
+        )
+        for array in state.iterdir()
+        if (array / "zarr.json").exists()
+    }
+    grid = [f"c/{i}/{j}" for i in range(2) for j in range(4)]
+    assert shard_files.pop("layers.dense.vars.0") == grid  # split (batch, model): 8 files
+    assert shard_files.pop("layers.dense_1.vars.0") == ["c.0.0"]  # split the same way: one file
+    assert shard_files == {"layers.dense.vars.1": ["c.0"], "layers.dense_1.vars.1": ["c.0"]}
+
+    want = _models.values(model.variables)
+    for layout in (_models.model_parallel((4, 2)), _models.data_parallel()):
+        distribution(layout)
+        restored = _models.mlp(width=32768)
+        keras_orbax.restore_sharded(restored, tmp_path)
+        for got, expected in zip(_models.values(restored.variables), want, strict=True):
+            np.testing.assert_array_equal(got, expected)
+        kernel = restored.get_layer("head").kernel
+        assert kernel.value.sharding.is_equivalent_to(
+            layout.get_variable_layout(kernel).backend_layout, 2
+        )
