@@ -30,7 +30,7 @@ import tensorstore as ts
 from keras_orbax import _coalesce, _keys, _replicas, _storage
 from keras_orbax._contiguous import ContiguousArray
 from keras_orbax._dtypes import np_dtype
-from keras_orbax._fast_format import FastArray
+from keras_orbax._fast_format import FastArray, WholeFileReader
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
 from keras_orbax._runs import Index
@@ -248,6 +248,9 @@ class Unit:
 def _units(request: ReadRequest, array: Any, indices: list[Index]) -> list[Unit]:
     """The regions `indices` of one array: read together where they cut the same stored rows, else
     each alone."""
+    if WholeFileReader.tiles(array, indices) and array.chunk_bytes <= _BATCH_BYTES:
+        whole = WholeFileReader(array, len(indices))  # kept in one unit: read by one thread
+        return [Unit([(request, whole, index) for index in indices])]
     one_shard_each = isinstance(array, FastArray) and all(map(array.is_one_shard, indices))
     if isinstance(array, FastArray | ContiguousArray) and len(indices) > 1 and not one_shard_each:
         together = _coalesce.plan(array.blocks, array.shape, array.dtype, indices)
