@@ -157,10 +157,8 @@ def is_packed(value: jax.Array) -> bool:
     """Whether `value` is saved as one chunk in one file, `<array>/c.0.0`, however it is sharded:
     small (each file and directory costs a journal commit more than its bytes) and held by one
     process (which writes that file)."""
-    return (
-        value.nbytes <= PACK_BYTES
-        and len({d.process_index for d in value.sharding.device_set}) == 1
-    )
+    devices: set[Any] = value.sharding.device_set
+    return value.nbytes <= PACK_BYTES and len({d.process_index for d in devices}) == 1
 
 
 def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
@@ -214,21 +212,25 @@ def write_arrays(directory: Any, arrays: list[_Array], shards: list[_Shard]) -> 
     if _storage.is_remote(directory):
         _write_objects(directory, files, shards)
         return
-    dirs = {directory / a.name for a in arrays} | {(directory / s.relative).parent for s in shards}
-    for path in sorted(dirs):
-        path.mkdir(parents=True, exist_ok=True)
-    (directory / "array_metadatas").mkdir(exist_ok=True)
+    written = [s.relative for s in shards] + [name for name, _ in files] + [_checksums_name()]
+    dirs = sorted({directory.joinpath(*parent) for name in written for parent in _ancestors(name)})
+    for path in dirs:  # in 16 or 64 threads, overlapping the files' fsyncs: no faster (5000 arrays)
+        path.mkdir(exist_ok=True)
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
         checksums = dict(
             pool.map(lambda s: (s.relative, _write_shard(directory / s.relative, s.data)), shards)
         )
         list(pool.map(lambda f: _write_file(directory / f[0], f[1]), files))
-        (directory / CHECKSUMS_DIR).mkdir(exist_ok=True)
         _write_file(directory / _checksums_name(), _checksums_json(checksums))
-        synced = dirs | {p.parent for p in dirs}
-        synced |= {directory, directory / "array_metadatas", directory / CHECKSUMS_DIR}
-        list(pool.map(_fsync_dir, sorted(synced)))
+        list(pool.map(_fsync_dir, dirs))
+
+
+def _ancestors(relative: str) -> list[tuple[str, ...]]:
+    """The directories above the file `relative`, from the top one (`()`) down: each is made
+    before the file and fsync-ed after it (`c/0/1/2` of a 3-D array has three below the array's)."""
+    parts = relative.split("/")[:-1]
+    return [tuple(parts[:n]) for n in range(len(parts) + 1)]
 
 
 def _metadata_files(arrays: list[_Array]) -> list[tuple[str, bytes]]:
