@@ -45,7 +45,8 @@ _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair,
 _MISSING = 2**64 - 1
 _RAW = {"name": "bytes", "configuration": {"endian": "little"}}
 # Chunk keys c/0/1 (Orbax's), or c.0.1: the one file of a small array (no directories under it).
-_KEY_ENCODINGS = ({"name": "default"}, {"name": "default", "configuration": {"separator": "."}})
+ONE_FILE_KEYS = {"name": "default", "configuration": {"separator": "."}}
+_KEY_ENCODINGS = ({"name": "default"}, ONE_FILE_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from keras_orbax import _checksum, _compat, _multihost, _staging, _storage
+from keras_orbax._fast_format import ONE_FILE_KEYS
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -165,19 +166,21 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
     accelerator; on CPU a view of the device buffer unless `copy`); a packed array's shards
     assembled into one."""
-    packed = [p for p in params if is_packed(p.value)]
-    params = [p for p in params if not is_packed(p.value)]
-    picked = [(p.name, s) for p in params for s in p.value.addressable_shards if s.replica_id == 0]
-    whole = [(p.name, [s for s in p.value.addressable_shards if s.replica_id == 0]) for p in packed]
+
+    def distinct(value: jax.Array) -> list[Any]:
+        return [s for s in value.addressable_shards if s.replica_id == 0]
+
+    # A packed array is held by one process: all its distinct shards are here, or none.
+    whole = [(p, distinct(p.value)) for p in params if is_packed(p.value)]
+    whole = [(p, shards) for p, shards in whole if shards]
+    picked = [(p.name, s) for p in params if not is_packed(p.value) for s in distinct(p.value)]
     fetched = jax.device_get(
-        [s.data for _, s in picked] + [[s.data for s in ss] for _, ss in whole]
+        [s.data for _, s in picked] + [[s.data for s in shards] for _, shards in whole]
     )
     host = [np.asarray(data) for data in fetched[: len(picked)]]
     assembled = [
-        _Shard(name, (0,) * len(value.shape), _assemble(value, shards, datas), packed=True)
-        for (name, shards), value, datas in zip(
-            whole, (p.value for p in packed), fetched[len(picked) :], strict=True
-        )
+        _Shard(p.name, (0,) * p.value.ndim, _assemble(p.value, shards, datas), packed=True)
+        for (p, shards), datas in zip(whole, fetched[len(picked) :], strict=True)
     ]
     staging = _staging.active()
     if not copy:
@@ -317,7 +320,7 @@ def _zarr_json(array: _Array) -> bytes:
     inner = raw if array.dtype.itemsize > 1 else {"name": "bytes"}  # no byte order for 1 byte
     spec = {
         "chunk_grid": {"configuration": {"chunk_shape": list(array.chunk)}, "name": "regular"},
-        "chunk_key_encoding": _KEY_ENCODING_PACKED if array.packed else {"name": "default"},
+        "chunk_key_encoding": ONE_FILE_KEYS if array.packed else {"name": "default"},
         "codecs": [
             {
                 "configuration": {
@@ -335,9 +338,6 @@ def _zarr_json(array: _Array) -> bytes:
         "zarr_format": 3,
     }
     return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
-
-
-_KEY_ENCODING_PACKED = {"configuration": {"separator": "."}, "name": "default"}
 
 
 def _fill_value(dtype: np.dtype) -> Any:
