@@ -45,7 +45,7 @@ COMPONENTS = ("save", "save_many", "many_restore", "reshard", "cold", "callback"
 # Full sizes are chosen so that the whole report takes 10-20 minutes on 2 shared cores.
 SIZES = {
     "save": ("save_benchmark.py", ["--layers", "8"], ["--layers", "2", "--width", "1024"], 3),
-    "save_many": ("save_benchmark.py", ["--layers", "2500"], ["--layers", "250"], 1),
+    "save_many": ("save_benchmark.py", ["--layers", "2500"], ["--layers", "250"], 3),
     "many_restore": ("many_restore_benchmark.py", ["--layers", "2500"], ["--layers", "250"], 3),
     "reshard": (
         "reshard_benchmark.py",
