@@ -123,10 +123,7 @@ def plot_ratios(report: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, max([*values, 1.0]) * 1.6)
     ax.set_xlabel("ratio / target  (at or left of the dashed line: target met)")
-    ax.set_title(title(report, "Speed targets"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(plt, fig, ax, title(report, "Speed targets"), path)
 
 
 def plot_times(report: dict, path: str) -> None:
@@ -149,7 +146,12 @@ def plot_times(report: dict, path: str) -> None:
     ax.set_yticks(range(len(rows)), [i["label"] for i in rows])
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median), log scale; gray: the reference, blue: no target")
-    ax.set_title(title(report, "Seconds"), fontsize=10)
+    finish(plt, fig, ax, title(report, "Seconds"), path)
+
+
+def finish(plt, fig, ax, heading: str, path: str) -> None:
+    """Titles the plot, writes it to `path` and closes it."""
+    ax.set_title(heading, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

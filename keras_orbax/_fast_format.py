@@ -97,9 +97,7 @@ class FastArray:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
     def file(self, coords: tuple[int, ...]) -> Any:
-        if self.separator == ".":
-            return self.directory / ".".join(["c", *map(str, coords)])
-        return self.directory.joinpath("c", *map(str, coords))
+        return self.directory / self.separator.join(["c", *map(str, coords)])
 
     def chunks_of(self, index: Index) -> list[tuple[int, ...]]:
         """Coordinates of the saved chunks that hold any part of the region `index`."""

@@ -86,7 +86,6 @@ def plan_reads(
     Raises:
         CorruptCheckpointError: a shard file this process needs is missing or truncated.
     """
-
     fast, via_orbax = [], []
     for request in requests:
         if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
