@@ -11,10 +11,13 @@ variant, saving at every epoch end:
 - `keras OrbaxCheckpoint`: `keras.callbacks.OrbaxCheckpoint(save_on_background=True)` (Keras 3.15).
 
 Each callback is wrapped so that the wall time spent inside its hooks is measured: the time the
-training loop is blocked. "per save" is the mean of the `on_epoch_end` hooks (where the saves
-start); `on_train_end` (waiting for the last background save and closing) is reported apart, as
-is the wall time of the whole `fit` against a `fit` without a callback. The same model keeps
-training across variants (compiled once); each variant writes to its own fresh directory.
+training loop is blocked. Before `on_epoch_end`, the wrapper first waits, off the clock, for the
+epoch's last train step to finish computing (JAX dispatches it asynchronously; every variant must
+wait for it before reading the state, and the device is busy with it, not idle). "per save" is the
+mean of the `on_epoch_end` hooks (where the saves start); `on_train_end` (waiting for the last
+background save and closing) is reported apart, as is the wall time of the whole `fit` against a
+`fit` without a callback. The same model keeps training across variants (compiled once); each
+variant writes to its own fresh directory.
 Results go to stdout and `--json` (default `benchmarks/_work/callback/results.json`).
 """
 
@@ -81,6 +84,9 @@ class Timed(keras.callbacks.Callback):
         self._time("on_train_batch_end", batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        jax.block_until_ready(
+            [v.value for v in self.model.variables + self.model.optimizer.variables]
+        )
         self._time("on_epoch_end", epoch, logs)
 
     def on_train_end(self, logs=None):

@@ -1,12 +1,15 @@
-"""Background saves copy the state into host buffers kept from one save to the next."""
+"""Background saves keep the state as it was while training goes on: on CPU by holding views that
+pin the device buffers, elsewhere by copying into host buffers kept from one save to the next."""
 
 from __future__ import annotations
 
+import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import _staging
 from keras_orbax._staging import HostStaging
 from tests import _models
 
@@ -16,18 +19,69 @@ def mp(distribution):
     return distribution(_models.model_parallel((2, 4)))
 
 
-def test_buffers_prepared_ahead_are_lent_once_and_reused_after_release(mp):
+@pytest.fixture(params=["views", "copies"])
+def held_as(request, monkeypatch):
+    """Both ways a background save keeps the state: views pinning CPU buffers (what runs here),
+    and copies into warm host buffers (what runs on an accelerator, forced here)."""
+    if request.param == "copies":
+        monkeypatch.setattr(_staging, "views_pin_buffers", lambda platform: False)
+    return request.param
+
+
+def _donating_step(arrays: list[jax.Array]) -> list[jax.Array]:
+    """What Keras's train step does to the state: new values, the old buffers donated."""
+    return jax.jit(lambda state: [a + 1 for a in state], donate_argnums=0)(arrays)
+
+
+def _shard_values(array: jax.Array) -> list[np.ndarray]:
+    """Copies of every buffer of `array` (not `np.asarray(array)`: JAX keeps that, a view)."""
+    return [np.array(s.data) for s in array.addressable_shards]
+
+
+def test_views_of_cpu_shards_pin_every_buffer_until_released(mp):
+    """The CPU path holds no copy: the shards given are returned as they are, and a donating step
+    leaves every buffer of the arrays (every replica: an array donated in part crashes when used)
+    alone until `release`; after it, the arrays are whole and donated as usual."""
+    model = _models.mlp(width=32)
+    _models.fill_arange(model)
+    arrays = [v.value for v in model.variables]
+    want = [_shard_values(a) for a in arrays]
+    shards = jax.device_get(
+        [s.data for a in arrays for s in a.addressable_shards if s.replica_id == 0]
+    )
+    staging = HostStaging()
+    staging.prepare(arrays)
+    try:
+        assert _staging.views_pin_buffers("cpu")
+        held = staging.copy(shards, arrays)
+        assert all(h is s for h, s in zip(held, shards, strict=True))
+        del held, shards
+        stepped = _donating_step(arrays)
+        assert not any(a.is_deleted() for a in arrays)
+        for array, values in zip(arrays, want, strict=True):
+            for got, value in zip(_shard_values(array), values, strict=True):
+                np.testing.assert_array_equal(got, value)
+        np.testing.assert_array_equal(_shard_values(stepped[0])[0], want[0][0] + 1)
+        staging.release()
+        _donating_step(arrays)  # whole arrays, nothing viewing them: donated, no crash
+        assert all(a.is_deleted() for a in arrays)
+    finally:
+        staging.close()
+
+
+def test_buffers_prepared_ahead_are_lent_once_and_reused_after_release(mp, monkeypatch):
+    monkeypatch.setattr(_staging, "views_pin_buffers", lambda platform: False)
     model = _models.mlp(width=32)
     arrays = [v.value for v in model.variables]
     shards = [np.asarray(s.data) for a in arrays for s in a.addressable_shards if s.replica_id == 0]
     staging = HostStaging()
     staging.prepare(arrays)
     try:
-        first = staging.copy(shards)
-        while_lent = staging.copy(shards)  # a save still holding the first set gets others
+        first = staging.copy(shards, arrays)
+        while_lent = staging.copy(shards, arrays)  # a save still holding the first set gets others
         assert not {id(b) for b in first} & {id(b) for b in while_lent}
         staging.release()
-        again = staging.copy(shards)
+        again = staging.copy(shards, arrays)
         assert {id(b) for b in again} <= {id(b) for b in first + while_lent}
         for copy, shard in zip(again, shards, strict=True):
             np.testing.assert_array_equal(copy, shard)
@@ -47,9 +101,10 @@ class _Record(keras.callbacks.Callback):
         self.states.append(_models.values(self.model.variables + self.model.optimizer.variables))
 
 
-def test_each_background_save_holds_its_own_epoch_while_buffers_are_reused(tmp_path, mp):
-    """Four background saves through the same buffers: every step holds exactly its epoch's state
-    (a buffer handed back before its write finished would hold a later epoch's values)."""
+def test_each_background_save_holds_its_own_epoch_while_training_goes_on(tmp_path, mp, held_as):
+    """Four background saves while training goes on: every step holds exactly its epoch's state
+    (a view that did not pin its buffer, or a buffer handed back before its write finished,
+    would hold a later epoch's values)."""
     keras.utils.set_random_seed(5)
     model = _models.compile_adam(_models.mlp(width=32))
     record = _Record()
