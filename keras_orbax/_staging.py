@@ -33,14 +33,15 @@ _PAGE = 4096
 
 
 class HostStaging:
-    """Reusable host buffers for the shards of one state, one save at a time.
+    """What keeps the shards of one state unchanged for a save: views of them on CPU, reusable host
+    buffers elsewhere; one save at a time.
 
     Example (what `ModelCheckpoint` does):
 
         staging = HostStaging()
         staging.prepare(v.value for v in model.variables)   # returns at once
         with staging.active():
-            write_step(..., blocking=False)                  # copies into the buffers
+            write_step(..., blocking=False)                  # keeps the shards (`keep`)
         staging.release()                                    # after that save has committed
     """
 
@@ -73,14 +74,14 @@ class HostStaging:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Within it, saves copy shards into these buffers (`copy`)."""
+        """Within it, saves keep the shards they write here (`keep`)."""
         token = _ACTIVE.set(self)
         try:
             yield
         finally:
             _ACTIVE.reset(token)
 
-    def copy(self, shards: Sequence[np.ndarray], arrays: Sequence[jax.Array]) -> list[np.ndarray]:
+    def keep(self, shards: Sequence[np.ndarray], arrays: Sequence[jax.Array]) -> list[np.ndarray]:
         """`shards` (replica 0 of the shards of `arrays` here, on the host) as C-contiguous host
         arrays that stay unchanged until `release`: the shards themselves where views pin their
         device buffers, else copies in buffers lent until then."""

@@ -186,7 +186,7 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     if not copy:
         host = [np.ascontiguousarray(data) for data in host]
     elif staging is not None:  # a background save of the callback: pinned, or its warm buffers
-        host = staging.copy(host, [p.value for p in params if not is_packed(p.value)])
+        host = staging.keep(host, [p.value for p in params if not is_packed(p.value)])
     else:
         host = [np.array(data, order="C") for data in host]
     shards = []

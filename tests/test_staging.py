@@ -53,7 +53,7 @@ def test_views_of_cpu_shards_pin_every_buffer_until_released(mp):
     staging.prepare(arrays)
     try:
         assert _staging.views_pin_buffers("cpu")
-        held = staging.copy(shards, arrays)
+        held = staging.keep(shards, arrays)
         assert all(h is s for h, s in zip(held, shards, strict=True))
         del held, shards
         stepped = _donating_step(arrays)
@@ -77,11 +77,11 @@ def test_buffers_prepared_ahead_are_lent_once_and_reused_after_release(mp, monke
     staging = HostStaging()
     staging.prepare(arrays)
     try:
-        first = staging.copy(shards, arrays)
-        while_lent = staging.copy(shards, arrays)  # a save still holding the first set gets others
+        first = staging.keep(shards, arrays)
+        while_lent = staging.keep(shards, arrays)  # a save still holding the first set gets others
         assert not {id(b) for b in first} & {id(b) for b in while_lent}
         staging.release()
-        again = staging.copy(shards, arrays)
+        again = staging.keep(shards, arrays)
         assert {id(b) for b in again} <= {id(b) for b in first + while_lent}
         for copy, shard in zip(again, shards, strict=True):
             np.testing.assert_array_equal(copy, shard)
