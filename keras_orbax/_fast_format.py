@@ -45,8 +45,14 @@ _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair,
 _MISSING = 2**64 - 1
 _RAW = {"name": "bytes", "configuration": {"endian": "little"}}
 # Chunk keys c/0/1 (Orbax's), or c.0.1: the one file of a small array (no directories under it).
-ONE_FILE_KEYS = {"name": "default", "configuration": {"separator": "."}}
+ONE_FILE_SEPARATOR = "."
+ONE_FILE_KEYS = {"name": "default", "configuration": {"separator": ONE_FILE_SEPARATOR}}
 _KEY_ENCODINGS = ({"name": "default"}, ONE_FILE_KEYS)
+
+
+def chunk_key(coords: tuple[int, ...], separator: str = "/") -> str:
+    """The file of chunk `coords` under its array's directory: `c/0/1`, or `c.0.1`."""
+    return separator.join(["c", *map(str, coords)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +103,7 @@ class FastArray:
         return math.prod(self.chunk_shape) * self.dtype.itemsize
 
     def file(self, coords: tuple[int, ...]) -> Any:
-        return self.directory / self.separator.join(["c", *map(str, coords)])
+        return self.directory / chunk_key(coords, self.separator)
 
     def chunks_of(self, index: Index) -> list[tuple[int, ...]]:
         """Coordinates of the saved chunks that hold any part of the region `index`."""

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from keras_orbax import _checksum, _compat, _multihost, _staging, _storage
-from keras_orbax._fast_format import ONE_FILE_KEYS
+from keras_orbax._fast_format import ONE_FILE_KEYS, ONE_FILE_SEPARATOR, chunk_key
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -100,7 +100,7 @@ class _Shard:
 
     @property
     def relative(self) -> str:
-        return f"{self.array}/" + ("." if self.packed else "/").join(["c", *map(str, self.coords)])
+        return f"{self.array}/{chunk_key(self.coords, ONE_FILE_SEPARATOR if self.packed else '/')}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +170,12 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     def distinct(value: jax.Array) -> list[Any]:
         return [s for s in value.addressable_shards if s.replica_id == 0]
 
+    packed = [is_packed(p.value) for p in params]
+    unpacked = [p for p, one_file in zip(params, packed, strict=True) if not one_file]
     # A packed array is held by one process: all its distinct shards are here, or none.
-    whole = [(p, distinct(p.value)) for p in params if is_packed(p.value)]
+    whole = [(p, distinct(p.value)) for p, one_file in zip(params, packed, strict=True) if one_file]
     whole = [(p, shards) for p, shards in whole if shards]
-    picked = [(p.name, s) for p in params if not is_packed(p.value) for s in distinct(p.value)]
+    picked = [(p.name, s) for p in unpacked for s in distinct(p.value)]
     fetched = jax.device_get(
         [s.data for _, s in picked] + [[s.data for s in shards] for _, shards in whole]
     )
@@ -186,7 +188,7 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     if not copy:
         host = [np.ascontiguousarray(data) for data in host]
     elif staging is not None:  # a background save of the callback: pinned, or its warm buffers
-        host = staging.keep(host, [p.value for p in params if not is_packed(p.value)])
+        host = staging.keep(host, [p.value for p in unpacked])
     else:
         host = [np.array(data, order="C") for data in host]
     shards = []
