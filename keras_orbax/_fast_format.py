@@ -71,7 +71,7 @@ class FastArray:
         """The array if it was saved in the fast format, else None (Orbax will read it)."""
         directory = step_dir / STATE / record.array
         try:
-            spec = json.loads((directory / "zarr.json").read_text())
+            spec = json.loads(_read_small(directory, "zarr.json"))
             chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
         except (OSError, ValueError, TypeError, KeyError):  # Orbax reads it, or says what is wrong
             return None
@@ -122,10 +122,13 @@ class FastArray:
         """
         problems = []
         coords = dict.fromkeys(c for index in indices for c in self.chunks_of(index))
-        sizes = self._object_sizes() if _storage.is_remote(self.directory) else None
-        for path in map(self.file, coords):
+        remote = _storage.is_remote(self.directory)
+        sizes = self._object_sizes() if remote else None
+        base = os.fspath(self.directory)
+        for key in (chunk_key(c, self.separator) for c in coords):
+            path = f"{base}/{key}"  # a string: pathlib costs more than the stat (5000 arrays)
             try:
-                size = path.stat().st_size if sizes is None else sizes[self._key(path)]
+                size = os.stat(path).st_size if sizes is None else sizes[key]
             except (FileNotFoundError, KeyError):
                 problems.append(f"  {self.key}: missing file {path}")
                 continue
@@ -179,10 +182,10 @@ class FastArray:
         system call where the general path makes three: most of the time of a restore of many
         small variables). False where that does not apply (object storage, a short read, an
         index placing the data elsewhere than at the start): then the general path reads."""
-        coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
-        path = self.file(coords)
-        if _storage.is_remote(path):
+        if _storage.is_remote(self.directory):
             return False
+        coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
+        path = f"{os.fspath(self.directory)}/{chunk_key(coords, self.separator)}"
         index = bytearray(_INDEX_BYTES)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -277,6 +280,15 @@ class WholeFileReader:
         if not self.remaining:
             self._whole = None
         return out
+
+
+def _read_small(directory: Any, name: str) -> bytes:
+    """The file `name` under `directory`; a local one read without pathlib (5000 zarr.json files:
+    a third of the time of opening them went to building paths)."""
+    if _storage.is_remote(directory):
+        return (directory / name).read_bytes()
+    with open(f"{os.fspath(directory)}/{name}", "rb") as f:
+        return f.read()
 
 
 def _fetch_ranges(store: Any, key: str, path: Any, requests: list[tuple[memoryview, int]]) -> None:

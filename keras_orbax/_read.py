@@ -14,7 +14,6 @@ replicas of a region, `_replicas.share` lets one of them read it and the others 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -87,6 +86,7 @@ def plan_reads(
         CorruptCheckpointError: a shard file this process needs is missing or truncated.
     """
     fast, via_orbax = [], []
+    regions: dict[tuple[Any, tuple[int, ...]], list[Index]] = {}  # many arrays share both
     for request in requests:
         if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
             array: Any = EmptyArray(request.record.shape)
@@ -97,7 +97,10 @@ def plan_reads(
         if array is None:
             via_orbax.append(request)
         else:
-            indices = request.local_indices()
+            layout = (request.target.sharding, request.target.shape)
+            if layout not in regions:
+                regions[layout] = request.local_indices()
+            indices = regions[layout]
             array.check(indices)
             fast.append((request, array, indices))
     return ReadPlan(step_dir, fast, via_orbax)
@@ -148,12 +151,13 @@ def read_arrays(
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    sizes = [_region_bytes(request, index) for unit in units for request, _, index in unit.tasks]
-    window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])
+    # A unit of at most _BATCH_BYTES holds no region larger than the default window.
+    largest = [_region_bytes(r, i) for u in units if u.size > _BATCH_BYTES for r, _, i in u.tasks]
+    window = window_bytes or max([DEFAULT_WINDOW_BYTES, *largest])
     pieces = _read_ahead(units, workers, window)
     exchange = _replicas.Exchange(plan, window_bytes or DEFAULT_WINDOW_BYTES)  # same everywhere
     error: Exception | None = None
-    with Progress("restore_sharded", sum(sizes), enabled=show_progress) as progress:
+    with Progress("restore_sharded", sum(u.size for u in units), enabled=show_progress) as progress:
         for request, _, indices in plan.fast:
             sharing = plan.shared.get(request.record.key)
             read = []
@@ -213,6 +217,12 @@ class Unit:
 
     tasks: list[_Task]
     together: _coalesce.Together | None = None
+    size: int = -1  # bytes of its regions; worked out here unless given
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            size = sum(_region_bytes(request, index) for request, _, index in self.tasks)
+            object.__setattr__(self, "size", size)
 
     @property
     def is_small(self) -> bool:
@@ -223,10 +233,6 @@ class Unit:
             and self.size <= _BATCH_BYTES
             and not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
         )
-
-    @functools.cached_property
-    def size(self) -> int:
-        return sum(_region_bytes(request, index) for request, _, index in self.tasks)
 
     def start(self, pool: ThreadPoolExecutor) -> Callable[[], list[np.ndarray]]:
         """Submits the reads to `pool`; returns what waits for the regions, in the order of `tasks`."""
@@ -282,7 +288,7 @@ def _batched(units: list[Unit]) -> list[Unit]:
         if tasks and (
             not joins or len(tasks) == _BATCH_REGIONS or nbytes + unit.size > _BATCH_BYTES
         ):
-            batched.append(Unit(tasks))
+            batched.append(Unit(tasks, size=nbytes))
             tasks, nbytes = [], 0
         if joins:
             tasks += unit.tasks
@@ -290,7 +296,7 @@ def _batched(units: list[Unit]) -> list[Unit]:
         else:
             batched.append(unit)
     if tasks:
-        batched.append(Unit(tasks))
+        batched.append(Unit(tasks, size=nbytes))
     return batched
 
 

@@ -185,6 +185,37 @@ def test_keys_are_the_datasets_of_keras_save_weights(tmp_path, build, inputs):
     assert not [key for key in state.variables if key.startswith("unreached/")]
 
 
+@pytest.mark.parametrize(
+    ("build", "inputs"),
+    [
+        (_every_family, _family_inputs),
+        (_Nested, lambda: np.random.default_rng(0).random((4, 4), dtype="float32")),
+        (_sequential, lambda: np.random.default_rng(0).random((2, 4), dtype="float32")),
+    ],
+    ids=["every_layer_family", "nested_containers", "sequential"],
+)
+def test_the_walk_visits_what_keras_saving_walk_does(build, inputs):
+    """`_compat.walk_saveable` caches the attribute order of Keras's `_walk_saveable`; for every
+    object the keys reach (layers, cells, the optimizer, metrics...), both yield the same names,
+    in the same order, with the same saveable children."""
+    from keras.src.saving import saving_lib
+
+    from keras_orbax import _compat
+    from keras_orbax._keys import saveables
+
+    model = _compiled(build(), inputs())
+    walked = 0
+    for _, saveable in saveables(model):
+        ours = list(_compat.walk_saveable(saveable))
+        theirs = list(saving_lib._walk_saveable(saveable))
+        assert [name for name, _ in ours] == [name for name, _ in theirs], type(saveable)
+        for (name, child), (_, keras_child) in zip(ours, theirs, strict=True):
+            if _compat.is_saveable(keras_child) or isinstance(keras_child, keras.Variable):
+                assert child is keras_child, name
+        walked += 1
+    assert walked > len(model.layers)  # the model, its layers, the optimizer, ...
+
+
 def test_keras_snake_case_names_groups():
     keys = list(keyed_variables(_compiled(_every_family(), _family_inputs())))
     assert "layers/conv2d/vars/0" in keys and "layers/lstm/cell/vars/0" in keys
