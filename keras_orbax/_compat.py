@@ -35,13 +35,13 @@ def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
 
     What `saving_lib._walk_saveable` yields, with its one costly step cached: it sorts `dir(obj)` by
     `saving_lib._name_key` and drops names in the type's skip-set, the same work for every object
-    of a class with the same attributes (5000 variables: 40 % of the time to key them).
+    with the same attributes (5000 variables: 40 % of the time to key them).
     `tests/test_keys.py` checks that this yields exactly what Keras's own walk does.
     """
     obj_type = obj._obj_type()
     if obj_type in ("Sequential", "Functional"):
         yield "layers", obj.layers
-    for name in _attributes_in_saving_order(type(obj), tuple(dir(obj)), obj_type):
+    for name in _attributes_in_saving_order(tuple(dir(obj)), obj_type):
         try:
             child = getattr(obj, name)
         except Exception:  # as Keras's walk: an attribute that cannot be read is not state
@@ -50,13 +50,12 @@ def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _attributes_in_saving_order(cls: type, names: tuple[str, ...], obj_type: str) -> list[str]:
-    """The attributes `saving_lib._walk_saveable` reads, in its order (`cls`: keeps the cache per
-    class, as the skip-set is per type)."""
+def _attributes_in_saving_order(names: tuple[str, ...], obj_type: str) -> tuple[str, ...]:
+    """Of `names` (an object's `dir()`), those `saving_lib._walk_saveable` reads, in its order."""
     _cache_attr_skipset(obj_type)
     skip = saving_lib.get_attr_skipset(obj_type)
     ordered = sorted(names, key=saving_lib._name_key)
-    return [name for name in ordered if not name.startswith("__") and name not in skip]
+    return tuple(name for name in ordered if not name.startswith("__") and name not in skip)
 
 
 def _cache_attr_skipset(obj_type: str) -> None:

@@ -24,8 +24,10 @@ import contextvars
 import dataclasses
 import json
 import os
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -219,14 +221,26 @@ def write_arrays(directory: Any, arrays: list[_Array], shards: list[_Shard]) -> 
         return
     written = [s.relative for s in shards] + [name for name, _ in files] + [_checksums_name()]
     dirs = sorted({directory.joinpath(*parent) for name in written for parent in _ancestors(name)})
-    for path in dirs:  # in 16 or 64 threads, overlapping the files' fsyncs: no faster (5000 arrays)
-        path.mkdir(exist_ok=True)
+    # Shard files (by name, for their checksums) and metadata files, by the directory they go in.
+    writes: dict[Path, list[tuple[str | None, Callable[[], Any]]]] = defaultdict(list)
+    for shard in shards:
+        path = directory / shard.relative
+        writes[path.parent].append((shard.relative, partial(_write_shard, path, shard.data)))
+    for name, content in files:
+        writes[(directory / name).parent].append(
+            (None, partial(_write_file, directory / name, content))
+        )
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
-        checksums = dict(
-            pool.map(lambda s: (s.relative, _write_shard(directory / s.relative, s.data)), shards)
-        )
-        list(pool.map(lambda f: _write_file(directory / f[0], f[1]), files))
+        # Directories are made here one by one (a parent's lock orders them anyway; 5000 arrays:
+        # 0.1-1 ms of kernel CPU each), and the files of each written by the pool as soon as it
+        # exists, overlapping the two (5000 Dense(64): 9.7 -> 6.8 s, medians of 10 alternating).
+        started = []
+        for path in dirs:
+            path.mkdir(exist_ok=True)
+            started += [(name, pool.submit(write)) for name, write in writes.pop(path, ())]
+        done = [(name, future.result()) for name, future in started]
+        checksums = {name: checksum for name, checksum in done if name is not None}
         _write_file(directory / _checksums_name(), _checksums_json(checksums))
         list(pool.map(_fsync_dir, dirs))
 
