@@ -15,7 +15,8 @@ each writes (logs: <work>/logs/<component>.log):
   many_restore  many_restore_benchmark.py: restore of 5000 variables / reading the step's files with 8
                 threads (<= 1.2), and / Keras's `load_weights(.weights.h5)` (< 1)
   reshard       reshard_benchmark.py: restore onto another layout / onto the saved one (<= 1.5)
-  cold          cold_benchmark.py: cold-cache restore / cold read of the same files (<= 1.2)
+  cold          cold_benchmark.py: cold-cache restore / cold read of the same files (<= 1.2), and /
+                that read plus first touch of as much fresh memory (no target)
   callback      callback_benchmark.py: time `fit` is blocked per save by the async callback / a sync
                 save's, mean and max over the saves, the first included (<= 0.05 each)
 
@@ -235,7 +236,7 @@ def reshard_items(raw: dict) -> list[dict]:
 
 def cold_items(raw: dict) -> list[dict]:
     m = raw["median_s"]
-    return [
+    out = [
         item(
             "cold",
             "cold restore",
@@ -247,6 +248,20 @@ def cold_items(raw: dict) -> list[dict]:
             n=raw["repeats"],
         ),
     ]
+    if "touch" in m:  # results of an older cold_benchmark.py have no first-touch case
+        out.append(
+            item(
+                "cold_touch",
+                "cold restore vs read + fresh memory",
+                m["ko_cold"],
+                m["read_cold"] + m["touch"],
+                None,
+                names=("cold restore", "cold read + first touch"),
+                ref_name="cold read of the same files + first touch of as much fresh memory",
+                n=raw["repeats"],
+            )
+        )
+    return out
 
 
 def callback_items(raw: dict) -> list[dict]:
