@@ -239,6 +239,8 @@ def write_arrays(directory: Any, arrays: list[_Array], shards: list[_Shard]) -> 
         for path in dirs:
             path.mkdir(exist_ok=True)
             started += [(name, pool.submit(write)) for name, write in writes.pop(path, ())]
+        if writes:  # a bug of ours: files whose directory is not among `dirs` would be left out
+            raise RuntimeError(f"keras-orbax: no directory made for {sorted(map(str, writes))}")
         done = [(name, future.result()) for name, future in started]
         checksums = {name: checksum for name, checksum in done if name is not None}
         _write_file(directory / _checksums_name(), _checksums_json(checksums))
