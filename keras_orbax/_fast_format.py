@@ -122,8 +122,7 @@ class FastArray:
         """
         problems = []
         coords = dict.fromkeys(c for index in indices for c in self.chunks_of(index))
-        remote = _storage.is_remote(self.directory)
-        sizes = self._object_sizes() if remote else None
+        sizes = self._object_sizes() if _storage.is_remote(self.directory) else None
         base = os.fspath(self.directory)
         for key in (chunk_key(c, self.separator) for c in coords):
             path = f"{base}/{key}"  # a string: pathlib costs more than the stat (5000 arrays)
