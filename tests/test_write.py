@@ -34,6 +34,7 @@ def _tree() -> dict:
         "mask": put(np.array([True, False, True, True]), "model"),
         "small": put(np.arange(-4, 4, dtype=np.int8), "model"),
         "half": put(np.ones((4, 8), dtype=np.float16), "batch"),
+        "cube": put(rng.standard_normal((4, 8, 2), dtype=np.float32), "batch", "model", None),
         "step": put(np.array(5, dtype=np.int64 if jax.config.x64_enabled else np.int32)),
     }
 
