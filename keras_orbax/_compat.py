@@ -1,8 +1,9 @@
-"""Private Keras, JAX and Orbax symbols, each wrapped with why no public API serves (the ones Keras's
-loading walk needs are in `_compat_loading`).
+"""Private Keras symbols, each wrapped with why no public API serves (the ones Keras's loading walk
+needs are in `_compat_loading`; Orbax's, etils's and JAX's in `_compat_orbax`; keras-hub's in
+`_compat_hub`).
 
-Checked against keras 3.15.1, jax 0.10.2 and orbax-checkpoint 0.12.8; the tests exercise every one of
-them, so a symbol that moves fails the suite rather than a user.
+Checked against keras 3.15.1; the tests exercise every one of them, so a symbol that moves fails the
+suite rather than a user.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import keras
@@ -217,34 +217,6 @@ def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None
         global_state.set_global_attribute(_REGISTRY, list(previous))
 
 
-def distributed_client() -> Any:
-    """JAX's client of the coordination service that `jax.distributed.initialize` started.
-
-    Why private: its key-value store (`key_value_set`, `blocking_key_value_get` with a timeout) is
-    only reachable as `jax._src.distributed.global_state.client`; the public `multihost_utils`
-    collectives have no timeout and hang when a process is gone.
-    """
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialized, yet jax.process_count() > 1.")
-    return client
-
-
-def step_custom_metadata(step_dir: Any) -> dict[str, Any] | None:
-    """The `custom_metadata` Orbax stored with one step, read from that step's metadata file alone.
-
-    Why private: the public `ocp.checkpointables_metadata` also loads the tree metadata of every
-    array (about 1 s for 1,500 variables); Orbax's own step-metadata store reads just the JSON file.
-    """
-    from orbax.checkpoint._src.metadata import checkpoint
-
-    store = checkpoint.metadata_store(enable_write=False)
-    serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
-    return None if serialized is None else serialized.get("custom_metadata")
-
-
 def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
     """The training steps `optimizer` has run, whether or not each applied an update.
 
@@ -293,155 +265,3 @@ def drop_train_steps(
     if executions > 0:
         model.train_function = drop
     return put_back
-
-
-def downloaded_preset(handle: str) -> Any:
-    """The local directory holding a keras-hub preset's config and weights, downloaded by keras-hub.
-
-    Why private: keras-hub resolves `kaggle://`/`hf://` handles in `preset_utils.get_file` only;
-    there is no public "download this preset" call. Untested offline.
-    """
-    import json
-    from pathlib import Path
-
-    from keras_hub.src.utils import preset_utils
-
-    directory = Path(preset_utils.get_file(handle, "config.json")).parent
-    if preset_utils.check_file_exists(handle, "model.weights.json"):
-        index = Path(preset_utils.get_file(handle, "model.weights.json"))
-        parts = json.loads(index.read_text())["weight_map"].values()
-        for part in {p for files in parts for p in ([files] if isinstance(files, str) else files)}:
-            preset_utils.get_file(handle, part)
-    else:
-        preset_utils.get_file(handle, "model.weights.h5")
-    return directory
-
-
-def epath_forget_tensorflow() -> None:
-    """Makes `etils.epath` read `EPATH_USE_TF` again for object-store paths.
-
-    Why private: epath decides once per process (`gpath._is_tf_installed`, a `functools.cache`)
-    whether to send `gs://` and `s3://` to TensorFlow; a path used before keras-orbax set
-    `EPATH_USE_TF=false` would keep TensorFlow's file system, which has no `s3` and ignores
-    `STORAGE_EMULATOR_HOST`.
-    """
-    from etils.epath import gpath
-
-    if gpath._is_tf_installed.cache_info().currsize and not gpath._epath_use_tf():
-        gpath._is_tf_installed.cache_clear()
-
-
-def step_metadata_file(step_dir: Any) -> Any:
-    """The file `step_custom_metadata` reads (a `pathlib.Path`, or an `epath.Path` in object
-    storage). Why private: see `step_custom_metadata`; named in errors about a missing or damaged
-    step record."""
-    from orbax.checkpoint._src.metadata import checkpoint
-
-    path = checkpoint.step_metadata_file_path(step_dir)
-    return path if "://" in str(path) else Path(path)
-
-
-# keras-hub (an optional extra: imported only when these are called).
-
-
-def hub_preset_loader(directory: str) -> Any:
-    """The loader keras-hub's `Backbone.from_preset(directory)` uses.
-
-    Why private: `preset_utils.get_preset_loader` is how `from_preset` tells a Keras preset from a
-    Hugging Face or timm directory; for Hugging Face, its `TransformersPresetLoader` picks the
-    converter module for the config's `model_type` and builds the backbone config
-    (`load_backbone`). keras-hub exports neither; reusing them keeps the mapping keras-hub's own.
-    """
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-
-    return get_preset_loader(directory)
-
-
-def hub_is_transformers_loader(loader: Any) -> bool:
-    """Why private: see `hub_preset_loader`; `TransformersPresetLoader` is not exported."""
-    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
-
-    return isinstance(loader, TransformersPresetLoader)
-
-
-def hub_safetensor_loader_class() -> type:
-    """keras-hub's `SafetensorLoader`, the object its converters call `port_weight` on.
-
-    Why private: converters take the loader as an argument and call `port_weight(variable, key,
-    hook_fn)`, `get_tensor(key)` and its key-prefix resolution; a subclass that records instead of
-    assigning sees exactly the mapping keras-hub would apply. keras-hub does not export the class.
-    """
-    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
-
-    return SafetensorLoader
-
-
-def pytree_handler_with_array_writer(leaf_handler: type) -> type:
-    """Orbax's `PyTreeHandler`, saving every `jax.Array` leaf with `leaf_handler` instead of Orbax's.
-
-    Why private: Orbax registers checkpointable handlers by class and records the class's dotted name
-    in the step's metadata (`item_handlers`); plain `ocp.load` resolves the handler from that name.
-    The subclass only swaps the leaf-handler registry (a constructor argument Orbax offers but the
-    registry cannot pass) and keeps `PyTreeHandler`'s recorded name, because what it writes is
-    exactly `PyTreeHandler`'s layout: plain Orbax then loads it with no warning. `leaf_handler` is
-    registered for `jax.Array` under Orbax's own type name `"jax.Array"` (the `value_type` in
-    `_METADATA`), so the tree metadata is unchanged too.
-    """
-    import jax
-    from orbax.checkpoint.experimental.v1._src.handlers.pytree_handler import PyTreeHandler
-    from orbax.checkpoint.experimental.v1._src.serialization import registry
-
-    class Handler(PyTreeHandler):
-        def __init__(self, **kwargs: Any) -> None:
-            leaves = registry.BaseLeafHandlerRegistry()
-            for (
-                leaf,
-                abstract,
-                typestrs,
-                handler,
-            ) in registry.STANDARD_TYPE_AND_ABSTRACT_TYPE_AND_TYPESTR_TO_HANDLER:
-                if leaf is jax.Array:
-                    handler = leaf_handler
-                leaves.add(leaf, abstract, handler, secondary_typestrs=typestrs)
-            super().__init__(leaf_handler_registry=leaves, **kwargs)
-
-    Handler.__module__ = PyTreeHandler.__module__
-    Handler.__qualname__ = Handler.__name__ = PyTreeHandler.__qualname__
-    return Handler
-
-
-def array_leaf_handler() -> type:
-    """Orbax's v1 `ArrayLeafHandler`, the base of our array writer (it keeps Orbax's reading).
-
-    Why private: the v1 leaf-handler classes are not exported yet in orbax-checkpoint 0.12.
-    """
-    from orbax.checkpoint.experimental.v1._src.serialization.array_leaf_handler import (
-        ArrayLeafHandler,
-    )
-
-    return ArrayLeafHandler
-
-
-def serialized_sharding(sharding: Any) -> str | None:
-    """The string Orbax stores for `sharding` in a step's `_sharding` file (None: not storable).
-
-    Why private: Orbax's sharding-metadata serializer is internal; the `_sharding` file is what
-    plain `ocp.load` reads to restore arrays onto their saved shardings.
-    """
-    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-
-    metadata = sharding_metadata.from_jax_sharding(sharding)
-    return None if metadata is None else metadata.to_serialized_string()
-
-
-def step_metrics(step_dir: Any) -> dict[str, Any]:
-    """The metrics Orbax stored with one step (`save(..., metrics=logs)`), from its metadata file.
-
-    Why private: as `step_custom_metadata`; the public `ocp.checkpointables_metadata` also loads
-    the tree metadata of every array, and `inspect` lists every step.
-    """
-    from orbax.checkpoint._src.metadata import checkpoint
-
-    store = checkpoint.metadata_store(enable_write=False)
-    serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
-    return dict((serialized or {}).get("metrics") or {})

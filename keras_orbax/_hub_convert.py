@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_orbax import _compat
+from keras_orbax import _compat, _compat_hub
 from keras_orbax._hub_hooks import HookPlan, classify
 from keras_orbax._safetensors import SafetensorsTensor, read_directory, read_tensor
 
@@ -51,8 +51,8 @@ class PortedTensor:
 
 
 def _transformers_loader(directory: str | os.PathLike) -> Any:
-    loader = _compat.hub_preset_loader(os.fspath(directory))
-    if not _compat.hub_is_transformers_loader(loader):
+    loader = _compat_hub.hub_preset_loader(os.fspath(directory))
+    if not _compat_hub.hub_is_transformers_loader(loader):
         raise ValueError(
             f"{directory} is not a Hugging Face model directory (its config.json has no "
             f"`model_type`). Received: directory={directory!r}"
@@ -90,7 +90,7 @@ class _Unread:
 def _recording_loader(
     directory: str, tensors: dict[str, SafetensorsTensor], record: list[PortedTensor]
 ) -> Any:
-    base: Any = _compat.hub_safetensor_loader_class()
+    base: Any = _compat_hub.hub_safetensor_loader_class()
 
     class RecordingLoader(base):
         """keras-hub's loader, with `port_weight` recording instead of reading and assigning."""

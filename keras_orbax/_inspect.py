@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from keras_orbax import _compat, _keras_format, _steps, _storage
+from keras_orbax import _compat_orbax, _keras_format, _steps, _storage
 from keras_orbax._metadata import StepRecord
 
 
@@ -126,7 +126,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             StepSummary(
                 each,
                 each_record.epoch,
-                _compat.step_metrics(each_path),
+                _compat_orbax.step_metrics(each_path),
                 sum(v.nbytes for v in each_record.variables.values()),
                 _disk_bytes(each_path),
             )

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_orbax import _compat, errors
+from keras_orbax import _compat_orbax, errors
 from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
 
 T = TypeVar("T")
@@ -61,7 +61,7 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
         if error is not None:
             raise error
         return
-    client = _compat.distributed_client()
+    client = _compat_orbax.distributed_client()
     key = f"keras_orbax/{name}/{next(_calls)}"
     me = jax.process_index()
     client.key_value_set(f"{key}/{me}", json.dumps(_outcome(error)))
@@ -97,7 +97,7 @@ def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
     """
     if process_count() == 1:
         return fn(*args)
-    client = _compat.distributed_client()
+    client = _compat_orbax.distributed_client()
     key = f"keras_orbax/{name}/{next(_calls)}/decision"
     if jax.process_index() == 0:
         try:

@@ -61,6 +61,6 @@ def _local_directory(preset: str | os.PathLike) -> Path:
     path = Path(os.fspath(preset))
     if path.is_dir():
         return path
-    from keras_orbax import _compat
+    from keras_orbax import _compat_hub
 
-    return _compat.downloaded_preset(os.fspath(preset))
+    return _compat_hub.downloaded_preset(os.fspath(preset))

@@ -13,7 +13,17 @@ import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax import _compat, _gc, _keys, _quiet, _shardings, _steps, _storage, _write
+from keras_orbax import (
+    _compat,
+    _compat_orbax,
+    _gc,
+    _keys,
+    _quiet,
+    _shardings,
+    _steps,
+    _storage,
+    _write,
+)
 from keras_orbax._metadata import FORMAT_NAME, STATE, StepRecord, VariableRecord, versions
 from keras_orbax._writer_lock import writer_lock
 from keras_orbax.errors import (
@@ -129,7 +139,7 @@ def open_checkpointer(
 
 def _fast_registry() -> Any:
     """Orbax's handlers, with `state` saved by a PyTreeHandler that writes arrays via `_write`."""
-    handler = _compat.pytree_handler_with_array_writer(_write.FastArrayLeafHandler)
+    handler = _compat_orbax.pytree_handler_with_array_writer(_write.FastArrayLeafHandler)
     registry = ocp.handlers.local_registry(include_global_registry=False)
     registry.add(handler, checkpointable_name=STATE)
     default = ocp.handlers.local_registry()

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from keras_orbax import _compat, _storage
+from keras_orbax import _compat_orbax, _storage
 from keras_orbax._metadata import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._record_check import record_problems
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -45,7 +45,7 @@ def _is_complete(step_dir: Any) -> bool:
     written in place, so the marker, written last, is what commits the step."""
     if _storage.is_remote(step_dir) and not (step_dir / _storage.COMMIT_FILE).exists():
         return False
-    return _compat.step_metadata_file(step_dir).is_file()
+    return _compat_orbax.step_metadata_file(step_dir).is_file()
 
 
 def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path]:
@@ -67,7 +67,7 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
         names = step if step is not None else unfinished
         raise CorruptCheckpointError(
             f"Checkpoint step {names} of '{root}' has no metadata file "
-            f"({_compat.step_metadata_file(root / str(unfinished[-1])).name})"
+            f"({_compat_orbax.step_metadata_file(root / str(unfinished[-1])).name})"
             + (f" or no commit marker ({_storage.COMMIT_FILE})" if _storage.is_remote(root) else "")
             + ": its save was cut off before it committed, or retention was deleting it. "
             "It cannot be restored." + (f" Committed steps: {steps}." if steps else "")
@@ -108,9 +108,9 @@ def read_record(path: Path) -> StepRecord:
         CorruptCheckpointError: the step has no readable, valid keras-orbax record; the message
             names the metadata file and each problem.
     """
-    file = _compat.step_metadata_file(path)
+    file = _compat_orbax.step_metadata_file(path)
     try:
-        custom = _compat.step_custom_metadata(path) or {}
+        custom = _compat_orbax.step_custom_metadata(path) or {}
     except (OSError, ValueError) as error:
         raise CorruptCheckpointError(
             f"Cannot read the metadata of checkpoint step '{path}' ({file}): {error}"

@@ -66,9 +66,9 @@ def configure_environment() -> None:
         os.environ.setdefault(_GCS_URL, url)
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     if "etils.epath" in sys.modules:  # imported already: it may have decided before
-        from keras_orbax import _compat
+        from keras_orbax import _compat_orbax
 
-        _compat.epath_forget_tensorflow()
+        _compat_orbax.epath_forget_tensorflow()
 
 
 def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from keras_orbax import _checksum, _compat, _multihost, _staging, _storage
+from keras_orbax import _checksum, _compat_orbax, _multihost, _staging, _storage
 from keras_orbax._fast_format import ONE_FILE_KEYS, ONE_FILE_SEPARATOR, chunk_key
 
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
@@ -115,7 +115,7 @@ class _Array:
     packed: bool
 
 
-class FastArrayLeafHandler(_compat.array_leaf_handler()):  # type: ignore[misc]
+class FastArrayLeafHandler(_compat_orbax.array_leaf_handler()):  # type: ignore[misc]
     """Orbax's array leaf handler, saving with keras-orbax's own shard writer.
 
     Loading and metadata stay Orbax's. A tree holding an array this writer does not handle (a PRNG
@@ -369,7 +369,7 @@ def _sharding_json(arrays: list[_Array]) -> bytes:
     """Orbax's `_sharding` file: base64url(param name) -> serialized sharding."""
     entries = {}
     for array in arrays:
-        serialized = _compat.serialized_sharding(array.sharding)
+        serialized = _compat_orbax.serialized_sharding(array.sharding)
         if serialized is not None:
             entries[base64.urlsafe_b64encode(array.name.encode()).decode()] = serialized
     return json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()

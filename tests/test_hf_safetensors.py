@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _compat, _hub_convert, _safetensors
+from keras_orbax import _compat_hub, _hub_convert, _safetensors
 from keras_orbax._hub_hooks import HookKind, classify
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tests._hub import import_keras_hub
@@ -251,7 +251,7 @@ def test_bad_directories(tmp_path, llama_dir):
 
 def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
     """Probing for a key works (keras-hub's Gemma3/BERT converters do); using its values does not."""
-    loader = _compat.hub_preset_loader(str(llama_dir))
+    loader = _compat_hub.hub_preset_loader(str(llama_dir))
 
     def convert_weights(backbone, recorder, config):
         with pytest.raises(KeyError, match="no tensor"):
@@ -259,6 +259,6 @@ def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
         np.transpose(recorder.get_tensor("model.norm.weight"))
 
     monkeypatch.setattr(loader, "converter", types.SimpleNamespace(convert_weights=convert_weights))
-    monkeypatch.setattr(_compat, "hub_preset_loader", lambda directory: loader)
+    monkeypatch.setattr(_compat_hub, "hub_preset_loader", lambda directory: loader)
     with pytest.raises(NotImplementedError, match=r"model\.norm\.weight"):
         _hub_convert.port_tensors(keras.Sequential(), llama_dir)
