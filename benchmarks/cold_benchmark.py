@@ -103,13 +103,9 @@ def main() -> None:
 
         keras.distribution.set_distribution(bm.make_distribution())
         keras_orbax.save(bm.build_model(spec), args.work, step=1)
-    cases = ["read_cold", "touch", "ko_cold"]
-    results: dict[str, list[float]] = {case: [] for case in cases}
-    for repeat in range(args.repeats):
-        # The order rotates, so that no case always follows the same one: on this virtual machine a
-        # case that needs fresh memory pays more right after one that freed gigabytes (the restore,
-        # always right after `touch`, measured 1.3-1.7 x where alternating by hand gave 1.0 x).
-        for case in cases[repeat % 3 :] + cases[: repeat % 3]:
+    results: dict[str, list[float]] = {"read_cold": [], "touch": [], "ko_cold": []}
+    for _ in range(args.repeats):
+        for case in results:
             os.sync()
             evict(args.work)
             command = [sys.executable, __file__, "--child", case, "--work", args.work]
