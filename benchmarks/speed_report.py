@@ -54,7 +54,7 @@ SIZES = {
         ["--rows", "8192", "--cols", "256"],
         3,
     ),
-    "cold": ("cold_benchmark.py", ["--params-gib", "0.5"], ["--params-gib", "0.02"], 3),
+    "cold": ("cold_benchmark.py", ["--params-gib", "0.5"], ["--params-gib", "0.02"], 5),
     "callback": (
         "callback_benchmark.py",
         ["--mib", "256", "--epochs", "4", "--steps", "8"],
