@@ -1,5 +1,6 @@
 """Private Keras and JAX symbols that `_keras_loader` needs to run Keras's own loading walk on
-placeholders instead of data (the rest are in `_compat`). Each says why no public API serves.
+placeholders instead of data (the other Keras ones are in `_compat`). Each says why no public API
+serves.
 
 Checked against keras 3.15.1 and jax 0.10.2; tests/test_keras_files.py runs every one of them.
 """
