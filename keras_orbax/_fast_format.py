@@ -147,7 +147,7 @@ class FastArray:
             Block(
                 tuple(c * n for c, n in zip(coords, self.chunk_shape, strict=True)),
                 self.chunk_shape,
-                functools.partial(self._open, self.file(coords)),
+                functools.partial(self._open, coords),
             )
             for coords in self.chunks_of(index)
         ]
@@ -201,14 +201,12 @@ class FastArray:
         """Object name (relative to the array) -> size, for every shard object, in one listing."""
         return _storage.object_sizes(self.directory)
 
-    def _key(self, path: Any) -> str:
-        return str(path)[len(str(self.directory)) + 1 :]
-
     @contextlib.contextmanager
-    def _open(self, path: Any) -> Iterator[tuple[Fetch, int]]:
-        """(fetch, byte offset of the data) of one shard file, its index checked."""
+    def _open(self, coords: tuple[int, ...]) -> Iterator[tuple[Fetch, int]]:
+        """(fetch, byte offset of the data) of the shard file of chunk `coords`, its index checked."""
+        path = self.file(coords)
         if _storage.is_remote(path):
-            store, key = _storage.kvstore(self.directory), self._key(path)
+            store, key = _storage.kvstore(self.directory), chunk_key(coords, self.separator)
             remote: Fetch = functools.partial(_fetch_ranges, store, key, path)
             yield remote, self._data_offset(path, remote, None)
             return
