@@ -98,6 +98,21 @@ class _Nested(keras.Model):
         return self.zzz_head(x)
 
 
+class _ListsItsAttributes(keras.Model):
+    """A class with its own `__dir__`, which hides one sub-layer: Keras's walk reads `dir()`."""
+
+    def __init__(self):
+        super().__init__(name="lists_its_attributes")
+        self.shown = keras.layers.Dense(4)
+        self.hidden = keras.layers.Dense(2)
+
+    def __dir__(self):
+        return [name for name in super().__dir__() if name != "hidden"]
+
+    def call(self, x):
+        return self.hidden(self.shown(x))
+
+
 def _every_family() -> keras.Model:
     """One layer of each Keras family that holds weights, in a functional model."""
     image = keras.Input((8, 8, 3))
@@ -191,8 +206,9 @@ def test_keys_are_the_datasets_of_keras_save_weights(tmp_path, build, inputs):
         (_every_family, _family_inputs),
         (_Nested, lambda: np.random.default_rng(0).random((4, 4), dtype="float32")),
         (_sequential, lambda: np.random.default_rng(0).random((2, 4), dtype="float32")),
+        (_ListsItsAttributes, lambda: np.random.default_rng(0).random((2, 4), dtype="float32")),
     ],
-    ids=["every_layer_family", "nested_containers", "sequential"],
+    ids=["every_layer_family", "nested_containers", "sequential", "own_dir"],
 )
 def test_the_walk_visits_what_keras_saving_walk_does(build, inputs):
     """`_compat.walk_saveable` caches the attribute order of Keras's `_walk_saveable`; for every
