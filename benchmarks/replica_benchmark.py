@@ -57,18 +57,8 @@ def _distribution(layout: str):
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
 
 
-def _evict(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def worker() -> None:
+    from tests._page_cache import evict
     from tests._worker_util import init_worker, write_result
 
     ctx = init_worker()
@@ -90,7 +80,7 @@ def worker() -> None:
                 with keras_orbax.deferred_init():
                     model = _model(mib)
                 if temperature == "cold" and ctx.process_id == 0:
-                    _evict(Path(directory))
+                    evict(path for path in Path(directory).rglob("*") if path.is_file())
                 multihost_utils.sync_global_devices("before")
                 start = time.perf_counter()
                 result = keras_orbax.restore_sharded(model, directory, single_replica_reads=share)

@@ -7,6 +7,7 @@ shard index carries its own CRC-32C (Castagnoli), which tensorstore checks when 
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -36,6 +37,7 @@ def crc32c(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+@functools.lru_cache(maxsize=1024)  # a model's arrays have a few shard sizes; the CRC is Python
 def shard_index(nbytes: int) -> bytes:
     """The zarr `sharding_indexed` index of a shard file holding one chunk of `nbytes` at offset 0."""
     pair = struct.pack("<QQ", 0, nbytes)

@@ -132,3 +132,22 @@ def serialized_sharding(sharding: Any) -> str | None:
 
     metadata = sharding_metadata.from_jax_sharding(sharding)
     return None if metadata is None else metadata.to_serialized_string()
+
+
+def put_on_devices(target: Any, values: list[Any], devices: list[Any]) -> Any:
+    """The `jax.Array` of shape, dtype and sharding `target` whose shard on `devices[i]` is
+    `values[i]` (host arrays of the shard's shape and the target's dtype; the CPU backend adopts
+    a 64-byte-aligned one without a copy). What `jax.make_array_from_callback` ends in.
+
+    Why private: the public call wraps each shard in a Python callback, canonicalizes and checks
+    it and builds the abstract value around the same `pxla.batched_device_put`; with thousands of
+    small arrays that is most of placing them (5000 arrays, 12,500 regions: 0.11-0.15 s this way,
+    0.16-0.22 s through the public call).
+    """
+    from jax._src import core
+    from jax._src.interpreters import pxla
+
+    aval = core.update_aval_with_sharding(
+        core.ShapedArray(target.shape, target.dtype), target.sharding
+    )
+    return pxla.batched_device_put(aval, target.sharding, values, devices)

@@ -39,6 +39,7 @@ from keras_orbax._runs import (
     pread_fetch,
     read_box,
 )
+from keras_orbax._small_files import SmallFiles
 from keras_orbax.errors import CorruptCheckpointError
 
 _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
@@ -71,32 +72,25 @@ class FastArray:
         """The array if it was saved in the fast format, else None (Orbax will read it)."""
         directory = step_dir / STATE / record.array
         try:
-            spec = json.loads(_read_small(directory, "zarr.json"))
-            chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
-        except (OSError, ValueError, TypeError, KeyError):  # Orbax reads it, or says what is wrong
+            spec = _read_small(directory, "zarr.json")
+        except OSError:  # Orbax reads it, or says what is wrong
             return None
-        # Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool).
-        raw = {"name": "bytes"} if np_dtype(record.dtype).itemsize == 1 else _RAW
-        plain = {
-            "name": "sharding_indexed",
-            "configuration": {
-                "chunk_shape": list(chunk),
-                "codecs": [raw],
-                "index_codecs": [_RAW, {"name": "crc32c"}],
-            },
-        }
-        fits = (
-            spec.get("zarr_format") == 3
-            and spec.get("codecs") == [plain]
-            and spec.get("chunk_key_encoding") in _KEY_ENCODINGS
-            and spec.get("data_type") == record.dtype
-            and tuple(spec.get("shape", ())) == record.shape
-            and _chunks_divide(chunk, record.shape)
-        )
-        if not fits:
+        return cls.from_spec(directory, record, spec)
+
+    @classmethod
+    def from_spec(
+        cls, directory: Path, record: VariableRecord, spec: bytes | np.ndarray | None
+    ) -> FastArray | None:
+        """`open` of the array in `directory`, given the contents of its `zarr.json` (None: there
+        is none)."""
+        if spec is None:
             return None
-        separator = spec["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
-        return cls(record.key, directory, record.shape, chunk, np_dtype(record.dtype), separator)
+        raw = spec.tobytes() if isinstance(spec, np.ndarray) else spec
+        layout = _plain_layout(raw, np_dtype(record.dtype).itemsize == 1)
+        if layout is None or layout[:2] != (record.dtype, record.shape):
+            return None
+        _, shape, chunk, separator = layout
+        return cls(record.key, directory, shape, chunk, np_dtype(record.dtype), separator)
 
     @property
     def chunk_bytes(self) -> int:
@@ -105,8 +99,15 @@ class FastArray:
     def file(self, coords: tuple[int, ...]) -> Any:
         return self.directory / chunk_key(coords, self.separator)
 
+    def local_file(self, coords: tuple[int, ...]) -> str:
+        """`file` of a local array as a string: building a `pathlib` path costs more than reading
+        a small file (5000 arrays)."""
+        return f"{os.fspath(self.directory)}/{chunk_key(coords, self.separator)}"
+
     def chunks_of(self, index: Index) -> list[tuple[int, ...]]:
         """Coordinates of the saved chunks that hold any part of the region `index`."""
+        if self.chunk_shape == self.shape:  # one file
+            return [(0,) * len(self.shape)]
         ranges = [
             range(lo // c, (hi - 1) // c + 1)
             for (lo, hi), c in zip(bounds(index, self.shape), self.chunk_shape, strict=True)
@@ -164,7 +165,15 @@ class FastArray:
                 read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
         return cast(out.view(self.dtype).reshape(shape), dtype)
 
-    @functools.cached_property
+    def from_file(self, data: np.ndarray) -> np.ndarray | None:
+        """The array from the bytes of its one file (`chunk_shape == shape`) if they are its data
+        followed by the shard index every keras-orbax file has, else None."""
+        n = self.chunk_bytes
+        if data.size != n + _INDEX_BYTES or data[n:].tobytes() != self._plain_index:
+            return None
+        return data[:n].view(self.dtype).reshape(self.shape)
+
+    @property
     def _plain_index(self) -> bytes:
         """The shard index of a file holding the chunk at offset 0, with its CRC-32C."""
         return shard_index(self.chunk_bytes)
@@ -184,7 +193,7 @@ class FastArray:
         if _storage.is_remote(self.directory):
             return False
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
-        path = f"{os.fspath(self.directory)}/{chunk_key(coords, self.separator)}"
+        path = self.local_file(coords)
         index = bytearray(_INDEX_BYTES)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -245,11 +254,13 @@ class WholeFileReader:
     file once, whole, and cutting each region out of it: one `preadv` where each region would read
     its own runs of the file (a (64, 64) kernel split on columns over 4 devices: 256 runs of 64
     bytes). Only where this process needs every part of the array (`tiles`), so it reads no byte
-    it does not use. The regions are read one after another, by one thread."""
+    it does not use. The regions are read one after another, by one thread; a local file is read
+    among many others by `SmallFiles` once `start`ed."""
 
     array: FastArray
     remaining: int  # regions still to read; the whole is dropped after the last
     _whole: np.ndarray | None = None
+    _files: SmallFiles | None = None
 
     @staticmethod
     def tiles(array: Any, indices: list[Index]) -> bool:
@@ -257,7 +268,6 @@ class WholeFileReader:
         return (
             isinstance(array, FastArray)
             and array.chunk_shape == array.shape
-            and len(indices) > 1
             and sum(math.prod(hi - lo for lo, hi in bounds(i, array.shape)) for i in indices)
             == math.prod(array.shape)
         )
@@ -266,17 +276,43 @@ class WholeFileReader:
     def directory(self) -> Any:
         return self.array.directory
 
+    @property
+    def path(self) -> str:
+        return self.array.local_file((0,) * len(self.array.shape))
+
+    def start(self, files: SmallFiles) -> None:
+        """Has `files` read the file (a local one), with others, before the first `read`."""
+        self._files = files
+        files.start(self.path)
+
     def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
-        """The region `index` in its own 64-byte-aligned buffer, cast to `dtype`."""
+        """The region `index` in a 64-byte-aligned buffer (the whole's own, or a copy of its part),
+        cast to `dtype`."""
         if self._whole is None:
-            self._whole = self.array.read(tuple(slice(0, n) for n in self.array.shape), dtype)
+            self._whole = self._read_whole(dtype)
         region = self._whole[index]
-        out = aligned_empty(region.nbytes).view(region.dtype).reshape(region.shape)
-        out[...] = region
         self.remaining -= 1
         if not self.remaining:
             self._whole = None
+        if region.shape == self.array.shape:
+            return region
+        out = aligned_empty(region.nbytes).view(region.dtype).reshape(region.shape)
+        out[...] = region
         return out
+
+    def _read_whole(self, dtype: np.dtype) -> np.ndarray:
+        whole = tuple(slice(0, n) for n in self.array.shape)
+        if self._files is None:
+            return self.array.read(whole, dtype)
+        try:
+            data = self._files.get(self.path)
+        except OSError as error:
+            raise CorruptCheckpointError(f"{self.array.key}: {error}") from error
+        if data is None:
+            raise CorruptCheckpointError(f"{self.array.key}: missing file {self.path}")
+        array = self.array.from_file(data)
+        # Anything but the data followed by the plain index: the general path reads or says why.
+        return self.array.read(whole, dtype) if array is None else cast(array, dtype)
 
 
 def _read_small(directory: Any, name: str) -> bytes:
@@ -286,6 +322,42 @@ def _read_small(directory: Any, name: str) -> bytes:
         return (directory / name).read_bytes()
     with open(f"{os.fspath(directory)}/{name}", "rb") as f:
         return f.read()
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_layout(
+    raw: bytes, one_byte_dtype: bool
+) -> tuple[str, tuple[int, ...], tuple[int, ...], str] | None:
+    """(data type, shape, chunk shape, chunk key separator) of a `zarr.json` of the fast format; None
+    for anything else. Cached by content: the arrays of a model share a few layouts (5000 arrays:
+    parsing each took a fifth of the time to plan their reads)."""
+    try:
+        spec = json.loads(raw)
+        chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
+        shape = tuple(spec["shape"])
+    except (ValueError, TypeError, KeyError):
+        return None
+    # Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool).
+    plain = {
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": list(chunk),
+            "codecs": [{"name": "bytes"} if one_byte_dtype else _RAW],
+            "index_codecs": [_RAW, {"name": "crc32c"}],
+        },
+    }
+    fits = (
+        spec.get("zarr_format") == 3
+        and spec.get("codecs") == [plain]
+        and spec.get("chunk_key_encoding") in _KEY_ENCODINGS
+        and isinstance(spec.get("data_type"), str)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        and _chunks_divide(chunk, shape)
+    )
+    if not fits:
+        return None
+    separator = spec["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+    return spec["data_type"], shape, chunk, separator
 
 
 def _fetch_ranges(store: Any, key: str, path: Any, requests: list[tuple[memoryview, int]]) -> None:

@@ -4,7 +4,8 @@ Two paths, chosen per array:
 - Fast format (`_fast_format`): each distinct shard this process's devices need is read once from the
   saved shard files, exactly its bytes, into an aligned host buffer that the device adopts; devices
   that hold the same shard share that read. Any target layout: a shard that matches a saved one is one
-  `preadv`; regions that cut the same saved rows are read together (`_coalesce`).
+  `preadv`; regions that cut the same saved rows are read together (`_coalesce`); small arrays, each
+  one file, are read many at once (`_small_files`) and cut on the calling thread.
 - Orbax: the `"compact"` format and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
 Either way no host or device ever holds a full copy of a sharded array. Where several processes hold
@@ -14,25 +15,27 @@ replicas of a region, `_replicas.share` lets one of them read it and the others 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
-from keras_orbax import _coalesce, _keys, _replicas, _storage
+from keras_orbax import _coalesce, _compat_orbax, _keys, _replicas, _storage
 from keras_orbax._contiguous import ContiguousArray
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._fast_format import FastArray, WholeFileReader
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
-from keras_orbax._runs import Index
+from keras_orbax._runs import Index, bounds
+from keras_orbax._small_files import SmallFiles
 from keras_orbax.errors import CorruptCheckpointError
 
 _TS_BYTES_READ = "/tensorstore/kvstore/"
@@ -87,11 +90,23 @@ def plan_reads(
     """
     fast, via_orbax = [], []
     regions: dict[tuple[Any, tuple[int, ...]], list[Index]] = {}  # many arrays share both
+    state = step_dir / STATE
+    base = os.fspath(state)
+    specs = None if opener or _storage.is_remote(step_dir) else SmallFiles()
+    if specs is not None:  # read all at once: thousands of arrays, thousands of files
+        for request in requests:
+            specs.start(f"{base}/{request.record.array}/zarr.json")
     for request in requests:
         if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
             array: Any = EmptyArray(request.record.shape)
         elif opener:
             array = opener(request.record)
+        elif specs is not None:
+            try:
+                spec = specs.get(f"{base}/{request.record.array}/zarr.json")
+            except OSError:  # Orbax reads it, or says what is wrong
+                spec = None
+            array = FastArray.from_spec(state / request.record.array, request.record, spec)
         else:
             array = FastArray.open(step_dir, request.record)
         if array is None:
@@ -202,11 +217,30 @@ def _place(
 def _on_devices(request: ReadRequest, regions: dict[str, np.ndarray]) -> jax.Array:
     """One call puts every region on the devices that hold it (adopted without a copy on CPU);
     devices that hold the same region get the same buffer."""
+    target = request.target
+    devices, keys, shapes = _device_regions(target.sharding, target.shape)
+    values = [regions[key] for key in keys]
+    wrong = [
+        f"{v.shape} {v.dtype}"
+        for v, shape in zip(values, shapes, strict=True)
+        if v.shape != shape or v.dtype != target.dtype
+    ]
+    if wrong:  # nothing checks this further down: a region of another shape would be misread
+        raise CorruptCheckpointError(
+            f"{request.record.key}: read regions {', '.join(wrong[:4])} where the devices hold "
+            f"{shapes[0]} {target.dtype}. No variable was modified."
+        )
+    return _compat_orbax.put_on_devices(target, values, devices)
 
-    def region(index: Index | None) -> np.ndarray:
-        return regions[repr(index)]
 
-    return jax.make_array_from_callback(request.target.shape, request.target.sharding, region)
+@functools.lru_cache(maxsize=1024)
+def _device_regions(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> tuple[list, list[str], list[tuple[int, ...]]]:
+    """This process's devices of `sharding`, and for each, `repr` and shape of the region it holds."""
+    mapping = sharding.addressable_devices_indices_map(shape)
+    shapes = [tuple(hi - lo for lo, hi in bounds(cast(Index, i), shape)) for i in mapping.values()]
+    return list(mapping), [repr(index) for index in mapping.values()], shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +268,16 @@ class Unit:
             and not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
         )
 
-    def start(self, pool: ThreadPoolExecutor) -> Callable[[], list[np.ndarray]]:
-        """Submits the reads to `pool`; returns what waits for the regions, in the order of `tasks`."""
+    def start(self, pool: ThreadPoolExecutor, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
+        """Submits the reads to `pool`, or has `files` read small arrays' files (then the regions
+        are cut on the calling thread); returns what waits for the regions, in the order of
+        `tasks`."""
         if self.together is None:
+            readers = {id(a): a for _, a, _ in self.tasks}.values()  # one per array
+            if self.is_small and all(isinstance(a, WholeFileReader) for a in readers):
+                for reader in readers:
+                    reader.start(files)
+                return functools.partial(_read_each, self.tasks)
             return pool.submit(_read_each, self.tasks).result
         dtype = np.dtype(self.tasks[0][0].target.dtype)
         together = self.together
@@ -255,7 +296,8 @@ def _units(request: ReadRequest, array: Any, indices: list[Index]) -> list[Unit]
     each alone."""
     if WholeFileReader.tiles(array, indices) and array.chunk_bytes <= _BATCH_BYTES:
         whole = WholeFileReader(array, len(indices))  # kept in one unit: read by one thread
-        return [Unit([(request, whole, index) for index in indices])]
+        size = math.prod(array.shape) * np.dtype(request.target.dtype).itemsize
+        return [Unit([(request, whole, index) for index in indices], size=size)]
     one_shard_each = isinstance(array, FastArray) and all(map(array.is_one_shard, indices))
     if isinstance(array, FastArray | ContiguousArray) and len(indices) > 1 and not one_shard_each:
         together = _coalesce.plan(array.blocks, array.shape, array.dtype, indices)
@@ -269,10 +311,11 @@ def _read_each(tasks: list[_Task]) -> list[np.ndarray]:
 
 
 _BATCH_BYTES, _BATCH_REGIONS = 1 << 20, 64
-# Threads for batches of small regions: each region costs some 20 us of Python around a short read,
-# so more threads only pass the GIL around (5000 variables, 12,500 regions in the page cache: 1.41 s
-# with 16 threads, 1.13-1.22 s with 4, 1.03-1.08 s with 2, 1.02 s with 1); a few keep reads of
-# files not in the page cache overlapping.
+# Threads for batches of small regions of arrays kept in several files (an array in one file is read
+# by `SmallFiles`, its regions cut on the calling thread): each region costs some 20 us of Python
+# around a short read, so more threads only pass the GIL around (5000 variables, 12,500 regions in
+# the page cache: 1.41 s with 16 threads, 1.13-1.22 s with 4, 1.03-1.08 s with 2, 1.02 s with 1);
+# a few keep reads of files not in the page cache overlapping.
 _SMALL_WORKERS = 2
 
 
@@ -301,8 +344,9 @@ def _batched(units: list[Unit]) -> list[Unit]:
 
 
 def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[_Task, np.ndarray]]:
-    """Each region of each unit, in order, read by a pool of threads in waves of at most `window`
-    bytes (at least one unit each).
+    """Each region of each unit, in order, read by a pool of threads (small arrays' files by
+    `SmallFiles`, then cut on this thread) in waves of at most `window` bytes (at least one unit
+    each).
 
     A wave is read whole before any of its regions is handed on: placing arrays on their devices
     while the readers run makes the two pass the GIL back and forth (a device put waits for it each
@@ -310,6 +354,7 @@ def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[
     small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
     """
     sizes = [unit.size for unit in units]
+    files = SmallFiles()
     with (
         ThreadPoolExecutor(workers) as pool,
         ThreadPoolExecutor(min(workers, _SMALL_WORKERS)) as small_pool,
@@ -320,7 +365,7 @@ def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[
             nbytes = 0
             while following < len(units) and (not wave or nbytes + sizes[following] <= window):
                 unit = units[following]
-                wave.append((unit, unit.start(small_pool if unit.is_small else pool)))
+                wave.append((unit, unit.start(small_pool if unit.is_small else pool, files)))
                 nbytes += sizes[following]
                 following += 1
             read = [regions() for _, regions in wave]

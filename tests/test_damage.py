@@ -305,3 +305,24 @@ def test_a_shard_index_whose_crc32c_fails_is_refused(originals, tmp_path, mesh):
     caught = restore_or_untouched(directory, originals["values"])
     assert isinstance(caught, CorruptCheckpointError), caught
     assert "CRC-32C" in str(caught) and "c/1/2" in str(caught)
+
+
+def test_a_region_of_another_shape_or_dtype_is_never_placed():
+    """The last check before regions become a device array (placing them checks nothing more)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from keras_orbax import _read
+    from keras_orbax._metadata import VariableRecord
+
+    sharding = NamedSharding(Mesh(jax.devices(), ("x",)), PartitionSpec("x"))
+    target = jax.ShapeDtypeStruct((16,), np.float32, sharding=sharding)
+    record = VariableRecord("layers/dense/vars/0", "dense/kernel", (16,), "float32", "a")
+    request = _read.ReadRequest(record, target)
+    indices = request.local_indices()
+    right = {repr(index): np.zeros(2, np.float32) for index in indices}
+    assert np.asarray(_read._on_devices(request, right)).shape == (16,)
+    for wrong in (np.zeros(3, np.float32), np.zeros(2, np.float16)):
+        regions = {**right, repr(indices[5]): wrong}
+        with pytest.raises(CorruptCheckpointError, match=r"layers/dense/vars/0: read regions \("):
+            _read._on_devices(request, regions)
