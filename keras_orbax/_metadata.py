@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import math
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._keys_v1 import role as v1_role
@@ -34,7 +33,7 @@ class VariableRecord:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
