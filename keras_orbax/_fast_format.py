@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax import _storage
+from keras_orbax import _mapped, _storage
 from keras_orbax._checksum import crc32c, shard_index
 from keras_orbax._dtypes import np_dtype
 from keras_orbax._metadata import STATE, VariableRecord
@@ -157,8 +157,12 @@ class FastArray:
         """The region `index`, read once into a 64-byte-aligned buffer, cast to `dtype`."""
         region = bounds(index, self.shape)
         shape = tuple(hi - lo for lo, hi in region)
+        whole = self.is_one_shard(index)
+        mapped = self._map_whole(region) if whole else None
+        if mapped is not None:
+            return cast(mapped.view(self.dtype).reshape(shape), dtype)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        if self.is_one_shard(index) and self._read_whole(region, out):
+        if whole and self._read_whole(region, out):
             return cast(out.view(self.dtype).reshape(shape), dtype)
         for block in self.blocks(index):
             with block.opener() as (fetch, offset):
@@ -184,6 +188,17 @@ class FastArray:
             hi - lo == n and lo % n == 0
             for (lo, hi), n in zip(bounds(index, self.shape), self.chunk_shape, strict=True)
         )
+
+    def _map_whole(self, region: list[tuple[int, int]]) -> np.ndarray | None:
+        """The data of a region that is exactly one large saved shard of a local file, mapped
+        (`_mapped`); None where it is not (then it is read)."""
+        if self.chunk_bytes < _mapped.MIN_BYTES or _storage.is_remote(self.directory):
+            return None
+        coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
+        data = _mapped.map_file(self.local_file(coords), self.chunk_bytes + _INDEX_BYTES)
+        if data is None or data[self.chunk_bytes :].tobytes() != self._plain_index:
+            return None  # reading it says what is wrong, if anything
+        return data[: self.chunk_bytes]
 
     def _read_whole(self, region: list[tuple[int, int]], out: np.ndarray) -> bool:
         """Reads a region that is exactly one saved shard, data and index in one `preadv` (one
