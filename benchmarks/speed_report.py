@@ -219,19 +219,35 @@ def many_restore_items(raw: dict) -> list[dict]:
 
 
 def reshard_items(raw: dict) -> list[dict]:
-    return [
-        item(
-            "reshard",
-            f"reshard {case}",
-            m["other"],
-            m["same"],
-            1.5,
-            names=("other layout", "same layout"),
-            ref_name="restore onto the saved layout",
-            n=raw["repeats"],
+    out = []
+    for case, m in raw["median_s"].items():
+        out.append(
+            item(
+                "reshard",
+                f"reshard {case}",
+                m["other"],
+                m["same"],
+                1.5,
+                names=("other layout", "same layout"),
+                ref_name="restore onto the saved layout",
+                n=raw["repeats"],
+            )
         )
-        for case, m in raw["median_s"].items()
-    ]
+        if "copied" in raw["seconds"].get(case, {}):  # results before mapping have none
+            out.append(
+                item(
+                    "reshard_copied",
+                    f"reshard {case} vs the saved layout read",
+                    m["other"],
+                    m["copied"],
+                    None,
+                    names=("other layout", "same layout, read"),
+                    ref_name="restore onto the saved layout, shards read into fresh memory "
+                    "(not mapped)",
+                    n=raw["repeats"],
+                )
+            )
+    return out
 
 
 def cold_items(raw: dict) -> list[dict]:
