@@ -44,6 +44,14 @@ def _saved(tmp_path, distribution) -> tuple[str, np.ndarray]:
     return directory, want
 
 
+def _restored(directory: str) -> keras.Model:
+    """The model built deferred and restored from `directory`."""
+    with keras_orbax.deferred_init():
+        model = _model()
+    keras_orbax.restore_sharded(model, directory)
+    return model
+
+
 def _mapping_of(address: int) -> tuple[str, str, int, int]:
     """(permissions, file, size, resident bytes) of the mapping of this process holding
     `address`, from /proc/self/smaps."""
@@ -77,9 +85,7 @@ def _shard_file(directory: str, index: tuple[slice, ...]) -> str:
 def test_saved_layout_is_restored_into_mappings_of_the_shard_files(tmp_path, distribution):
     directory, want = _saved(tmp_path, distribution)
     evict(_files(directory))  # the pages must come from disk, all of them
-    with keras_orbax.deferred_init():
-        model = _model()
-    keras_orbax.restore_sharded(model, directory)
+    model = _restored(directory)
 
     kernel = model.layers[1].kernel.value
     np.testing.assert_array_equal(np.asarray(kernel), want)
@@ -96,9 +102,7 @@ def test_saved_layout_is_restored_into_mappings_of_the_shard_files(tmp_path, dis
 def test_training_goes_on_and_the_checkpoint_stays_as_written(tmp_path, distribution):
     directory, want = _saved(tmp_path, distribution)
     written = {path: Path(path).read_bytes() for path in _files(directory)}
-    with keras_orbax.deferred_init():
-        model = _model()
-    keras_orbax.restore_sharded(model, directory)
+    model = _restored(directory)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     x = np.ones((8, SHAPE[0]), "float32")
     model.fit(x, np.ones((8, SHAPE[1]), "float32"), epochs=2, verbose=0)
@@ -106,17 +110,13 @@ def test_training_goes_on_and_the_checkpoint_stays_as_written(tmp_path, distribu
     trained = np.asarray(model.layers[1].kernel.value)
     assert not np.array_equal(trained, want)
     assert {path: Path(path).read_bytes() for path in _files(directory)} == written
-    with keras_orbax.deferred_init():
-        again = _model()
-    keras_orbax.restore_sharded(again, directory)
+    again = _restored(directory)
     np.testing.assert_array_equal(np.asarray(again.layers[1].kernel.value), want)
 
 
 def test_deleting_the_checkpoint_after_a_restore_loses_nothing(tmp_path, distribution):
     directory, want = _saved(tmp_path, distribution)
-    with keras_orbax.deferred_init():
-        model = _model()
-    keras_orbax.restore_sharded(model, directory)
+    model = _restored(directory)
     shutil.rmtree(directory)  # unlinked: the blocks stay while the mappings do
     np.testing.assert_array_equal(np.asarray(model.layers[1].kernel.value), want)
     x = np.ones((2, SHAPE[0]), "float32")
@@ -126,9 +126,7 @@ def test_deleting_the_checkpoint_after_a_restore_loses_nothing(tmp_path, distrib
 def test_another_layout_is_read_into_fresh_memory(tmp_path, distribution):
     directory, want = _saved(tmp_path, distribution)
     distribution(_models.model_parallel((1, 8)))  # cuts every saved shard: nothing to map
-    with keras_orbax.deferred_init():
-        model = _model()
-    keras_orbax.restore_sharded(model, directory)
+    model = _restored(directory)
     kernel = model.layers[1].kernel.value
     np.testing.assert_array_equal(np.asarray(kernel), want)
     for shard in kernel.addressable_shards:
