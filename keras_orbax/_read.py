@@ -92,18 +92,19 @@ def plan_reads(
     regions: dict[tuple[Any, tuple[int, ...]], list[Index]] = {}  # many arrays share both
     state = step_dir / STATE
     base = os.fspath(state)
+    spec_paths = [f"{base}/{request.record.array}/zarr.json" for request in requests]
     specs = None if opener or _storage.is_remote(step_dir) else SmallFiles()
     if specs is not None:  # read all at once: thousands of arrays, thousands of files
-        for request in requests:
-            specs.start(f"{base}/{request.record.array}/zarr.json")
-    for request in requests:
+        for path in spec_paths:
+            specs.start(path)
+    for request, spec_path in zip(requests, spec_paths, strict=True):
         if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
             array: Any = EmptyArray(request.record.shape)
         elif opener:
             array = opener(request.record)
         elif specs is not None:
             try:
-                spec = specs.get(f"{base}/{request.record.array}/zarr.json")
+                spec = specs.get(spec_path)
             except OSError:  # Orbax reads it, or says what is wrong
                 spec = None
             array = FastArray.from_spec(state / request.record.array, request.record, spec)
