@@ -16,6 +16,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax import (
     _compat,
     _compat_orbax,
+    _durable,
     _gc,
     _keys,
     _quiet,
@@ -191,8 +192,8 @@ def write_step(
     # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
     values = {key: _compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
 
-    def start() -> ocp.AsyncResponse | None:
-        return checkpointer.save_async(
+    def start() -> DurableResponse | None:
+        response = checkpointer.save_async(
             step,
             _keys.nest(values),
             force=True,
@@ -200,6 +201,7 @@ def write_step(
             metrics=metrics,
             custom_metadata={FORMAT_NAME: record.to_json()},
         )
+        return None if response is None else DurableResponse(response, checkpointer.directory, step)
 
     if start_later and not blocking:
         staged = _write.stage({key.replace("/", "."): value for key, value in values.items()})
@@ -213,10 +215,23 @@ def write_step(
     return response
 
 
+class DurableResponse:
+    """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
+    durable (`_durable.step_committed`: Orbax fsyncs neither its own files nor the rename)."""
+
+    def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
+        self._response, self._step_dir = response, _storage.as_path(directory) / str(step)
+
+    def result(self) -> None:
+        self._response.result()
+        if not _storage.is_remote(self._step_dir):  # an object is durable once written
+            _durable.step_committed(self._step_dir)
+
+
 class LaterSave:
     """A save whose shards are on the host already; `result()` writes and commits it."""
 
-    def __init__(self, start: Callable[[], ocp.AsyncResponse | None], staged: Any) -> None:
+    def __init__(self, start: Callable[[], DurableResponse | None], staged: Any) -> None:
         self._start, self._staged = start, staged
 
     def result(self) -> None:

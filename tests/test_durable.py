@@ -1,0 +1,53 @@
+"""A save is durable when it returns: no page of its files is left for the kernel to write back,
+Orbax's own files included (`_durable`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from tests import _models
+from tests._page_cache import written_back
+
+
+def _filesystem(path: Path) -> str:
+    wanted = f"{os.major(os.stat(path).st_dev)}:{os.minor(os.stat(path).st_dev)}"
+    with open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if fields[2] == wanted:
+                return fields[fields.index("-") + 1]
+    return "unknown"
+
+
+def _model() -> keras.Model:
+    """24 small Dense layers and one whose kernel is split into shard files of 1 MiB."""
+    inputs = keras.Input((1024,))
+    outputs = [keras.layers.Dense(8, name=f"small_{i}")(inputs) for i in range(24)]
+    outputs.append(keras.layers.Dense(2048, name="large")(inputs))
+    return keras.Model(inputs, outputs, name="many")
+
+
+def test_no_page_of_a_saved_step_is_left_to_write_back(tmp_path, distribution):
+    if _filesystem(tmp_path) in {"tmpfs", "ramfs"}:
+        pytest.skip("a filesystem in memory writes nothing back")
+    distribution(_models.model_parallel((1, 8)))
+    model = _model()
+    _models.fill_arange(model, limit=1000)
+    keras_orbax.save(model, tmp_path, step=1)
+
+    files = [path for path in (tmp_path / "1").rglob("*") if path.is_file()]
+    assert len(files) > 50
+    assert max(map(os.path.getsize, files)) > 1 << 20  # the large kernel's shards
+    assert written_back(files) == []  # every page written: the cache could drop them all
+
+    with keras_orbax.deferred_init():
+        restored = _model()
+    keras_orbax.restore_sharded(restored, tmp_path)  # read back from the disk
+    for got, want in zip(restored.variables, model.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
