@@ -5,7 +5,8 @@ Two paths, chosen per array:
   saved shard files, exactly its bytes, into an aligned host buffer that the device adopts; devices
   that hold the same shard share that read. Any target layout: a shard that matches a saved one is one
   `preadv`; regions that cut the same saved rows are read together (`_coalesce`); small arrays, each
-  one file, are read many at once (`_small_files`) and cut on the calling thread.
+  one file, are read many at once (`_small_files`) and cut on the calling thread. The regions of
+  all arrays are read ahead by a pool of threads, in waves of a byte budget (`_read_ahead`).
 - Orbax: the `"compact"` format and anything else, with a `jax.ShapeDtypeStruct` target,
   so tensorstore reads only the chunks each device needs.
 Either way no host or device ever holds a full copy of a sharded array. Where several processes hold
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,12 +27,12 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import tensorstore as ts
 
-from keras_orbax import _coalesce, _compat_orbax, _keys, _replicas, _storage
-from keras_orbax._contiguous import ContiguousArray
+from keras_orbax import _compat_orbax, _keys, _replicas, _storage
 from keras_orbax._dtypes import np_dtype
-from keras_orbax._fast_format import FastArray, WholeFileReader
+from keras_orbax._fast_format import FastArray
 from keras_orbax._metadata import STATE, VariableRecord
 from keras_orbax._progress import Progress
+from keras_orbax._read_ahead import BATCH_BYTES, batched, read_ahead, region_bytes, units_of
 from keras_orbax._runs import Index, bounds
 from keras_orbax._small_files import SmallFiles
 from keras_orbax.errors import CorruptCheckpointError
@@ -41,7 +40,6 @@ from keras_orbax.errors import CorruptCheckpointError
 _TS_BYTES_READ = "/tensorstore/kvstore/"
 # Bytes from storage itself (not from a layer over it, such as OCDBT, which would count them twice).
 _TS_STORAGE_BYTES_READ = {f"/tensorstore/kvstore/{d}/bytes_read" for d in ("file", "gcs", "s3")}
-_Task = tuple["ReadRequest", Any, Index]  # one region of one array (a FastArray or other reader)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +159,20 @@ def read_arrays(
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
-    units = _batched(
-        [unit for request, array, indices in plan.fast for unit in _units(request, array, indices)]
+    units = batched(
+        [
+            unit
+            for request, array, indices in plan.fast
+            for unit in units_of(request, array, indices)
+        ]
     )
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    # A unit of at most _BATCH_BYTES holds no region larger than the default window.
-    largest = [_region_bytes(r, i) for u in units if u.size > _BATCH_BYTES for r, _, i in u.tasks]
+    # A unit of at most BATCH_BYTES holds no region larger than the default window.
+    largest = [region_bytes(r, i) for u in units if u.size > BATCH_BYTES for r, _, i in u.tasks]
     window = window_bytes or max([DEFAULT_WINDOW_BYTES, *largest])
-    pieces = _read_ahead(units, workers, window)
+    pieces = read_ahead(units, workers, window)
     exchange = _replicas.Exchange(plan, window_bytes or DEFAULT_WINDOW_BYTES)  # same everywhere
     error: Exception | None = None
     with Progress("restore_sharded", sum(u.size for u in units), enabled=show_progress) as progress:
@@ -242,142 +244,6 @@ def _device_regions(
     mapping = sharding.addressable_devices_indices_map(shape)
     shapes = [tuple(hi - lo for lo, hi in bounds(cast(Index, i), shape)) for i in mapping.values()]
     return list(mapping), [repr(index) for index in mapping.values()], shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class Unit:
-    """Regions that the reading threads read together: small regions one after another by one
-    thread (`tasks` alone, see `_batched`), or several regions of one array that cut the same
-    stored rows (`together`, `_coalesce`)."""
-
-    tasks: list[_Task]
-    together: _coalesce.Together | None = None
-    size: int = -1  # bytes of its regions; worked out here unless given
-
-    def __post_init__(self) -> None:
-        if self.size < 0:
-            size = sum(_region_bytes(request, index) for request, _, index in self.tasks)
-            object.__setattr__(self, "size", size)
-
-    @property
-    def is_small(self) -> bool:
-        """Small regions of local files: reading them is mostly Python, not waiting on storage
-        (object storage is: its requests want many threads in flight)."""
-        return (
-            self.together is None
-            and self.size <= _BATCH_BYTES
-            and not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
-        )
-
-    def start(self, pool: ThreadPoolExecutor, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
-        """Submits the reads to `pool`, or has `files` read small arrays' files (then the regions
-        are cut on the calling thread); returns what waits for the regions, in the order of
-        `tasks`."""
-        if self.together is None:
-            readers = {id(a): a for _, a, _ in self.tasks}.values()  # one per array
-            if self.is_small and all(isinstance(a, WholeFileReader) for a in readers):
-                for reader in readers:
-                    reader.start(files)
-                return functools.partial(_read_each, self.tasks)
-            return pool.submit(_read_each, self.tasks).result
-        dtype = np.dtype(self.tasks[0][0].target.dtype)
-        together = self.together
-        futures = [pool.submit(job) for job in together.jobs()]
-
-        def regions() -> list[np.ndarray]:
-            for future in futures:
-                future.result()
-            return together.regions(dtype)
-
-        return regions
-
-
-def _units(request: ReadRequest, array: Any, indices: list[Index]) -> list[Unit]:
-    """The regions `indices` of one array: read together where they cut the same stored rows, else
-    each alone."""
-    if WholeFileReader.tiles(array, indices) and array.chunk_bytes <= _BATCH_BYTES:
-        whole = WholeFileReader(array, len(indices))  # kept in one unit: read by one thread
-        size = math.prod(array.shape) * np.dtype(request.target.dtype).itemsize
-        return [Unit([(request, whole, index) for index in indices], size=size)]
-    one_shard_each = isinstance(array, FastArray) and all(map(array.is_one_shard, indices))
-    if isinstance(array, FastArray | ContiguousArray) and len(indices) > 1 and not one_shard_each:
-        together = _coalesce.plan(array.blocks, array.shape, array.dtype, indices)
-        if together is not None:
-            return [Unit([(request, array, index) for index in indices], together)]
-    return [Unit([(request, array, index)]) for index in indices]
-
-
-def _read_each(tasks: list[_Task]) -> list[np.ndarray]:
-    return [array.read(index, np.dtype(request.target.dtype)) for request, array, index in tasks]
-
-
-_BATCH_BYTES, _BATCH_REGIONS = 1 << 20, 64
-# Threads for batches of small regions of arrays kept in several files (an array in one file is read
-# by `SmallFiles`, its regions cut on the calling thread): each region costs some 20 us of Python
-# around a short read, so more threads only pass the GIL around (5000 variables, 12,500 regions in
-# the page cache: 1.41 s with 16 threads, 1.13-1.22 s with 4, 1.03-1.08 s with 2, 1.02 s with 1);
-# a few keep reads of files not in the page cache overlapping.
-_SMALL_WORKERS = 2
-
-
-def _batched(units: list[Unit]) -> list[Unit]:
-    """Consecutive single regions joined into units of up to `_BATCH_REGIONS` regions and
-    `_BATCH_BYTES`: a future per small region costs more in the pool's lock than its read (5000
-    variables, 12,500 regions: 0.55 s waiting on the lock)."""
-    batched: list[Unit] = []
-    tasks: list[_Task] = []
-    nbytes = 0
-    for unit in units:
-        joins = unit.together is None and unit.size <= _BATCH_BYTES
-        if tasks and (
-            not joins or len(tasks) == _BATCH_REGIONS or nbytes + unit.size > _BATCH_BYTES
-        ):
-            batched.append(Unit(tasks, size=nbytes))
-            tasks, nbytes = [], 0
-        if joins:
-            tasks += unit.tasks
-            nbytes += unit.size
-        else:
-            batched.append(unit)
-    if tasks:
-        batched.append(Unit(tasks, size=nbytes))
-    return batched
-
-
-def _read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[_Task, np.ndarray]]:
-    """Each region of each unit, in order, read by a pool of threads (small arrays' files by
-    `SmallFiles`, then cut on this thread) in waves of at most `window` bytes (at least one unit
-    each).
-
-    A wave is read whole before any of its regions is handed on: placing arrays on their devices
-    while the readers run makes the two pass the GIL back and forth (a device put waits for it each
-    time it comes back from C++), which cost more than the reads themselves with thousands of
-    small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
-    """
-    sizes = [unit.size for unit in units]
-    files = SmallFiles()
-    with (
-        ThreadPoolExecutor(workers) as pool,
-        ThreadPoolExecutor(min(workers, _SMALL_WORKERS)) as small_pool,
-    ):
-        following = 0
-        while following < len(units):
-            wave: list[tuple[Unit, Callable[[], list[np.ndarray]]]] = []
-            nbytes = 0
-            while following < len(units) and (not wave or nbytes + sizes[following] <= window):
-                unit = units[following]
-                wave.append((unit, unit.start(small_pool if unit.is_small else pool, files)))
-                nbytes += sizes[following]
-                following += 1
-            read = [regions() for _, regions in wave]
-            for (unit, _), regions in zip(wave, read, strict=True):
-                yield from zip(unit.tasks, regions, strict=True)
-
-
-def _region_bytes(request: ReadRequest, index: Index) -> int:
-    shape = request.target.shape
-    counts = [len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)]
-    return math.prod(counts) * np.dtype(request.target.dtype).itemsize
 
 
 def _read_with_orbax(

@@ -7,7 +7,7 @@ import threading
 import jax
 import numpy as np
 
-from keras_orbax import _read
+from keras_orbax import _read, _read_ahead
 
 
 class _CountingReader:
@@ -29,8 +29,8 @@ def test_read_ahead_stays_within_the_window():
     target = jax.ShapeDtypeStruct((16, 1 << 18), np.float32)
     request = _read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
     tasks = [(request, reader, (slice(i, i + 1), slice(None))) for i in range(16)]
-    units = [_read.Unit([task]) for task in tasks]
-    for _ in _read._read_ahead(units, workers=8, window=3 << 20):
+    units = [_read_ahead.Unit([task]) for task in tasks]
+    for _ in _read_ahead.read_ahead(units, workers=8, window=3 << 20):
         with reader.lock:
             reader.consumed += 1
     # With a 3 MiB window, region i is read only once regions up to i - 3 have been handed on.
@@ -44,7 +44,9 @@ def test_a_region_larger_than_the_window_still_goes():
     request = _read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
     tasks = [(request, reader, (slice(i, i + 1), slice(None))) for i in range(2)]
     got = 0
-    for _ in _read._read_ahead([_read.Unit([task]) for task in tasks], workers=4, window=1 << 10):
+    for _ in _read_ahead.read_ahead(
+        [_read_ahead.Unit([task]) for task in tasks], workers=4, window=1 << 10
+    ):
         got += 1
         with reader.lock:
             reader.consumed += 1
