@@ -26,7 +26,10 @@ def step_committed(step_dir: Path) -> None:
     Raises:
         OSError: the data could not be written back.
     """
-    below = [Path(entry.path) for entry in os.scandir(step_dir) if entry.is_dir()]
+    try:
+        below = [Path(entry.path) for entry in os.scandir(step_dir) if entry.is_dir()]
+    except FileNotFoundError:  # deleted already by a retention policy keeping fewer steps
+        return
     for directory in (step_dir, *below):
         for entry in os.scandir(directory):
             if entry.is_file(follow_symlinks=False):
