@@ -1,9 +1,15 @@
 """Reading the regions of many arrays ahead of placing them: grouped into units, read by a pool of
 threads in waves of a byte budget (`read_arrays` in `_read` places each array as its regions come).
 
-A unit is what one thread reads at once: one region, several regions of an array that cut the same
-stored rows (`_coalesce`), or a batch of small regions (a future each would cost more than its read).
-Small arrays kept in one file are read by `SmallFiles` and cut on the calling thread.
+A unit is what one thread reads at once: one region, several regions of an array that cut the
+same stored rows (`_coalesce`), or a batch of small regions (a future each would cost more than
+its read). Small arrays kept in one file are read by `SmallFiles` and cut on the calling thread.
+
+```python
+units = batched([u for r, a, indices in plan.fast for u in units_of(r, a, indices)])
+for (request, array, index), region in read_ahead(units, workers=8, window=512 << 20):
+    ...  # regions come in the order of `units`
+```
 """
 
 from __future__ import annotations
@@ -109,7 +115,7 @@ def batched(units: list[Unit]) -> list[Unit]:
     """Consecutive single regions joined into units of up to `_BATCH_REGIONS` regions and
     `BATCH_BYTES`: a future per small region costs more in the pool's lock than its read (5000
     variables, 12,500 regions: 0.55 s waiting on the lock)."""
-    batched: list[Unit] = []
+    joined: list[Unit] = []
     tasks: list[Task] = []
     nbytes = 0
     for unit in units:
@@ -117,16 +123,16 @@ def batched(units: list[Unit]) -> list[Unit]:
         if tasks and (
             not joins or len(tasks) == _BATCH_REGIONS or nbytes + unit.size > BATCH_BYTES
         ):
-            batched.append(Unit(tasks, size=nbytes))
+            joined.append(Unit(tasks, size=nbytes))
             tasks, nbytes = [], 0
         if joins:
             tasks += unit.tasks
             nbytes += unit.size
         else:
-            batched.append(unit)
+            joined.append(unit)
     if tasks:
-        batched.append(Unit(tasks, size=nbytes))
-    return batched
+        joined.append(Unit(tasks, size=nbytes))
+    return joined
 
 
 def read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[Task, np.ndarray]]:
