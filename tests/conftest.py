@@ -16,6 +16,19 @@ import keras
 import pytest
 
 N_DEVICES = 8
+# The files that take longest (measured, longest first) are collected first: `pytest -n 2
+# --dist loadfile` hands files to the workers in collection order, and one of these started last
+# would leave the other worker idle at the end (test_training_matrix.py alone builds 24 cases).
+_LONGEST_FIRST = (
+    "test_training_matrix.py",
+    "test_cli.py",
+    "test_callback.py",
+    "test_multihost.py",
+    "test_object_storage.py",
+    "test_callback_resume.py",
+    "test_keras_files.py",
+    "test_memory.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,6 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
             f"keras-orbax tests need {N_DEVICES} devices, got {jax.device_count()}: "
             "XLA_FLAGS was set after jax initialized its backend."
         )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in order
 
 
 @pytest.fixture
