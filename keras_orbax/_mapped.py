@@ -105,17 +105,23 @@ def _madvise() -> Any:
 _libc_madvise = _madvise()
 
 
-@functools.lru_cache(maxsize=64)
 def _is_local(device: int) -> bool:
-    """Whether the filesystem with device number `device` is one of `_LOCAL_FILESYSTEMS`, as
-    `/proc/self/mountinfo` says (False where it cannot tell)."""
+    """Whether the filesystem with device number `device` is one of `_LOCAL_FILESYSTEMS` (False
+    where it cannot tell)."""
+    return filesystem_type(device) in _LOCAL_FILESYSTEMS
+
+
+@functools.lru_cache(maxsize=64)
+def filesystem_type(device: int) -> str | None:
+    """The type of the filesystem with device number `device` (`os.stat(path).st_dev`), as
+    `/proc/self/mountinfo` says: "ext4", "tmpfs", "nfs4"...; None where it cannot tell."""
     wanted = f"{os.major(device)}:{os.minor(device)}"
     try:
         with open("/proc/self/mountinfo") as mounts:
             for line in mounts:
                 fields = line.split()
                 if fields[2] == wanted and "-" in fields:
-                    return fields[fields.index("-") + 1] in _LOCAL_FILESYSTEMS
+                    return fields[fields.index("-") + 1]
     except OSError:
         pass
-    return False
+    return None

@@ -4,25 +4,15 @@ Orbax's own files included (`_durable`)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import keras
 import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import _mapped
 from tests import _models
 from tests._page_cache import written_back
-
-
-def _filesystem(path: Path) -> str:
-    wanted = f"{os.major(os.stat(path).st_dev)}:{os.minor(os.stat(path).st_dev)}"
-    with open("/proc/self/mountinfo") as mounts:
-        for line in mounts:
-            fields = line.split()
-            if fields[2] == wanted:
-                return fields[fields.index("-") + 1]
-    return "unknown"
 
 
 def _model() -> keras.Model:
@@ -34,7 +24,7 @@ def _model() -> keras.Model:
 
 
 def test_no_page_of_a_saved_step_is_left_to_write_back(tmp_path, distribution):
-    if _filesystem(tmp_path) in {"tmpfs", "ramfs"}:
+    if _mapped.filesystem_type(os.stat(tmp_path).st_dev) in {"tmpfs", "ramfs"}:
         pytest.skip("a filesystem in memory writes nothing back")
     distribution(_models.model_parallel((1, 8)))
     model = _model()
