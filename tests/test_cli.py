@@ -1,4 +1,6 @@
-"""The `keras-orbax` command line, run as a real subprocess on real Keras files and checkpoints."""
+"""The `keras-orbax` command line on real Keras files and checkpoints: as a real subprocess where
+the process matters (exit codes and one-line errors, no backend set, a terminal, peak memory), its
+`main` in this process otherwise (the same code, without a Python start per command)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import cli
 from tests import cli_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +39,15 @@ def _run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
     return done
 
 
+def _main(capsys: pytest.CaptureFixture, *args: str, check: int = 0) -> subprocess.CompletedProcess:
+    """`keras_orbax.cli.main(args)` in this process: its exit code, stdout and stderr."""
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert code == check, out + err
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def _trained_mlp() -> keras.Model:
     model = cli_models.mlp()
     rng = np.random.default_rng(0)
@@ -50,11 +62,11 @@ def test_the_console_script_is_declared():
     assert "rich" not in " ".join(project["dependencies"])
 
 
-def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
+def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path, capsys):
     h5 = tmp_path / "m.weights.h5"
     trained = _trained_mlp()
     trained.save_weights(h5)
-    _run("convert", str(h5), str(tmp_path / "ckpt"), "--step", "3")
+    _main(capsys, "convert", str(h5), str(tmp_path / "ckpt"), "--step", "3")
 
     expected = cli_models.mlp()
     expected.load_weights(h5)  # Keras's own loader is the oracle
@@ -63,7 +75,7 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
     for got, want in zip(restored.weights, expected.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
 
-    same = _run("diff", str(h5), f"{tmp_path / 'ckpt'}@3", "--values")
+    same = _main(capsys, "diff", str(h5), f"{tmp_path / 'ckpt'}@3", "--values")
     assert "4 common variables compared (keys, shapes, dtypes and values): identical" in same.stdout
 
     # A change of 1e-6 in one value is found, and printed with enough digits to see it.
@@ -76,7 +88,9 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
     kernel[3, 5] = np.float32(1.0 + 1e-6)
     changed.get_layer("head").kernel.assign(kernel)
     keras_orbax.save(changed, tmp_path / "ckpt", step=5)
-    differ = _run("diff", f"{tmp_path / 'ckpt'}@4", f"{tmp_path / 'ckpt'}@5", "--values", check=1)
+    differ = _main(
+        capsys, "diff", f"{tmp_path / 'ckpt'}@4", f"{tmp_path / 'ckpt'}@5", "--values", check=1
+    )
     found = re.search(r"~ layers/dense_1/vars/0  max \|a - b\| = (\S+)", differ.stdout)
     assert found and float(found.group(1)) == pytest.approx(9.5367431640625e-07, rel=1e-6)
     assert "differ" in differ.stdout.splitlines()[-1]
@@ -84,11 +98,13 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
     x = keras.layers.Dense(4)(keras.layers.Dense(32)(inputs))
     other = tmp_path / "other.weights.h5"
     keras.Model(inputs, keras.layers.Dense(2)(x)).save_weights(other)
-    keys = _run("diff", f"{tmp_path / 'ckpt'}@5", str(other), check=1)
+    keys = _main(capsys, "diff", f"{tmp_path / 'ckpt'}@5", str(other), check=1)
     assert "! layers/dense_1/vars/0  (32, 8) float32 -> (32, 4) float32" in keys.stdout
     assert f"+ layers/dense_2/vars/0  (only in {other})" in keys.stdout
 
-    shown = json.loads(_run("inspect", str(tmp_path / "ckpt"), "--step", "3", "--json").stdout)
+    shown = json.loads(
+        _main(capsys, "inspect", str(tmp_path / "ckpt"), "--step", "3", "--json").stdout
+    )
     assert [s["step"] for s in shown["steps"]] == [3, 4, 5]
     kernel_entry = shown["variables"][0]
     assert (kernel_entry["key"], kernel_entry["shape"], kernel_entry["nbytes"]) == (
@@ -98,16 +114,16 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path):
     )
 
 
-def test_errors_are_one_line_naming_the_path(tmp_path):
+def test_errors_are_one_line_naming_the_path(tmp_path, capsys):
     missing = tmp_path / "nope.weights.h5"
     done = _run("convert", str(missing), str(tmp_path / "out"), check=2)
     assert done.stderr.count("\n") == 1 and str(missing) in done.stderr
     assert "Traceback" not in done.stderr
-    quiet = _run("inspect", str(tmp_path / "nothing"), "--quiet", check=2)
+    quiet = _main(capsys, "inspect", str(tmp_path / "nothing"), "--quiet", check=2)
     assert quiet.stdout == "" and str(tmp_path / "nothing") in quiet.stderr
 
 
-def test_plan_reports_bytes_per_device_and_process_without_reading(tmp_path):
+def test_plan_reports_bytes_per_device_and_process_without_reading(tmp_path, capsys):
     keras_orbax.save(_trained_mlp(), tmp_path / "ckpt", step=1)
     args = ["plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:mlp", "--mesh", "2x4"]
     args += ["--layout-map", "tests.cli_models:layout_map", "--processes", "2", "--json"]
@@ -120,19 +136,22 @@ def test_plan_reports_bytes_per_device_and_process_without_reading(tmp_path):
     assert report["process_bytes"] == {"0": (16 * 32 + 32 * 8) * 4 // 2 + (32 + 8) * 4} | {
         "1": (16 * 32 + 32 * 8) * 4 // 2 + (32 + 8) * 4
     }
-    wrong = _run("plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:wide", check=1)
+    wrong = _main(
+        capsys, "plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:wide", check=1
+    )
     assert "would fail" in wrong.stdout and "missing" in wrong.stdout
 
 
-def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path):
+def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsys):
     trained = _trained_mlp()
     trained.compile(optimizer="adam", loss="mse")
     callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "keras"), save_on_background=False)
     x, y = np.ones((8, 16), "float32"), np.ones((8, 8), "float32")
     trained.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
-    refused = _run("convert", str(tmp_path / "keras"), str(tmp_path / "ckpt"), check=2)
+    refused = _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "ckpt"), check=2)
     assert "--model" in refused.stderr
-    _run(
+    _main(
+        capsys,
         "convert",
         str(tmp_path / "keras"),
         str(tmp_path / "ckpt"),
@@ -188,30 +207,47 @@ print(json.dumps({{"growth": (after - before) * 1024}}))
 
 def test_progress_shows_on_a_terminal_and_not_with_quiet(tmp_path):
     h5 = _wide_weights(tmp_path)
-    shown = _on_terminal("convert", str(h5), str(tmp_path / "a"))
-    assert "64.0 MiB" in shown and re.search(r"B/s", shown), shown
-    hidden = _on_terminal("convert", str(h5), str(tmp_path / "b"), "--quiet")
-    assert "MiB" not in hidden and "wrote" not in hidden, hidden
-    checked = _on_terminal("verify", str(tmp_path / "a"))
-    assert re.search(r"(?s)verify.*64\.0.*MiB.*B/s", checked), checked
-    assert "MiB" not in _on_terminal("verify", str(tmp_path / "a"), "--quiet")
-    code = (
-        "import sys, keras_orbax; from tests import cli_models; "
-        "keras_orbax.restore_sharded(cli_models.wide(), sys.argv[1], verbose=int(sys.argv[2]))"
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    # One process on a terminal runs each command in turn (one start instead of six).
+    shown, hidden, checked, unchecked, restored, silent = _on_terminal(
+        ["convert", str(h5), a],
+        ["convert", str(h5), b, "--quiet"],
+        ["verify", a],
+        ["verify", a, "--quiet"],
+        ["restore", str(h5), "1"],
+        ["restore", str(h5), "0"],
     )
-    restored = _on_terminal("-c", code, str(h5), "1", module=False)
+    assert "64.0 MiB" in shown and re.search(r"B/s", shown), shown
+    assert "MiB" not in hidden and "wrote" not in hidden, hidden
+    assert re.search(r"(?s)verify.*64\.0.*MiB.*B/s", checked), checked
+    assert "MiB" not in unchecked, unchecked
     assert re.search(r"(?s)restore_sharded.*64\.0.*MiB.*B/s", restored), restored
-    assert "MiB" not in _on_terminal("-c", code, str(h5), "0", module=False)
+    assert "MiB" not in silent, silent
 
 
-def _on_terminal(*args: str, module: bool = True) -> str:
-    """Runs the command line (or, not `module`, python with `args`) with stdout and stderr on a
-    pseudo-terminal; what it showed."""
+_ON_TERMINAL = """
+import json, sys, keras_orbax
+from keras_orbax import cli
+from tests import cli_models
+
+for args in json.loads(sys.argv[1]):
+    if args[0] == "restore":  # the API's progress: restore_sharded(verbose=...)
+        keras_orbax.restore_sharded(cli_models.wide(), args[1], verbose=int(args[2]))
+    elif cli.main(args) != 0:
+        sys.exit(1)
+    sys.stderr.flush()
+    print("\\n<end of command>", flush=True)
+"""
+
+
+def _on_terminal(*commands: list[str]) -> list[str]:
+    """Runs each command line (`["restore", path, verbose]`: `restore_sharded`) in one Python
+    process whose stdout and stderr are a pseudo-terminal; what each one showed."""
     leader, follower = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax", "COLUMNS": "120"}
     env.pop("XLA_FLAGS", None)
     process = subprocess.Popen(
-        [sys.executable, *(["-m", "keras_orbax"] if module else []), *args],
+        [sys.executable, "-c", _ON_TERMINAL, json.dumps(commands)],
         stdout=follower,
         stderr=follower,
         cwd=ROOT,
@@ -228,8 +264,11 @@ def _on_terminal(*args: str, module: bool = True) -> str:
             break
         chunks.append(chunk)
     os.close(leader)
-    assert process.wait() == 0, b"".join(chunks).decode(errors="replace")
-    return b"".join(chunks).decode(errors="replace")
+    output = b"".join(chunks).decode(errors="replace")
+    assert process.wait() == 0, output
+    shown = output.split("<end of command>")
+    assert len(shown) == len(commands) + 1, output
+    return shown[:-1]
 
 
 def test_verify_catches_a_flipped_byte_and_needs_no_backend_setting(tmp_path):
