@@ -21,13 +21,14 @@ N_DEVICES = 8
 # would leave the other worker idle at the end (test_training_matrix.py alone builds 24 cases).
 _LONGEST_FIRST = (
     "test_training_matrix.py",
-    "test_cli.py",
     "test_callback.py",
     "test_multihost.py",
     "test_object_storage.py",
-    "test_callback_resume.py",
     "test_keras_files.py",
+    "test_callback_resume.py",
     "test_memory.py",
+    "test_environment.py",
+    "test_cli.py",
 )
 
 
