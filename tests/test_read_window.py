@@ -1,13 +1,19 @@
-"""Regions are read ahead of being placed by at most the read window's bytes."""
+"""Regions are read ahead of being placed by at most the read window's bytes, and those cut into
+short runs (scattered by numpy) by one thread per core."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
+import keras
 import numpy as np
+import pytest
 
-from keras_orbax import _read, _read_ahead
+import keras_orbax
+from keras_orbax import _coalesce, _read, _read_ahead
+from keras_orbax._fast_format import FastArray
 
 
 class _CountingReader:
@@ -51,3 +57,53 @@ def test_a_region_larger_than_the_window_still_goes():
         with reader.lock:
             reader.consumed += 1
     assert got == 2 and reader.seen == {0: 0, 1: 1}  # one at a time, but each one goes
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored"),
+    [((None, "model"), ("model", None)), (("model", None), (None, "model"))],
+    ids=["whole_rows_in_short_runs", "cut_rows"],
+)
+def test_regions_in_short_runs_are_read_by_one_thread_per_core(
+    tmp_path, distribution, monkeypatch, saved, restored
+):
+    """The reads that scatter with numpy are Python and copies, not waits on storage: more threads
+    than cores only pass the GIL around. With this thread pinned to one core, every such read
+    of a 16 MiB table (regions of 2 MiB) runs on one thread."""
+
+    def split(axes: tuple) -> keras.distribution.ModelParallel:
+        mesh = keras.distribution.DeviceMesh((8,), ("model",), jax.devices())
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*embeddings"] = axes
+        return keras.distribution.ModelParallel(layout_map=layout_map)
+
+    def table() -> keras.Model:
+        tokens = keras.Input((2,), dtype="int32")
+        return keras.Model(tokens, keras.layers.Embedding(8192, 512, name="e")(tokens))
+
+    distribution(split(saved))
+    want = np.random.default_rng(3).standard_normal((8192, 512)).astype("float32")
+    source = table()
+    source.get_layer("e").embeddings.assign(want)
+    keras_orbax.save(source, tmp_path, step=1)
+
+    distribution(split(restored))
+    with keras_orbax.deferred_init():
+        target = table()
+    threads: set[int] = set()
+    for owner, name in ((FastArray, "read"), (_coalesce.Together, "_run")):
+        method = getattr(owner, name)
+
+        def noting(*args, _method=method, **kwargs):
+            threads.add(threading.get_ident())
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, noting)
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})  # this thread, and the threads it starts
+    try:
+        keras_orbax.restore_sharded(target, tmp_path)
+    finally:
+        os.sched_setaffinity(0, cores)
+    np.testing.assert_array_equal(np.asarray(target.get_layer("e").embeddings.value), want)
+    assert len(threads) == 1, threads  # not spread over the reading pool (4 threads per core)
