@@ -5,6 +5,7 @@ the process matters (exit codes and one-line errors, no backend set, a terminal,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pty
 import re
@@ -41,8 +42,13 @@ def _run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
 
 def _main(capsys: pytest.CaptureFixture, *args: str, check: int = 0) -> subprocess.CompletedProcess:
     """`keras_orbax.cli.main(args)` in this process: its exit code, stdout and stderr."""
+    absl = logging.getLogger("absl")
+    level = absl.level
     capsys.readouterr()
-    code = cli.main(list(args))
+    try:
+        code = cli.main(list(args))
+    finally:
+        absl.setLevel(level)  # `main` quiets absl's logger for the rest of its process
     out, err = capsys.readouterr()
     assert code == check, out + err
     return subprocess.CompletedProcess(args, code, out, err)
