@@ -55,13 +55,8 @@ class Unit:
 
     @property
     def is_small(self) -> bool:
-        """Small regions of local files: reading them is mostly Python, not waiting on storage
-        (object storage is: its requests want many threads in flight)."""
-        return (
-            self.together is None
-            and self.size <= BATCH_BYTES
-            and not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
-        )
+        """Small regions of local files: reading them is mostly Python, not waiting on storage."""
+        return self.together is None and self.size <= BATCH_BYTES and self._local
 
     @property
     def is_cpu_bound(self) -> bool:
@@ -70,9 +65,12 @@ class Unit:
         more of them than cores only pass the GIL around (the 256 MiB embedding of
         reshard_benchmark.py on 2 cores, every layout: 0.16-0.26 s with 2 threads against
         0.19-0.30 s with 8)."""
-        return (self.together is not None or self.cuts) and not any(
-            _storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks
-        )
+        return (self.together is not None or self.cuts) and self._local
+
+    @property
+    def _local(self) -> bool:
+        """Read from local files, not object storage (whose requests want many in flight)."""
+        return not any(_storage.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
 
     def start(self, pool: ThreadPoolExecutor, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
         """Submits the reads to `pool`, or has `files` read small arrays' files (then the regions
