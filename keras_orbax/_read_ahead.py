@@ -171,7 +171,7 @@ def read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[T
     with (
         ThreadPoolExecutor(workers) as pool,
         ThreadPoolExecutor(min(workers, _SMALL_WORKERS)) as small_pool,
-        ThreadPoolExecutor(min(workers, len(os.sched_getaffinity(0)))) as cpu_pool,
+        ThreadPoolExecutor(min(workers, _cores())) as cpu_pool,
     ):
 
         def pool_for(unit: Unit) -> ThreadPoolExecutor:
@@ -191,6 +191,13 @@ def read_ahead(units: list[Unit], workers: int, window: int) -> Iterator[tuple[T
             read = [regions() for _, regions in wave]
             for (unit, _), regions in zip(wave, read, strict=True):
                 yield from zip(unit.tasks, regions, strict=True)
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one: Linux)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def region_bytes(request: ReadRequest, index: Index) -> int:

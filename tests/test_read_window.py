@@ -59,6 +59,7 @@ def test_a_region_larger_than_the_window_still_goes():
     assert got == 2 and reader.seen == {0: 0, 1: 1}  # one at a time, but each one goes
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins a thread to a core: Linux")
 @pytest.mark.parametrize(
     ("saved", "restored"),
     [((None, "model"), ("model", None)), (("model", None), (None, "model"))],
