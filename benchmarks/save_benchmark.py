@@ -144,7 +144,7 @@ def child(args) -> None:
         shutil.rmtree(path, ignore_errors=True)
     save_case(args.case, model, variables, paths["warm"])
     # Every tree stays until both are timed: ext4 without a journal (this machine's) skips inodes
-    # deleted in the last minutes when it allocates one, so a write right after another's delete
+    # deleted in the last minute when it allocates one, so a write right after another's delete
     # pays for it (the floor written twice, deleted between: 3.8 s then 10.6 s). The order
     # alternates between processes, so neither is always the one after the other.
     writes = {
@@ -157,8 +157,9 @@ def child(args) -> None:
     disk = sum(
         os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(paths["case"]) for f in fs
     )
-    for path in paths.values():
-        shutil.rmtree(path)
+    if not args.keep_trees:
+        for path in paths.values():
+            shutil.rmtree(path)
     os.sync()
     shard_bytes = sum(
         s.data.nbytes for v in variables for s in v.value.addressable_shards if s.replica_id == 0
@@ -185,13 +186,18 @@ def child(args) -> None:
 def parent(args) -> None:
     cases = args.cases or (MANY_CASES if args.many else CASES)
     os.makedirs(args.work, exist_ok=True)
+    # 5000 variables' trees are 15,000 inodes each: deleted as each process ends, the next
+    # process's writes would skip them (above); they are deleted after the last process instead.
+    trees = os.path.join(args.work, "trees")
     results = []
     for repeat in range(args.repeats):
         for case in cases:
-            command = [sys.executable, __file__, "--child", "--case", case, "--work", args.work]
+            work = os.path.join(trees, f"{repeat}-{case}") if args.many else args.work
+            command = [sys.executable, __file__, "--child", "--case", case, "--work", work]
             command += ["--layers", str(args.layers), "--width", str(args.width)]
             command += ["--many"] if args.many else []
             command += ["--floor-last"] if repeat % 2 else []
+            command += ["--keep-trees"] if args.many else []
             out = subprocess.run(command, capture_output=True, text=True, check=False)
             lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
             if out.returncode or not lines:
@@ -203,6 +209,7 @@ def parent(args) -> None:
                 f"floor {result['floor_s']:6.2f} s, load {result['load']:.1f}",
                 flush=True,
             )
+    shutil.rmtree(trees, ignore_errors=True)
     report(results, cases, args)
 
 
@@ -240,6 +247,7 @@ def main() -> None:
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--case")
     parser.add_argument("--floor-last", action="store_true", help="time the case first")
+    parser.add_argument("--keep-trees", action="store_true", help="leave the trees written")
     args = parser.parse_args()
     args.layers = args.layers or (2500 if args.many else 8)
     args.width = args.width or (64 if args.many else 4096)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 import pytest
@@ -147,3 +148,46 @@ def test_arrays_up_to_pack_bytes_are_one_file_and_restore_onto_any_layout(tmp_pa
         assert kernel.value.sharding.is_equivalent_to(
             layout.get_variable_layout(kernel).backend_layout, 2
         )
+
+
+def test_the_same_zarr_json_is_written_once_and_linked(tmp_path, distribution):
+    """Arrays of one shape, chunk and dtype share one `zarr.json` file (hard links); plain Orbax
+    and keras-orbax read every array back."""
+    distribution(_models.model_parallel((2, 4)))
+    inputs = keras.Input((16,))
+    outputs = [keras.layers.Dense(32, name=f"same_{i}")(inputs) for i in range(6)]
+    model = keras.Model(inputs, [*outputs, keras.layers.Dense(8, name="other")(inputs)])
+    _models.fill_arange(model)
+    keras_orbax.save(model, tmp_path, step=1)
+
+    specs = list((tmp_path / "1" / "state").glob("*/zarr.json"))
+    assert len(specs) == len(model.variables)
+    by_content: dict[bytes, set[int]] = {}
+    for spec in specs:
+        by_content.setdefault(spec.read_bytes(), set()).add(spec.stat().st_ino)
+    # kernels (16, 32), biases (32,), and the other layer's two: one file each
+    assert len(by_content) == 4
+    assert all(len(inodes) == 1 for inodes in by_content.values())
+    assert max(spec.stat().st_nlink for spec in specs) == 6
+
+    with keras_orbax.deferred_init():
+        restored = keras.models.clone_model(model)
+    keras_orbax.restore_sharded(restored, tmp_path)
+    want = _models.values(model.variables)
+    for got, expected in zip(_models.values(restored.variables), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    loaded = ocp.load(tmp_path / "1", checkpointable_name="state")
+    assert len(jax.tree.leaves(loaded)) == len(model.variables)
+
+
+def test_a_content_whose_first_file_is_gone_is_written_again(tmp_path):
+    """Where the link fails (here its source was removed; elsewhere a filesystem without hard
+    links), the file is written with its content instead."""
+    once = _write._Once()
+    once.write(tmp_path / "a", b"{}")
+    (tmp_path / "a").unlink()
+    once.write(tmp_path / "b", b"{}")
+    once.write(tmp_path / "c", b"{}")
+    assert (tmp_path / "b").read_bytes() == (tmp_path / "c").read_bytes() == b"{}"
+    assert once.written == [tmp_path / "a", tmp_path / "b"]  # c is a link to b
+    assert (tmp_path / "c").stat().st_ino == (tmp_path / "b").stat().st_ino
