@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -184,10 +185,11 @@ def test_a_content_whose_first_file_is_gone_is_written_again(tmp_path):
     """Where the link fails (here its source was removed; elsewhere a filesystem without hard
     links), the file is written with its content instead."""
     once = _write._Once()
-    once.write(tmp_path / "a", b"{}")
-    (tmp_path / "a").unlink()
-    once.write(tmp_path / "b", b"{}")
-    once.write(tmp_path / "c", b"{}")
-    assert (tmp_path / "b").read_bytes() == (tmp_path / "c").read_bytes() == b"{}"
-    assert once.written == [tmp_path / "a", tmp_path / "b"]  # c is a link to b
-    assert (tmp_path / "c").stat().st_ino == (tmp_path / "b").stat().st_ino
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    once.write(a, b"{}")
+    os.unlink(a)
+    once.write(b, b"{}")
+    once.write(c, b"{}")
+    assert Path(b).read_bytes() == Path(c).read_bytes() == b"{}"
+    assert once.written == [a, b]  # c is a link to b
+    assert os.stat(c).st_ino == os.stat(b).st_ino
