@@ -3,7 +3,8 @@ writes them: per array a zarr v3 `zarr.json` whose chunk is the saved shard, `_s
 array's sharding, for plain `ocp.load`) and `array_metadatas/process_<i>`.
 
 ```python
-files = metadata_files([SavedArray("dense.kernel", (64, 64), (64, 16), np.dtype("float32"), s, False)])
+kernel = SavedArray("dense.vars.0", (64, 64), (64, 16), np.dtype("float32"), sharding, False)
+files = metadata_files([kernel])  # [("dense.vars.0/zarr.json", b"{...}"), ("_sharding", ...), ...]
 ```
 """
 
