@@ -150,7 +150,9 @@ def _record(step: int, path: Path) -> StepRecord:
 def _disk_bytes(path: Any) -> int:
     if _storage.is_remote(path):
         return _storage.total_bytes(path)
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    # Each inode once: arrays of one shape share a hard-linked `zarr.json` (`_write._Once`).
+    stats = [f.stat() for f in path.rglob("*") if f.is_file()]
+    return sum({(s.st_dev, s.st_ino): s.st_size for s in stats}.values())
 
 
 def _where(layout: dict[str, Any] | None) -> str:

@@ -170,6 +170,11 @@ def test_the_same_zarr_json_is_written_once_and_linked(tmp_path, distribution):
     assert len(by_content) == 4
     assert all(len(inodes) == 1 for inodes in by_content.values())
     assert max(spec.stat().st_nlink for spec in specs) == 6
+    files = [f for f in (tmp_path / "1").rglob("*") if f.is_file()]
+    once_each = {f.stat().st_ino: f.stat().st_size for f in files}
+    (summary,) = keras_orbax.inspect(tmp_path).summaries
+    assert summary.disk_bytes == sum(once_each.values())  # a linked file counted once
+    assert summary.disk_bytes < sum(f.stat().st_size for f in files)
 
     with keras_orbax.deferred_init():
         restored = keras.models.clone_model(model)
