@@ -38,7 +38,7 @@ def step_committed(step_dir: Path) -> None:
         fsync_path(directory)
 
 
-def fsync_path(path: Path) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
     """fsyncs a file or a directory."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:

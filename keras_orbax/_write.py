@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from keras_orbax import _checksum, _compat_orbax, _staging, _storage
+from keras_orbax import _checksum, _compat_orbax, _durable, _staging, _storage
 from keras_orbax._fast_format import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._write_metadata import SavedArray, metadata_files
 
@@ -247,7 +247,8 @@ def write_arrays(directory: Any, arrays: list[SavedArray], shards: list[_Shard])
                 once.write(path, content)
         checksums = {name: future.result() for name, future in started}
         _write_file(f"{root}/{_checksums_name()}", _checksums_json(checksums))
-        list(pool.map(_fsync, [*once.written, *(f"{root}/{relative}" for relative in dirs)]))
+        written = [*once.written, *(f"{root}/{relative}" for relative in dirs)]
+        list(pool.map(_durable.fsync_path, written))
 
 
 class _Once:
@@ -343,12 +344,3 @@ def _write_all(fd: int, view: memoryview) -> None:
     done = 0
     while done < len(view):
         done += os.write(fd, view[done:])
-
-
-def _fsync(path: str) -> None:
-    """fsyncs a file or a directory."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
