@@ -12,7 +12,7 @@ fresh process, onto the saved layout (`same`) and onto another (`other`):
 - `2d_rows`: the reverse, saved ("model", "batch"), `other` ("batch", "model"): cuts the stored rows.
 - `h5`: a `.weights.h5` (one contiguous dataset); `same` splits the first axis (each region one
   contiguous run), `other` the last.
-A third restore, `copied`, is `same` with shard files never mapped (`_mapped`): each saved shard
+A third restore, `copied`, is `same` with shard files never mapped (`mapped`): each saved shard
 read into fresh memory, as any region of another layout is. On the saved layout the fast format maps
 shards of 4 MiB and more instead of copying them, so `other / copied` compares the same work and
 `other / same` what a user sees. (h5 files are never mapped: no `copied` there.)
@@ -86,9 +86,9 @@ def child(mode: str, args: argparse.Namespace) -> dict:
             keras_orbax.save(model, work, step=1, overwrite=True)
         return {}
     if what == "copied":
-        from keras_orbax import _mapped
+        from keras_orbax._src.storage import mapped
 
-        _mapped.MIN_BYTES = 1 << 62  # nothing is large enough to be mapped
+        mapped.MIN_BYTES = 1 << 62  # nothing is large enough to be mapped
     keras.distribution.set_distribution(_distribution(case, other if what == "other" else saved))
     with keras_orbax.deferred_init():
         model = _model(args.rows, args.cols)

@@ -97,7 +97,7 @@ def save_floor(variables, directory: str) -> None:
 
 def save_case(case: str, model, variables, directory: str) -> None:
     import keras_orbax
-    from keras_orbax import _save
+    from keras_orbax._src.write import step_writer
 
     if case == "ko":
         keras_orbax.save(model, directory, step=1)
@@ -107,10 +107,10 @@ def save_case(case: str, model, variables, directory: str) -> None:
         import orbax.checkpoint.experimental.v1 as ocp
 
         context = ocp.Context()
-        for option, value in _save._FORMATS["fast"].items():
+        for option, value in step_writer._FORMATS["fast"].items():
             setattr(context.array.saving, option, value)
         with ocp.training.Checkpointer(directory, context=context) as checkpointer:
-            _save.write_step(checkpointer, model, step=1)
+            step_writer.write_step(checkpointer, model, step=1)
     elif case == "orbax_std":
         import orbax.checkpoint as ocp0
 

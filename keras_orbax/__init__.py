@@ -18,19 +18,20 @@ import os
 # keras-orbax is for Keras's JAX backend: choose it unless the user chose one (Keras reads this when
 # it is first imported; the console script imports nothing else before).
 os.environ.setdefault("KERAS_BACKEND", "jax")
-from keras_orbax import _storage, errors
-from keras_orbax._callback import ModelCheckpoint
-from keras_orbax._deferred import deferred_init
-from keras_orbax._inspect import CheckpointInfo, inspect
-from keras_orbax._load_model import load_model
-from keras_orbax._preset import from_preset
-from keras_orbax._restore import RestoreResult, restore_sharded
-from keras_orbax._save import save
-from keras_orbax._verify import VerifyResult, verify
+from keras_orbax import errors
+from keras_orbax._src.model.deferred import deferred_init
+from keras_orbax._src.restore.load_model import load_model
+from keras_orbax._src.restore.preset import from_preset
+from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
+from keras_orbax._src.storage import locations
+from keras_orbax._src.tools.inspect_checkpoint import CheckpointInfo, inspect
+from keras_orbax._src.tools.verify_step import VerifyResult, verify
+from keras_orbax._src.training.callback import ModelCheckpoint
+from keras_orbax._src.write.step_writer import save
 
 # Object-store paths through gcsfs/s3fs, not TensorFlow's file system, and the variables the storage
-# layers read derived from the standard ones, before any of them is imported (see `_storage`).
-_storage.configure_environment()
+# layers read derived from the standard ones, before any of them is imported (see `locations`).
+locations.configure_environment()
 
 __version__ = "0.1.0"
 

@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from keras_orbax._inspect import inspect
+    from keras_orbax._src.tools.inspect_checkpoint import inspect
 
     info = inspect(args.directory, args.step)
     if not args.quiet:
@@ -112,8 +112,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from keras_orbax._diff import diff
-    from keras_orbax._progress import Progress
+    from keras_orbax._src.runtime.progress import Progress
+    from keras_orbax._src.tools.diff import diff
 
     progress: list[Progress] = []
 
@@ -137,8 +137,8 @@ def _diff(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import keras
 
-    from keras_orbax._deferred import deferred_init
-    from keras_orbax._dry_run import plan_restore_report
+    from keras_orbax._src.model.deferred import deferred_init
+    from keras_orbax._src.tools.plan_report import plan_restore_report
 
     if args.mesh:
         keras.distribution.set_distribution(_distribution(args))
@@ -152,9 +152,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from keras_orbax._convert import convert
-    from keras_orbax._deferred import deferred_init
-    from keras_orbax._progress import Progress
+    from keras_orbax._src.model.deferred import deferred_init
+    from keras_orbax._src.runtime.progress import Progress
+    from keras_orbax._src.tools.convert import convert
 
     model = None
     if args.model:

@@ -81,10 +81,10 @@ def values(variables: list[keras.Variable]) -> list[np.ndarray]:
 @contextlib.contextmanager
 def one_file_per_shard() -> Iterator[None]:
     """Within it, saves write every array as one file per shard, small ones too (as the fast format
-    does above `_write.PACK_BYTES`): for tests of that layout (damage to one shard's file, layouts
+    does above `shard_writer.PACK_BYTES`): for tests of that layout (damage to one shard's file, layouts
     that cut the saved shards)."""
-    from keras_orbax import _write
+    from keras_orbax._src.write import shard_writer
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_write, "PACK_BYTES", -1)
+        patch.setattr(shard_writer, "PACK_BYTES", -1)
         yield

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax._src.format import step_dirs
 from tests import _models
 from tests._harness import REPO_ROOT, WORKERS_DIR, start_workers
 
@@ -79,7 +79,7 @@ def test_resumed_fit_ends_exactly_where_an_uninterrupted_fit_does(tmp_path, mp, 
     keras.utils.set_random_seed(1)
     first = _models.compile_adam(_models.full_model())
     _fit(first, 2, [keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, verbose=1)])
-    assert _steps.committed_steps(tmp_path) == [4, 8]
+    assert step_dirs.committed_steps(tmp_path) == [4, 8]
 
     keras.utils.set_random_seed(2)  # a different init: the restore must overwrite all of it
     fresh = _models.compile_adam(_models.full_model())
@@ -88,7 +88,7 @@ def test_resumed_fit_ends_exactly_where_an_uninterrupted_fit_does(tmp_path, mp, 
 
     assert checkpoint.restored is not None and checkpoint.restored.step == 8
     assert history.epoch == [2, 3]
-    assert _steps.committed_steps(tmp_path) == [4, 8, 12, 16]  # global steps: none collide
+    assert step_dirs.committed_steps(tmp_path) == [4, 8, 12, 16]  # global steps: none collide
     assert int(fresh.optimizer.iterations) == 16
     _assert_equal(_state(fresh), _state(uninterrupted))
     lines = capsys.readouterr().out.splitlines()
@@ -107,7 +107,7 @@ def test_mid_epoch_async_saves_hold_their_step_and_resume_skips_the_batches_done
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None)
     _fit(model, 3, [checkpoint, keras.callbacks.LambdaCallback(on_train_batch_end=record)])
 
-    assert _steps.committed_steps(tmp_path) == [3, 6, 9, 12]
+    assert step_dirs.committed_steps(tmp_path) == [3, 6, 9, 12]
     positions = {}
     for step in (3, 6, 9, 12):
         fresh = _models.compile_adam(_models.full_model())
@@ -124,7 +124,7 @@ def test_mid_epoch_async_saves_hold_their_step_and_resume_skips_the_batches_done
     history = _fit(resumed, 3, [checkpoint])
     assert history.epoch == [1, 2]  # epoch 1 goes on after its first 2 batches
     assert int(resumed.optimizer.iterations) == 12
-    assert _steps.committed_steps(tmp_path) == [3, 6, 9, 12]
+    assert step_dirs.committed_steps(tmp_path) == [3, 6, 9, 12]
     _assert_equal(_state(resumed), seen[12])
 
 
@@ -147,7 +147,7 @@ SCORES = {0: 0.2, 1: 0.9, 2: 0.1, 3: 0.7, 4: 0.8}
 def test_retention_keeps_exactly_the_steps_of_its_rules(tmp_path, mp, options, kept):
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, monitor="score", mode="min", **options)
     _fit(_mlp(), 5, [_Scores(SCORES), checkpoint])
-    assert _steps.committed_steps(tmp_path) == kept
+    assert step_dirs.committed_steps(tmp_path) == kept
 
 
 def test_retention_across_a_restart_keeps_the_first_runs_best(tmp_path, mp):
@@ -158,10 +158,10 @@ def test_retention_across_a_restart_keeps_the_first_runs_best(tmp_path, mp):
 
     scores = {0: 0.9, 1: 0.1, 2: 0.5, 3: 0.4, 4: 0.7, 5: 0.3}
     _fit(_mlp(), 3, [_Scores(scores), checkpoint()])
-    assert _steps.committed_steps(tmp_path) == [4, 8, 12]  # best, every 8th, latest
+    assert step_dirs.committed_steps(tmp_path) == [4, 8, 12]  # best, every 8th, latest
 
     _fit(_mlp(), 6, [_Scores(scores), checkpoint(resume=True)])
-    assert _steps.committed_steps(tmp_path) == [4, 8, 16, 24]
+    assert step_dirs.committed_steps(tmp_path) == [4, 8, 16, 24]
 
 
 def test_save_best_only_recovers_the_best_value_after_a_restart(tmp_path, mp):
@@ -172,14 +172,14 @@ def test_save_best_only_recovers_the_best_value_after_a_restart(tmp_path, mp):
 
     scores = {0: 0.5, 1: 0.1, 2: 0.3, 3: 0.2, 4: 0.4, 5: 0.05}
     _fit(_mlp(), 3, [_Scores(scores), checkpoint(max_to_keep=None)])
-    assert _steps.committed_steps(tmp_path) == [4, 8]
+    assert step_dirs.committed_steps(tmp_path) == [4, 8]
 
     restarted = checkpoint(max_to_keep=None, resume=True)
     history = _fit(_mlp(), 6, [_Scores(scores), restarted])
     # Resumed at epoch 2, after step 8. Without the recovered best (0.1), epoch 2's 0.3 and
     # epoch 3's 0.2 would have been saved as new bests (steps 12 and 16).
     assert history.epoch == [2, 3, 4, 5]
-    assert _steps.committed_steps(tmp_path) == [4, 8, 24]
+    assert step_dirs.committed_steps(tmp_path) == [4, 8, 24]
     assert restarted.best == 0.05
 
 
@@ -200,7 +200,7 @@ def test_save_best_only_keeps_the_best_step_past_a_preemption_save(tmp_path, mp)
     )
     assert checkpoint.preempted and history.epoch == [0, 1, 2, 3]
     # The preemption save is the latest (to resume from) but not a "best": step 8 stays.
-    assert _steps.committed_steps(tmp_path) == [8, 13]
+    assert step_dirs.committed_steps(tmp_path) == [8, 13]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
@@ -235,7 +235,7 @@ def test_failed_background_save_raises_and_the_last_step_survives(tmp_path, mp, 
     assert "File too large" in message
     assert message.endswith("The last committed step, 4, is intact.")
     assert result["sigterm_is_default"]  # cleaned up although fit raised
-    assert _steps.committed_steps(directory) == [4]
+    assert step_dirs.committed_steps(directory) == [4]
     fresh = _models.compile_adam(_models.mlp(width=16384))
     assert keras_orbax.restore_sharded(fresh, directory).step == 4
     with np.load(tmp_path / "after_first.npz") as after_first:
@@ -272,8 +272,8 @@ def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, m
 
     # It stopped at the batch end right after the signal: step 12, batch 4 of epoch 1.
     assert json.loads(result.read_text()) == {"preempted": True, "step": 12, "epochs": [0, 1]}
-    assert _steps.committed_steps(directory) == [8, 12]
-    record = _steps.read_record(directory / "12")
+    assert step_dirs.committed_steps(directory) == [8, 12]
+    record = step_dirs.read_record(directory / "12")
     assert (record.epoch, record.batch, record.extra) == (1, 4, {"reason": "preemption"})
 
     model = preempt_train.build()
@@ -285,7 +285,7 @@ def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, m
     assert checkpoint.restored is not None and checkpoint.restored.step == 12
     assert history.epoch == [1, 2]  # epoch 1 goes on after its first 4 batches
     assert int(model.optimizer.iterations) == 3 * preempt_train.BATCHES_PER_EPOCH
-    assert _steps.committed_steps(directory) == [8, 12, 16, 24]
+    assert step_dirs.committed_steps(directory) == [8, 12, 16, 24]
 
 
 # -- arguments and misuse -------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def test_a_directory_ahead_of_the_model_is_refused_without_resume(tmp_path, mp):
 def test_weights_only_checkpoints_hold_no_optimizer_state(tmp_path, mp):
     model = _mlp()
     _fit(model, 1, [keras_orbax.ModelCheckpoint(tmp_path, save_weights_only=True)])
-    record = _steps.read_record(tmp_path / "4")
+    record = step_dirs.read_record(tmp_path / "4")
     assert len(record.variables) == 4  # two kernels, two biases
     assert all(v.role == "model" for v in record.variables.values())
     bare = _models.mlp()

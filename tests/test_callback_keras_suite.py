@@ -24,7 +24,7 @@ import pytest
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel, TensorLayout
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax._src.format import step_dirs
 from keras_orbax.errors import CheckpointMismatchError
 
 DENSE_UNITS, OUT_UNITS, NUM_SAMPLES, PREDICT_BATCH = 32, 16, 64, 8  # the distributed tests' sizes
@@ -87,7 +87,7 @@ def test_checkpoint_saving_basic(tmp_path, save_freq, epochs, batch_size, steps)
     _create_test_model().fit(
         x, y, epochs=epochs, batch_size=batch_size, callbacks=[callback], verbose=0
     )
-    assert _steps.committed_steps(tmp_path) == steps
+    assert step_dirs.committed_steps(tmp_path) == steps
 
 
 @pytest.mark.parametrize(("mode", "better"), [("min", np.less), ("max", np.greater)])
@@ -99,7 +99,7 @@ def test_save_best_only(tmp_path, mode, better):
     history = _create_test_model().fit(x, y, epochs=5, callbacks=[callback], verbose=0)
     losses = history.history["loss"]
     saved = _simulate_best(losses, better)
-    assert _steps.committed_steps(tmp_path) == [4 * (e + 1) for e in saved]
+    assert step_dirs.committed_steps(tmp_path) == [4 * (e + 1) for e in saved]
     assert callback.best == losses[saved[-1]]
 
 
@@ -111,7 +111,7 @@ def test_async_vs_sync_saving(tmp_path, save_on_background):
         tmp_path, save_on_background=save_on_background, max_to_keep=None
     )
     model.fit(x, y, epochs=2, callbacks=[callback], verbose=0)
-    assert _steps.committed_steps(tmp_path) == [4, 8]
+    assert step_dirs.committed_steps(tmp_path) == [4, 8]
     fresh = _create_test_model()
     keras_orbax.restore_sharded(fresh, tmp_path)
     _assert_all_equal(fresh.get_weights(), model.get_weights())
@@ -121,7 +121,7 @@ def test_max_to_keep(tmp_path):
     x, y = _create_dummy_data()
     callback = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=2)
     _create_test_model().fit(x, y, epochs=5, callbacks=[callback], verbose=0)
-    assert _steps.committed_steps(tmp_path) == [16, 20]
+    assert step_dirs.committed_steps(tmp_path) == [16, 20]
 
 
 def test_load_weights_from_checkpoint(tmp_path):
@@ -162,7 +162,7 @@ def test_initial_value_threshold(tmp_path):
     )
     history = _create_test_model().fit(x, y, epochs=3, callbacks=[callback], verbose=0)
     saved = _simulate_best(history.history["loss"], np.less, initial=1.0)
-    assert _steps.committed_steps(tmp_path) == [4 * (e + 1) for e in saved]
+    assert step_dirs.committed_steps(tmp_path) == [4 * (e + 1) for e in saved]
 
 
 @pytest.mark.parametrize("save_on_background", [False, True])
@@ -230,7 +230,7 @@ def test_checkpoint_loading_from_the_stored_config(tmp_path):
     x, y = _create_dummy_data()
     model.fit(x, y, epochs=1, callbacks=[keras_orbax.ModelCheckpoint(tmp_path)], verbose=0)
 
-    config = _steps.read_record(tmp_path / "4").model_config
+    config = step_dirs.read_record(tmp_path / "4").model_config
     assert config is not None
     loaded = keras.saving.deserialize_keras_object(config)
     loaded.compile(optimizer="adam", loss="mse")
@@ -298,10 +298,10 @@ def test_training_resumption(tmp_path, steps_per_execution, first, then):
     model = _create_test_model(steps_per_execution)
     oc1 = keras_orbax.ModelCheckpoint(tmp_path, save_freq=1, max_to_keep=10)
     model.fit(x, y, epochs=2, batch_size=25, callbacks=[oc1], verbose=0)
-    assert _steps.committed_steps(tmp_path) == first
+    assert step_dirs.committed_steps(tmp_path) == first
 
     reloaded = _create_test_model(steps_per_execution)
     oc2 = keras_orbax.ModelCheckpoint(tmp_path, save_freq=1, max_to_keep=10, resume=True)
     history = reloaded.fit(x, y, epochs=3, batch_size=25, callbacks=[oc2], verbose=0)
     assert history.epoch == [2]
-    assert _steps.committed_steps(tmp_path) == first + then
+    assert step_dirs.committed_steps(tmp_path) == first + then

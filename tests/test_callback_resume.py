@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax._src.format import step_dirs
 from tests import _models
 
 BATCH = 8
@@ -118,7 +118,7 @@ def _resume_exactly(
         callbacks=[_StopAfter(stop_after), checkpoint],
     )  # fmt: skip
     assert checkpoint.preempted
-    assert _steps.committed_steps(directory)[-1] == stop_after
+    assert step_dirs.committed_steps(directory)[-1] == stop_after
 
     keras.utils.set_random_seed(2)  # another init: the restore must overwrite all of it
     resumed = build()
@@ -173,7 +173,9 @@ def test_mid_epoch_saves_of_a_generator_record_the_batches_done(tmp_path, mp):
     model = _mlp()()
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=4, max_to_keep=None)
     model.fit(**_generator(12)(), epochs=1, verbose=0, callbacks=[checkpoint])
-    records = {s: _steps.read_record(tmp_path / str(s)) for s in _steps.committed_steps(tmp_path)}
+    records = {
+        s: step_dirs.read_record(tmp_path / str(s)) for s in step_dirs.committed_steps(tmp_path)
+    }
     assert {s: (r.epoch, r.batch) for s, r in records.items()} == {
         4: (0, 4),
         8: (0, 8),
@@ -204,7 +206,7 @@ def test_gradient_accumulation_saves_every_batch_without_skipping(tmp_path, mp):
     _mlp(gradient_accumulation_steps=2)().fit(
         **_arrays(3)(), epochs=2, verbose=0, callbacks=[checkpoint]
     )
-    assert _steps.committed_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert step_dirs.committed_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.fixture

@@ -188,7 +188,7 @@ def test_convert_streams_one_array_at_a_time(tmp_path):
     _trained_mlp().save_weights(small)
     script = f"""
 import json, resource
-from keras_orbax._convert import convert
+from keras_orbax._src.tools.convert import convert
 convert({str(small)!r}, {str(tmp_path / "warm")!r})
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 convert({str(h5)!r}, {str(tmp_path / "ckpt")!r})

@@ -312,17 +312,17 @@ def test_a_region_of_another_shape_or_dtype_is_never_placed():
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from keras_orbax import _read
-    from keras_orbax._metadata import VariableRecord
+    from keras_orbax._src.format.step_record import VariableRecord
+    from keras_orbax._src.read import sharded_read
 
     sharding = NamedSharding(Mesh(jax.devices(), ("x",)), PartitionSpec("x"))
     target = jax.ShapeDtypeStruct((16,), np.float32, sharding=sharding)
     record = VariableRecord("layers/dense/vars/0", "dense/kernel", (16,), "float32", "a")
-    request = _read.ReadRequest(record, target)
+    request = sharded_read.ReadRequest(record, target)
     indices = request.local_indices()
     right = {repr(index): np.zeros(2, np.float32) for index in indices}
-    assert np.asarray(_read._on_devices(request, right)).shape == (16,)
+    assert np.asarray(sharded_read._on_devices(request, right)).shape == (16,)
     for wrong in (np.zeros(3, np.float32), np.zeros(2, np.float16)):
         regions = {**right, repr(indices[5]): wrong}
         with pytest.raises(CorruptCheckpointError, match=r"layers/dense/vars/0: read regions \("):
-            _read._on_devices(request, regions)
+            sharded_read._on_devices(request, regions)

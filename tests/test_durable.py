@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _mapped
+from keras_orbax._src.storage import mapped
 from tests import _models
 from tests._page_cache import written_back
 
@@ -24,7 +24,7 @@ def _model() -> keras.Model:
 
 
 def test_no_page_of_a_saved_step_is_left_to_write_back(tmp_path, distribution):
-    if _mapped.filesystem_type(os.stat(tmp_path).st_dev) in {"tmpfs", "ramfs"}:
+    if mapped.filesystem_type(os.stat(tmp_path).st_dev) in {"tmpfs", "ramfs"}:
         pytest.skip("a filesystem in memory writes nothing back")
     distribution(_models.model_parallel((1, 8)))
     model = _model()

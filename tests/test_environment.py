@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _steps, _writer_lock
-from keras_orbax._writer_lock import lock_path
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.storage import writer_lock
+from keras_orbax._src.storage.writer_lock import lock_path
 from keras_orbax.errors import SaveFailedError, StepLockedError
 from tests import _models
 from tests._harness import REPO_ROOT, WORKERS_DIR
@@ -99,18 +100,18 @@ def test_full_disk_fails_the_save_and_keeps_the_previous_step(tmp_path, distribu
 
         with pytest.raises(SaveFailedError, match=r"Saving step 8 to .*ckpt.*intact"):
             _fit(model, 2, keras_orbax.ModelCheckpoint(directory, max_to_keep=None, resume=True))
-        assert _steps.committed_steps(directory) == [4]
+        assert step_dirs.committed_steps(directory) == [4]
         _assert_equal(_restored(directory), saved)
         with pytest.raises(SaveFailedError, match=r"(?s)step 99 .*No space left on device.*4, is"):
             keras_orbax.save(model, directory, step=99)
-        assert _steps.committed_steps(directory) == [4]
+        assert step_dirs.committed_steps(directory) == [4]
 
         filler.unlink()  # space again: the next run goes on from the step that was kept
         resumed = _models.compile_adam(_models.mlp())
         checkpoint = keras_orbax.ModelCheckpoint(directory, max_to_keep=None, resume=True)
         _fit(resumed, 2, checkpoint)
         assert checkpoint.restored is not None and checkpoint.restored.step == 4
-        assert _steps.committed_steps(directory) == [4, 8]
+        assert step_dirs.committed_steps(directory) == [4, 8]
         _assert_equal(_restored(directory), _state(resumed))
 
 
@@ -180,7 +181,7 @@ def test_two_writers_at_once(tmp_path, distribution):
         same_step[1 - same_step.index("ok")],
     ), outcomes
     assert [o[1] for o in outcomes] == ["ok", "ok"], outcomes
-    assert _steps.committed_steps(directory) == [1, 5, 6, 7]
+    assert step_dirs.committed_steps(directory) == [1, 5, 6, 7]
     assert _lock_files(directory) == []
 
     model = _models.mlp()
@@ -214,12 +215,12 @@ def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_pat
             with pytest.raises(StepLockedError, match=match) as raised:
                 keras_orbax.save(model, directory, step=5, overwrite=overwrite)
             assert isinstance(raised.value, BlockingIOError)
-        assert _steps.committed_steps(directory) == [1]
+        assert step_dirs.committed_steps(directory) == [1]
         keras_orbax.save(model, directory, step=6)  # another step: no wait, no error
         go.write_text("")
         assert holder.wait(timeout=HANG_S) == 0, (tmp_path / "holder_5.log").read_text()[-3000:]
 
-    assert _steps.committed_steps(directory) == [1, 5, 6]
+    assert step_dirs.committed_steps(directory) == [1, 5, 6]
     assert _lock_files(directory) == []
     restored = _models.mlp()
     keras_orbax.restore_sharded(restored, directory, 5)
@@ -235,7 +236,7 @@ def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distributi
     instant waits for the record instead of naming no one."""
     # The refused writer waits up to `_HOLDER_WAIT_S` (2 s) for the record; on a loaded machine the
     # recording thread below may take longer than that to be scheduled, so the bound is lifted.
-    monkeypatch.setattr(_writer_lock, "_HOLDER_WAIT_S", HANG_S)
+    monkeypatch.setattr(writer_lock, "_HOLDER_WAIT_S", HANG_S)
     distribution(_models.model_parallel((2, 4)))
     directory = tmp_path / "ckpt"
     directory.mkdir()
@@ -250,7 +251,7 @@ def test_a_writer_refused_just_as_the_holder_locks_names_it(tmp_path, distributi
         record.join()
     finally:
         os.close(fd)
-    assert _steps.committed_steps(directory) == []
+    assert step_dirs.committed_steps(directory) == []
 
 
 def _record_once_opened(fd: int, path: Path) -> None:
@@ -287,7 +288,7 @@ def test_a_killed_writers_lock_does_not_block_the_next_save(tmp_path, distributi
     assert _lock_files(directory) == [".keras_orbax.3.lock"]  # left behind, unlocked by the kernel
 
     keras_orbax.save(model, directory, step=3)
-    assert _steps.committed_steps(directory) == [3]
+    assert step_dirs.committed_steps(directory) == [3]
     assert _lock_files(directory) == []
     restored = _models.mlp()
     keras_orbax.restore_sharded(restored, directory)
@@ -311,7 +312,7 @@ def test_callback_stops_at_a_step_another_writer_holds(tmp_path, distribution, b
             _fit(model, 2, checkpoint, after_epoch_1)
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=HANG_S)
-    assert _steps.committed_steps(directory) == [4]
+    assert step_dirs.committed_steps(directory) == [4]
     _assert_equal(_restored(directory), after_epoch_1.state)
 
     resumed = _models.compile_adam(_models.mlp())
@@ -319,7 +320,7 @@ def test_callback_stops_at_a_step_another_writer_holds(tmp_path, distribution, b
         directory, max_to_keep=None, save_on_background=background, resume=True
     )
     _fit(resumed, 2, checkpoint, _LockedUntilCommitted(checkpoint))
-    assert _steps.committed_steps(directory) == [4, 8]
+    assert step_dirs.committed_steps(directory) == [4, 8]
     assert _lock_files(directory) == []
     _assert_equal(_restored(directory), _state(resumed))
 
@@ -345,7 +346,7 @@ class _LockedUntilCommitted(keras.callbacks.Callback):
         step = self.checkpoint._last_saved_step
         if step is not None:
             locked = lock_path(self.checkpoint.directory, step).exists()
-            assert locked or step in _steps.committed_steps(self.checkpoint.directory), step
+            assert locked or step in step_dirs.committed_steps(self.checkpoint.directory), step
 
 
 @contextlib.contextmanager

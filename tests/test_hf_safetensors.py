@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _compat_hub, _hub_convert, _safetensors
-from keras_orbax._hub_hooks import HookKind, classify
+from keras_orbax._src.compat import hub_compat
+from keras_orbax._src.sources import hub_convert, safetensors_files
+from keras_orbax._src.sources.hub_hooks import HookKind, classify
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 from tests._hub import import_keras_hub
 
@@ -67,7 +68,7 @@ def sharded_llama_dir(tmp_path_factory, llama_dir):
     """The Llama export split into two part files plus `model.safetensors.index.json`."""
     directory = tmp_path_factory.mktemp("llama_sharded")
     shutil.copy(llama_dir / "config.json", directory / "config.json")
-    tensors = safetensors_numpy.load_file(llama_dir / _safetensors.SINGLE_FILE)
+    tensors = safetensors_numpy.load_file(llama_dir / safetensors_files.SINGLE_FILE)
     names = sorted(tensors)
     parts = {"model-00001-of-00002.safetensors": names[::2]}
     parts["model-00002-of-00002.safetensors"] = names[1::2]
@@ -77,7 +78,7 @@ def sharded_llama_dir(tmp_path_factory, llama_dir):
         weight_map.update(dict.fromkeys(part_names, part))
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}}
     index["weight_map"] = weight_map
-    (directory / _safetensors.INDEX_FILE).write_text(json.dumps(index))
+    (directory / safetensors_files.INDEX_FILE).write_text(json.dumps(index))
     return directory
 
 
@@ -95,8 +96,8 @@ def case(request):
 
 
 def _ported(directory, kwargs):
-    backbone = _hub_convert.build_backbone(directory, **kwargs)
-    return backbone, _hub_convert.port_tensors(backbone, directory)
+    backbone = hub_convert.build_backbone(directory, **kwargs)
+    return backbone, hub_convert.port_tensors(backbone, directory)
 
 
 def test_ported_tensors_give_keras_hub_values(case):
@@ -104,12 +105,12 @@ def test_ported_tensors_give_keras_hub_values(case):
     expected = cls.from_preset(str(directory), **kwargs)  # keras-hub's own loader
     backbone, ported = _ported(directory, kwargs)
     assert type(backbone) is cls
-    assert _hub_convert.unported_variables(backbone, ported) == []
+    assert hub_convert.unported_variables(backbone, ported) == []
     position = {id(v): i for i, v in enumerate(backbone.variables)}
     assert sorted(position[id(p.variable)] for p in ported) == list(range(len(position)))
     for p in ported:
         want = np.asarray(expected.variables[position[id(p.variable)]].value)
-        got = _hub_convert.host_value(p)
+        got = hub_convert.host_value(p)
         assert got.dtype == want.dtype, p.variable.path
         np.testing.assert_array_equal(got, want, err_msg=p.variable.path)
 
@@ -119,12 +120,12 @@ def test_ports_a_deferred_backbone_without_allocating(llama_dir, distribution):
     layout_map = keras_hub.models.Llama3Backbone.get_layout_map(mesh)
     distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     with keras_orbax.deferred_init():
-        built = _hub_convert.build_backbone(llama_dir)
+        built = hub_convert.build_backbone(llama_dir)
         # What `keras_orbax.from_preset` builds: keras-hub's own path without weights.
         from_preset = keras_hub.models.Backbone.from_preset(str(llama_dir), load_weights=False)
     for backbone in (built, from_preset):
-        ported = _hub_convert.port_tensors(backbone, llama_dir)
-        assert _hub_convert.unported_variables(backbone, ported) == []
+        ported = hub_convert.port_tensors(backbone, llama_dir)
+        assert hub_convert.unported_variables(backbone, ported) == []
         assert all(v._value is None for v in backbone.variables)
 
 
@@ -133,23 +134,23 @@ def test_hook_plans_reproduce_the_hooks(case):
     directory, _, kwargs = case
     _, ported = _ported(directory, kwargs)
     for p in ported:
-        plan = _hub_convert.classify_hook(p)
+        plan = hub_convert.classify_hook(p)
         assert plan.kind is not HookKind.OTHER, (p.variable.path, plan.reason)
         assert plan.shape == tuple(p.variable.shape)
-        raw = _safetensors.read_tensor(p.tensor)
+        raw = safetensors_files.read_tensor(p.tensor)
         value = raw.reshape(plan.view_shape).transpose(plan.permutation).reshape(plan.shape)
         for dtype in plan.casts:
             value = value.astype(dtype)
         np.testing.assert_array_equal(
-            value.astype(_hub_convert.host_value(p).dtype),
-            _hub_convert.host_value(p),
+            value.astype(hub_convert.host_value(p).dtype),
+            hub_convert.host_value(p),
             err_msg=p.variable.path,
         )
 
 
 def _plans(directory, kwargs=None):
     _, ported = _ported(directory, kwargs or {})
-    return {p.tensor.name: _hub_convert.classify_hook(p) for p in ported}
+    return {p.tensor.name: hub_convert.classify_hook(p) for p in ported}
 
 
 def test_llama3_hook_kinds(llama_dir):
@@ -182,22 +183,22 @@ def test_gemma_hook_kinds(gemma_dir):
 
 
 def test_sharded_directory_parses_like_the_single_file(llama_dir, sharded_llama_dir):
-    single = _safetensors.read_directory(llama_dir)
-    sharded = _safetensors.read_directory(sharded_llama_dir)
+    single = safetensors_files.read_directory(llama_dir)
+    sharded = safetensors_files.read_directory(sharded_llama_dir)
     assert sorted(single) == sorted(sharded)
     assert len({t.file for t in sharded.values()}) == 2
     for name, tensor in single.items():
         assert (sharded[name].shape, sharded[name].dtype) == (tensor.shape, tensor.dtype)
-        want = _safetensors.read_tensor(tensor)
-        np.testing.assert_array_equal(_safetensors.read_tensor(sharded[name]), want)
+        want = safetensors_files.read_tensor(tensor)
+        np.testing.assert_array_equal(safetensors_files.read_tensor(sharded[name]), want)
 
 
 def test_offsets_match_the_safetensors_package(gemma_dir):
-    tensors = _safetensors.read_directory(gemma_dir)
+    tensors = safetensors_files.read_directory(gemma_dir)
     assert tensors["model.embed_tokens.weight"].dtype == np.dtype("bfloat16")
-    raw = (gemma_dir / _safetensors.SINGLE_FILE).read_bytes()
+    raw = (gemma_dir / safetensors_files.SINGLE_FILE).read_bytes()
     # `safe_open` is what keras-hub reads with (`safetensors.numpy.load` has no BF16).
-    with safetensors.safe_open(gemma_dir / _safetensors.SINGLE_FILE, framework="np") as f:
+    with safetensors.safe_open(gemma_dir / safetensors_files.SINGLE_FILE, framework="np") as f:
         for name, tensor in tensors.items():
             want = np.ascontiguousarray(f.get_tensor(name))
             assert (want.shape, want.dtype) == (tensor.shape, tensor.dtype), name
@@ -209,13 +210,13 @@ def test_host_value_reads_only_its_own_bytes(tmp_path, llama_dir):
     shutil.copytree(llama_dir, directory)
     _, ported = _ported(directory, {})
     target = next(p for p in ported if p.tensor.name.endswith("0.self_attn.o_proj.weight"))
-    want = _hub_convert.host_value(target)
-    with open(directory / _safetensors.SINGLE_FILE, "r+b") as f:
+    want = hub_convert.host_value(target)
+    with open(directory / safetensors_files.SINGLE_FILE, "r+b") as f:
         for p in ported:
             if p is not target:
                 f.seek(p.tensor.offset)
                 f.write(b"\xff" * p.tensor.nbytes)
-    np.testing.assert_array_equal(_hub_convert.host_value(target), want)
+    np.testing.assert_array_equal(hub_convert.host_value(target), want)
 
 
 def test_classify_synthetic_hooks():
@@ -234,24 +235,26 @@ def test_classify_synthetic_hooks():
 
 def test_bad_directories(tmp_path, llama_dir):
     with pytest.raises(CheckpointNotFoundError, match=r"neither model\.safetensors"):
-        _safetensors.read_directory(tmp_path)
-    data = (llama_dir / _safetensors.SINGLE_FILE).read_bytes()
-    (tmp_path / _safetensors.SINGLE_FILE).write_bytes(data[:-4])
+        safetensors_files.read_directory(tmp_path)
+    data = (llama_dir / safetensors_files.SINGLE_FILE).read_bytes()
+    (tmp_path / safetensors_files.SINGLE_FILE).write_bytes(data[:-4])
     with pytest.raises(CorruptCheckpointError, match="data_offsets"):
-        _safetensors.read_directory(tmp_path)
-    (tmp_path / _safetensors.INDEX_FILE).write_text('{"weight_map": {"a": "part.safetensors"}}')
+        safetensors_files.read_directory(tmp_path)
+    (tmp_path / safetensors_files.INDEX_FILE).write_text(
+        '{"weight_map": {"a": "part.safetensors"}}'
+    )
     with pytest.raises(CheckpointNotFoundError, match=r"names part\.safetensors"):
-        _safetensors.read_directory(tmp_path)
+        safetensors_files.read_directory(tmp_path)
     keras_preset = tmp_path / "keras_preset"  # what `save_to_preset` writes: a Keras config
     keras_preset.mkdir()
     (keras_preset / "config.json").write_text('{"registered_name": "keras_hub>GemmaBackbone"}')
     with pytest.raises(ValueError, match="not a Hugging Face model directory"):
-        _hub_convert.build_backbone(keras_preset)
+        hub_convert.build_backbone(keras_preset)
 
 
 def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
     """Probing for a key works (keras-hub's Gemma3/BERT converters do); using its values does not."""
-    loader = _compat_hub.hub_preset_loader(str(llama_dir))
+    loader = hub_compat.hub_preset_loader(str(llama_dir))
 
     def convert_weights(backbone, recorder, config):
         with pytest.raises(KeyError, match="no tensor"):
@@ -259,6 +262,6 @@ def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
         np.transpose(recorder.get_tensor("model.norm.weight"))
 
     monkeypatch.setattr(loader, "converter", types.SimpleNamespace(convert_weights=convert_weights))
-    monkeypatch.setattr(_compat_hub, "hub_preset_loader", lambda directory: loader)
+    monkeypatch.setattr(hub_compat, "hub_preset_loader", lambda directory: loader)
     with pytest.raises(NotImplementedError, match=r"model\.norm\.weight"):
-        _hub_convert.port_tensors(keras.Sequential(), llama_dir)
+        hub_convert.port_tensors(keras.Sequential(), llama_dir)

@@ -40,7 +40,10 @@ def keras_checkpoint(tmp_path_factory):
 
 def _state(model: keras.Model) -> dict[str, np.ndarray]:
     """Every variable by keras-orbax key (weights, optimizer, metrics)."""
-    return {k: np.asarray(v.value) for k, v in keras_orbax._keys.keyed_variables(model).items()}
+    return {
+        k: np.asarray(v.value)
+        for k, v in keras_orbax._src.model.state_keys.keyed_variables(model).items()
+    }
 
 
 def _saved(directory, trained: keras.Model, step: int) -> dict[str, np.ndarray]:
@@ -53,7 +56,7 @@ def _saved(directory, trained: keras.Model, step: int) -> dict[str, np.ndarray]:
         "optimizer_variables": trained.optimizer.variables,
         "metrics_variables": trained.metrics_variables,
     }
-    keys = {id(v): k for k, v in keras_orbax._keys.keyed_variables(trained).items()}
+    keys = {id(v): k for k, v in keras_orbax._src.model.state_keys.keyed_variables(trained).items()}
     expected = {}
     for collection, variables in collections.items():
         for variable in variables:

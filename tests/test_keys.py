@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._keys import keyed_state, keyed_variables
+from keras_orbax._src.model.state_keys import keyed_state, keyed_variables
 from tests import _models
 
 DATA = Path(__file__).parent / "data"
@@ -211,22 +211,22 @@ def test_keys_are_the_datasets_of_keras_save_weights(tmp_path, build, inputs):
     ids=["every_layer_family", "nested_containers", "sequential", "own_dir"],
 )
 def test_the_walk_visits_what_keras_saving_walk_does(build, inputs):
-    """`_compat.walk_saveable` caches the attribute order of Keras's `_walk_saveable`; for every
+    """`keras_compat.walk_saveable` caches the attribute order of Keras's `_walk_saveable`; for every
     object the keys reach (layers, cells, the optimizer, metrics...), both yield the same names,
     in the same order, with the same saveable children."""
     from keras.src.saving import saving_lib
 
-    from keras_orbax import _compat
-    from keras_orbax._keys import saveables
+    from keras_orbax._src.compat import keras_compat
+    from keras_orbax._src.model.state_keys import saveables
 
     model = _compiled(build(), inputs())
     walked = 0
     for _, saveable in saveables(model):
-        ours = list(_compat.walk_saveable(saveable))
+        ours = list(keras_compat.walk_saveable(saveable))
         theirs = list(saving_lib._walk_saveable(saveable))
         assert [name for name, _ in ours] == [name for name, _ in theirs], type(saveable)
         for (name, child), (_, keras_child) in zip(ours, theirs, strict=True):
-            if _compat.is_saveable(keras_child) or isinstance(keras_child, keras.Variable):
+            if keras_compat.is_saveable(keras_child) or isinstance(keras_child, keras.Variable):
                 assert child is keras_child, name
         walked += 1
     assert walked > len(model.layers)  # the model, its layers, the optimizer, ...

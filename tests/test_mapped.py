@@ -1,4 +1,4 @@
-"""Large saved shards restored onto the saved layout become mappings of their files (`_mapped`):
+"""Large saved shards restored onto the saved layout become mappings of their files (`mapped`):
 the device's buffer is the file's pages, all in memory when the restore returns; training goes on
 from it, the checkpoint stays as written, and deleting it loses nothing."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _mapped
+from keras_orbax._src.storage import mapped
 from keras_orbax.errors import CorruptCheckpointError
 from tests import _models
 from tests._page_cache import evict
@@ -24,7 +24,7 @@ KERNEL_DIR = "1/state/layers.dense.vars.0"
 @pytest.fixture(autouse=True)
 def small_mappings(monkeypatch):
     """Maps shards of 64 KiB and more (4 MiB by default), to keep the model small."""
-    monkeypatch.setattr(_mapped, "MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(mapped, "MIN_BYTES", 64 << 10)
 
 
 def _model() -> keras.Model:
@@ -33,7 +33,7 @@ def _model() -> keras.Model:
 
 
 def _saved(tmp_path, distribution) -> tuple[str, np.ndarray]:
-    if not _mapped._is_local(os.stat(tmp_path).st_dev):
+    if not mapped._is_local(os.stat(tmp_path).st_dev):
         pytest.skip(f"{tmp_path} is not on a local filesystem: its files are read, not mapped")
     distribution(_models.model_parallel((2, 4)))
     model = _model()
@@ -147,5 +147,5 @@ def test_a_mappable_shard_whose_index_fails_its_check_is_refused(tmp_path, distr
 
 
 def test_filesystems_told_apart():
-    assert _mapped._is_local(os.stat("/proc/self").st_dev) is False  # procfs
-    assert _mapped.map_file("/proc/self/status", 1 << 20) is None
+    assert mapped._is_local(os.stat("/proc/self").st_dev) is False  # procfs
+    assert mapped.map_file("/proc/self/status", 1 << 20) is None

@@ -7,7 +7,7 @@ import logging
 import keras
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax._src.format import step_dirs
 from tests import _models
 
 NOTICE = "Skipping merge of OCDBT checkpoints"
@@ -22,7 +22,7 @@ def test_a_fast_save_logs_no_skipped_merge_notice(tmp_path, caplog, capfd):
     filters = list(ORBAX_LOGGER.filters)
     with caplog.at_level(logging.INFO):
         keras_orbax.save(_models.mlp(), tmp_path, step=1, format="fast")
-    assert _steps.committed_steps(tmp_path) == [1]
+    assert step_dirs.committed_steps(tmp_path) == [1]
     assert _notices(caplog) == []
     assert NOTICE not in capfd.readouterr().err
     assert ORBAX_LOGGER.filters == filters  # only installed around the save
@@ -35,21 +35,21 @@ def test_the_callback_logs_no_skipped_merge_notice(tmp_path, caplog, capfd):
     with caplog.at_level(logging.INFO):
         checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=2, max_to_keep=None)
         model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
-    assert _steps.committed_steps(tmp_path) == [2, 4]  # background saves, finalized by fit's end
+    assert step_dirs.committed_steps(tmp_path) == [2, 4]  # background saves, finalized by fit's end
     assert _notices(caplog) == []
     assert NOTICE not in capfd.readouterr().err
     assert ORBAX_LOGGER.filters == filters
 
 
 def test_the_same_notice_about_another_directory_still_passes(tmp_path, caplog):
-    from keras_orbax import _quiet
+    from keras_orbax._src.runtime import quiet
 
     message = (
         "[process=%s][thread=%s] "
         + NOTICE
         + ": No per-process OCDBT checkpoint subdirs found in %s, "
     )
-    with caplog.at_level(logging.WARNING), _quiet.skipped_merge_notices(tmp_path / "ours"):
+    with caplog.at_level(logging.WARNING), quiet.skipped_merge_notices(tmp_path / "ours"):
         ORBAX_LOGGER.warning(message, 0, "t", tmp_path / "ours" / "1.orbax-checkpoint-tmp")
         ORBAX_LOGGER.warning(message, 0, "t", tmp_path / "other" / "1.orbax-checkpoint-tmp")
     assert [r.args[-1] for r in _notices(caplog)] == [tmp_path / "other" / "1.orbax-checkpoint-tmp"]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _coalesce, _read, _read_ahead
-from keras_orbax._fast_format import FastArray
+from keras_orbax._src.format.zarr_shards import FastArray
+from keras_orbax._src.read import coalesce, read_ahead, sharded_read
 
 
 class _CountingReader:
@@ -33,10 +33,10 @@ class _CountingReader:
 def test_read_ahead_stays_within_the_window():
     reader = _CountingReader()
     target = jax.ShapeDtypeStruct((16, 1 << 18), np.float32)
-    request = _read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
+    request = sharded_read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
     tasks = [(request, reader, (slice(i, i + 1), slice(None))) for i in range(16)]
-    units = [_read_ahead.Unit([task]) for task in tasks]
-    for _ in _read_ahead.read_ahead(units, workers=8, window=3 << 20):
+    units = [read_ahead.Unit([task]) for task in tasks]
+    for _ in read_ahead.read_ahead(units, workers=8, window=3 << 20):
         with reader.lock:
             reader.consumed += 1
     # With a 3 MiB window, region i is read only once regions up to i - 3 have been handed on.
@@ -47,11 +47,11 @@ def test_read_ahead_stays_within_the_window():
 def test_a_region_larger_than_the_window_still_goes():
     reader = _CountingReader()
     target = jax.ShapeDtypeStruct((2, 1 << 18), np.float32)
-    request = _read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
+    request = sharded_read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
     tasks = [(request, reader, (slice(i, i + 1), slice(None))) for i in range(2)]
     got = 0
-    for _ in _read_ahead.read_ahead(
-        [_read_ahead.Unit([task]) for task in tasks], workers=4, window=1 << 10
+    for _ in read_ahead.read_ahead(
+        [read_ahead.Unit([task]) for task in tasks], workers=4, window=1 << 10
     ):
         got += 1
         with reader.lock:
@@ -92,7 +92,7 @@ def test_regions_in_short_runs_are_read_by_one_thread_per_core(
     with keras_orbax.deferred_init():
         target = table()
     threads: set[int] = set()
-    for owner, name in ((FastArray, "read"), (_coalesce.Together, "_run")):
+    for owner, name in ((FastArray, "read"), (coalesce.Together, "_run")):
         method = getattr(owner, name)
 
         def noting(*args, _method=method, **kwargs):

@@ -1,4 +1,4 @@
-"""Layouts that cut the saved rows: the regions of an array are read together (`_coalesce`), in a
+"""Layouts that cut the saved rows: the regions of an array are read together (`coalesce`), in a
 few large reads scattered with numpy; values exact, every byte read once, never a byte no region needs.
 """
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _coalesce
-from keras_orbax._contiguous import ContiguousArray
-from keras_orbax._runs import bounds
+from keras_orbax._src.read import coalesce
+from keras_orbax._src.read.contiguous import ContiguousArray
+from keras_orbax._src.storage.byte_runs import bounds
 
 # These tests name the files of single shards (`c/1/2`) or cut the saved shards.
 pytestmark = pytest.mark.usefixtures("one_file_per_shard")
@@ -87,8 +87,8 @@ def small_pieces(monkeypatch):
     """Pieces of 3 rows of 48 elements (the bands here are 8 rows: 3 + 3 + 2), jobs of 2 pieces."""
 
     def set_sizes(itemsize: int) -> None:
-        monkeypatch.setattr(_coalesce, "_PIECE_BYTES", 3 * 48 * itemsize + 1)
-        monkeypatch.setattr(_coalesce, "_JOB_BYTES", 2 * 3 * 48 * itemsize)
+        monkeypatch.setattr(coalesce, "_PIECE_BYTES", 3 * 48 * itemsize + 1)
+        monkeypatch.setattr(coalesce, "_JOB_BYTES", 2 * 3 * 48 * itemsize)
 
     return set_sizes
 
@@ -184,7 +184,7 @@ def _stored(tmp_path, shape: tuple[int, ...], dtype: str) -> tuple[ContiguousArr
 
 
 def _read_together(array: ContiguousArray, indices: list) -> list[np.ndarray] | None:
-    together = _coalesce.plan(array.blocks, array.shape, array.dtype, indices)
+    together = coalesce.plan(array.blocks, array.shape, array.dtype, indices)
     if together is None:
         return None
     for job in together.jobs():
@@ -238,7 +238,7 @@ def test_rows_that_no_region_needs_are_skipped(tmp_path, monkeypatch, small_piec
 def test_regions_that_tile_no_box_are_read_alone(tmp_path, monkeypatch):
     array, want = _stored(tmp_path, (40, 64), "float32")
     indices = [COLUMNS[0], COLUMNS[2], COLUMNS[5]]  # gaps between them: reading across would waste
-    assert _coalesce.plan(array.blocks, array.shape, array.dtype, indices) is None
+    assert coalesce.plan(array.blocks, array.shape, array.dtype, indices) is None
     region = array.read(COLUMNS[2], array.dtype)
     np.testing.assert_array_equal(region, want[COLUMNS[2]])
 

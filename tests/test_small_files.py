@@ -1,4 +1,4 @@
-"""Small files read from the page cache at once and from disk by tensorstore (`_small_files`), and
+"""Small files read from the page cache at once and from disk by tensorstore (`small_files`), and
 a restore of many small variables from a cold page cache against Keras's own load."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 import tensorstore as ts
 
 import keras_orbax
-from keras_orbax import _small_files
-from keras_orbax._small_files import SmallFiles
+from keras_orbax._src.storage import small_files
+from keras_orbax._src.storage.small_files import SmallFiles
 from tests import _models
 from tests._page_cache import evict
 
@@ -60,7 +60,7 @@ def test_files_not_in_the_page_cache_are_read_by_tensorstore(tmp_path, monkeypat
     written = _write_files(tmp_path)
     evict(list(written))
     if cold == "never_cached":
-        monkeypatch.setattr(_small_files, "_NOWAIT", 0)
+        monkeypatch.setattr(small_files, "_NOWAIT", 0)
     missing = str(tmp_path / "missing")
     got, tensorstore_reads = _read_all([*written, missing])
     if cold == "never_cached":
@@ -99,7 +99,7 @@ def test_many_small_variables_restore_cold_or_warm_as_keras_loads_them(
             restored = _independent_dense(12)
         with monkeypatch.context() as patch:
             if case == "never_cached":
-                patch.setattr(_small_files, "_NOWAIT", 0)
+                patch.setattr(small_files, "_NOWAIT", 0)
             before = _tensorstore_file_reads()
             keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
             reads = _tensorstore_file_reads() - before

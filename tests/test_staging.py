@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax import _staging
-from keras_orbax._staging import HostStaging
+from keras_orbax._src.write import staging
+from keras_orbax._src.write.staging import HostStaging
 from tests import _models
 
 
@@ -24,7 +24,7 @@ def held_as(request, monkeypatch):
     """Both ways a background save keeps the state: views pinning CPU buffers (what runs here),
     and copies into warm host buffers (what runs on an accelerator, forced here)."""
     if request.param == "copies":
-        monkeypatch.setattr(_staging, "views_pin_buffers", lambda platform: False)
+        monkeypatch.setattr(staging, "views_pin_buffers", lambda platform: False)
     return request.param
 
 
@@ -49,11 +49,11 @@ def test_views_of_cpu_shards_pin_every_buffer_until_released(mp):
     shards = jax.device_get(
         [s.data for a in arrays for s in a.addressable_shards if s.replica_id == 0]
     )
-    staging = HostStaging()
-    staging.prepare(arrays)
+    host_staging = HostStaging()
+    host_staging.prepare(arrays)
     try:
-        assert _staging.views_pin_buffers("cpu")
-        held = staging.keep(shards, arrays)
+        assert staging.views_pin_buffers("cpu")
+        held = host_staging.keep(shards, arrays)
         assert all(h is s for h, s in zip(held, shards, strict=True))
         del held, shards
         stepped = _donating_step(arrays)
@@ -62,32 +62,34 @@ def test_views_of_cpu_shards_pin_every_buffer_until_released(mp):
             for got, value in zip(_shard_values(array), values, strict=True):
                 np.testing.assert_array_equal(got, value)
         np.testing.assert_array_equal(_shard_values(stepped[0])[0], want[0][0] + 1)
-        staging.release()
+        host_staging.release()
         _donating_step(arrays)  # whole arrays, nothing viewing them: donated, no crash
         assert all(a.is_deleted() for a in arrays)
     finally:
-        staging.close()
+        host_staging.close()
 
 
 def test_buffers_prepared_ahead_are_lent_once_and_reused_after_release(mp, monkeypatch):
-    monkeypatch.setattr(_staging, "views_pin_buffers", lambda platform: False)
+    monkeypatch.setattr(staging, "views_pin_buffers", lambda platform: False)
     model = _models.mlp(width=32)
     arrays = [v.value for v in model.variables]
     shards = [np.asarray(s.data) for a in arrays for s in a.addressable_shards if s.replica_id == 0]
-    staging = HostStaging()
-    staging.prepare(arrays)
+    host_staging = HostStaging()
+    host_staging.prepare(arrays)
     try:
-        first = staging.keep(shards, arrays)
-        while_lent = staging.keep(shards, arrays)  # a save still holding the first set gets others
+        first = host_staging.keep(shards, arrays)
+        while_lent = host_staging.keep(
+            shards, arrays
+        )  # a save still holding the first set gets others
         assert not {id(b) for b in first} & {id(b) for b in while_lent}
-        staging.release()
-        again = staging.keep(shards, arrays)
+        host_staging.release()
+        again = host_staging.keep(shards, arrays)
         assert {id(b) for b in again} <= {id(b) for b in first + while_lent}
         for copy, shard in zip(again, shards, strict=True):
             np.testing.assert_array_equal(copy, shard)
             assert copy.flags.c_contiguous and copy.ctypes.data != shard.ctypes.data
     finally:
-        staging.close()
+        host_staging.close()
 
 
 class _Record(keras.callbacks.Callback):
@@ -127,14 +129,16 @@ def test_each_background_save_holds_its_own_epoch_while_training_goes_on(tmp_pat
 def test_a_save_started_later_writes_the_state_as_it_was_staged(tmp_path, mp):
     """`ModelCheckpoint`'s background save: the shards are copied, the train step then donates
     (here: deletes) every buffer, and only afterwards does Orbax's part of the save run."""
-    from keras_orbax import _save
+    from keras_orbax._src.write import step_writer
 
     model = _models.compile_adam(_models.mlp(width=32))
     model.optimizer.build(model.trainable_variables)
     _models.fill_arange(model)
     want = _models.values(model.variables + model.optimizer.variables)
-    with _save.open_checkpointer(tmp_path, "fast") as checkpointer:
-        later = _save.write_step(checkpointer, model, step=1, blocking=False, start_later=True)
+    with step_writer.open_checkpointer(tmp_path, "fast") as checkpointer:
+        later = step_writer.write_step(
+            checkpointer, model, step=1, blocking=False, start_later=True
+        )
         for variable in model.variables + model.optimizer.variables:
             variable.value.delete()
         later.result()

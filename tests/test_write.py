@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import keras_orbax
-from keras_orbax import _save, _write
+from keras_orbax._src.format import checksum
+from keras_orbax._src.write import shard_writer, step_writer
 from tests import _models
 
 
@@ -45,14 +46,14 @@ def _files(root: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and _write.CHECKSUMS_DIR not in p.parts
+        if p.is_file() and checksum.CHECKSUMS_DIR not in p.parts
     }
 
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_writer_makes_the_files_orbax_makes(tmp_path, blocking, monkeypatch):
     """Arrays above `PACK_BYTES`: one file per distinct shard, as Orbax writes them."""
-    monkeypatch.setattr(_write, "PACK_BYTES", -1)  # every array of the tree is small
+    monkeypatch.setattr(shard_writer, "PACK_BYTES", -1)  # every array of the tree is small
     tree = _tree()
     theirs, ours = _save_both(tmp_path, tree, tree, blocking)
     assert sorted(ours) == sorted(theirs)
@@ -95,12 +96,12 @@ def _slashed(name: str) -> str:
 def _save_both(tmp_path: Path, for_orbax: dict, for_us: dict, blocking: bool) -> tuple[dict, dict]:
     """The files of `state/` as Orbax's own array writer and as keras-orbax's save each tree."""
     orbax_context = ocp.Context()
-    for option, value in _save._FORMATS["fast"].items():
+    for option, value in step_writer._FORMATS["fast"].items():
         setattr(orbax_context.array.saving, option, value)
     with ocp.training.Checkpointer(tmp_path / "orbax", context=orbax_context) as checkpointer:
         checkpointer.save_pytree(1, for_orbax)
-    with _save.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
-        context = _write.shards_stay_unchanged() if blocking else contextlib.nullcontext()
+    with step_writer.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
+        context = shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext()
         with context:
             response = checkpointer.save_async(1, for_us)
         response.result()
@@ -119,7 +120,7 @@ def _assert_orbax_loads(step_dir: Path, tree: dict) -> None:
 def test_arrays_up_to_pack_bytes_are_one_file_and_restore_onto_any_layout(tmp_path, distribution):
     distribution(_models.model_parallel((2, 4)))
     model = _models.mlp(width=32768)  # the hidden kernel is 2 MiB, the head's exactly 1 MiB
-    assert model.get_layer("head").kernel.value.nbytes == _write.PACK_BYTES
+    assert model.get_layer("head").kernel.value.nbytes == shard_writer.PACK_BYTES
     _models.fill_arange(model)
     keras_orbax.save(model, tmp_path, step=1)
 
@@ -189,7 +190,7 @@ def test_the_same_zarr_json_is_written_once_and_linked(tmp_path, distribution):
 def test_a_content_whose_first_file_is_gone_is_written_again(tmp_path):
     """Where the link fails (here its source was removed; elsewhere a filesystem without hard
     links), the file is written with its content instead."""
-    once = _write._Once()
+    once = shard_writer._Once()
     a, b, c = (str(tmp_path / name) for name in "abc")
     once.write(a, b"{}")
     os.unlink(a)

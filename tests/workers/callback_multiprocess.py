@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 import keras_orbax
-from keras_orbax import _steps
+from keras_orbax._src.format import step_dirs
 from tests import _models
 from tests._worker_util import init_worker, write_result
 
@@ -52,7 +52,7 @@ def main() -> None:
     )
     fit_kwargs = {"batch_size": 4, "shuffle": False, "verbose": 0}
     model.fit(x, y, epochs=4, callbacks=[_Scores(scores), best_only], **fit_kwargs)
-    best_steps = _steps.committed_steps(directory / "best")
+    best_steps = step_dirs.committed_steps(directory / "best")
 
     preemptible = keras_orbax.ModelCheckpoint(directory / "preempt", max_to_keep=None)
     batches = 0
@@ -80,7 +80,7 @@ def main() -> None:
             "preempted": preemptible.preempted,
             "step": int(model.optimizer.iterations),
             "epochs_run": len(history.epoch),
-            "preempt_steps": _steps.committed_steps(directory / "preempt"),
+            "preempt_steps": step_dirs.committed_steps(directory / "preempt"),
             "process_count": jax.process_count(),
         }
     )

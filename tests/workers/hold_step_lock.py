@@ -19,8 +19,8 @@ os.environ["KERAS_BACKEND"] = "jax"
 
 import keras  # noqa: E402
 
-from keras_orbax import _save  # noqa: E402
-from keras_orbax._writer_lock import writer_lock  # noqa: E402
+from keras_orbax._src.storage.writer_lock import writer_lock  # noqa: E402
+from keras_orbax._src.write import step_writer  # noqa: E402
 from tests import _models  # noqa: E402
 
 keras.distribution.set_distribution(_models.model_parallel((2, 4)))
@@ -37,6 +37,6 @@ with writer_lock(args["directory"], args["step"]):
     while not Path(args["go"]).exists():
         time.sleep(0.01)
     # What `keras_orbax.save` does once it holds the lock.
-    with _save.open_checkpointer(args["directory"]) as checkpointer:
-        _save.write_step(checkpointer, model, step=args["step"])
+    with step_writer.open_checkpointer(args["directory"]) as checkpointer:
+        step_writer.write_step(checkpointer, model, step=args["step"])
 sys.stdout.flush()

@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_orbax  # noqa: E402
-from keras_orbax import _steps  # noqa: E402
+from keras_orbax._src.format import step_dirs  # noqa: E402
 from tests import _models  # noqa: E402
 
 DIRECTORY = Path(args["directory"])
@@ -65,7 +65,7 @@ def read_ledger() -> dict[int, str]:
 
 def check_previous_run() -> dict:
     """Restores every committed step and compares it with the ledger."""
-    steps = _steps.committed_steps(DIRECTORY)
+    steps = step_dirs.committed_steps(DIRECTORY)
     ledger = read_ledger()
     checked = {}
     for step in steps:
@@ -154,7 +154,7 @@ def main() -> None:
     write_result(result)
     model = build(seed=args["seed"])
     start = 0
-    if _steps.committed_steps(DIRECTORY):
+    if step_dirs.committed_steps(DIRECTORY):
         start = keras_orbax.inspect(DIRECTORY).record.epoch or 0
     checkpoint = keras_orbax.ModelCheckpoint(
         DIRECTORY,

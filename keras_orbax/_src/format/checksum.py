@@ -1,0 +1,147 @@
+"""Checksums of the fast format's shard files (docs/format.md, "Checksums").
+
+Each shard file's checksum is zlib's CRC-32 of the whole file (data, then the 20-byte zarr index),
+computed piece by piece while the file is written and stored beside the step's arrays. The zarr
+shard index carries its own CRC-32C (Castagnoli), which tensorstore checks when it reads a shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from keras_orbax._src.format.step_record import STATE
+from keras_orbax._src.storage import locations
+from keras_orbax.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # zarr_shards reads files through this module's checks
+    from keras_orbax._src.format.zarr_shards import FastArray
+
+ALGORITHM = "crc32"  # zlib.crc32: in the standard library, about 3 GB/s here, releases the GIL
+PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is written
+INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
+CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
+_READ_BYTES = 8 << 20
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C of a few bytes (the shard index); pure Python, so only for small inputs."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=1024)  # a model's arrays have a few shard sizes; the CRC is Python
+def shard_index(nbytes: int) -> bytes:
+    """The zarr `sharding_indexed` index of a shard file holding one chunk of `nbytes` at offset 0."""
+    pair = struct.pack("<QQ", 0, nbytes)
+    return pair + struct.pack("<I", crc32c(pair))
+
+
+def update(crc: int, data: bytes | memoryview) -> int:
+    return zlib.crc32(data, crc)
+
+
+def check_files(
+    path: Path,
+    what: str,
+    arrays: Mapping[str, FastArray | None],
+    files_of: Callable[[FastArray], Iterable[tuple[int, ...]]],
+    on_file: Callable[[int], None] | None = None,
+) -> tuple[int, int, int]:
+    """Checks the shard files `files_of` each fast-format array names (size, index, checksum).
+
+    Returns:
+        Files read, bytes read, checksums compared.
+
+    Raises:
+        CorruptCheckpointError: naming each variable key and file that failed.
+    """
+    checksums = _recorded_checksums(path / STATE)
+    problems: list[str] = []
+    files, nbytes, compared = 0, 0, 0
+    for key, array in arrays.items():
+        if array is None:
+            continue
+        for coords in files_of(array):
+            file = array.file(coords)
+            name = str(file.relative_to(path / STATE))
+            problem, size, crc = _check_file(file, array.chunk_bytes)
+            files, nbytes = files + 1, nbytes + size
+            if on_file is not None:
+                on_file(size)
+            if problem is None and name in checksums:
+                compared += 1
+                if crc != checksums[name]:
+                    problem = f"checksum {crc:#010x}, recorded {checksums[name]:#010x}"
+            if problem is not None:
+                problems.append(f"  {key}: {file}: {problem}")
+    if problems:
+        raise CorruptCheckpointError(
+            f"{what} is damaged; {len(problems)} array files failed:\n"
+            + "\n".join(problems[:50])
+            + ("\n  ..." if len(problems) > 50 else "")
+            + "\nNo variable was modified."
+        )
+    return files, nbytes, compared
+
+
+def _recorded_checksums(state: Path) -> dict[str, int]:
+    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps)."""
+    found: dict[str, int] = {}
+    for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise CorruptCheckpointError(f"Cannot read checksum file {path}: {error}") from error
+        if content.get("algorithm") != ALGORITHM:
+            raise CorruptCheckpointError(
+                f"{path} uses checksum {content.get('algorithm')!r}; this version knows "
+                f"{ALGORITHM!r}. Upgrade keras-orbax."
+            )
+        found.update({name: entry[ALGORITHM] for name, entry in content["files"].items()})
+    return found
+
+
+def _open_unbuffered(file: Any) -> Any:
+    """A local file without Python's buffer (reads go straight to the caller), or an object."""
+    return file.open("rb") if locations.is_remote(file) else open(file, "rb", buffering=0)
+
+
+def _check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
+    """(problem or None, bytes read, CRC-32 of the whole file)."""
+    expected = chunk_bytes + INDEX_BYTES
+    crc, size, tail = 0, 0, b""
+    try:
+        with _open_unbuffered(file) as handle:
+            while block := handle.read(_READ_BYTES):
+                crc = update(crc, block)
+                size += len(block)
+                tail = (tail + block)[-INDEX_BYTES:]
+    except FileNotFoundError:
+        return "missing", 0, 0
+    if size != expected:
+        return f"{size} bytes, expected {expected} (truncated or overwritten)", size, crc
+    if tail != shard_index(chunk_bytes):
+        offset, stored = struct.unpack("<QQ", tail[:16])
+        return f"bad zarr shard index (offset {offset}, {stored} bytes)", size, crc
+    return None, size, crc

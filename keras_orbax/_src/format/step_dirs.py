@@ -1,0 +1,150 @@
+"""A checkpoint directory and its committed steps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format.record_check import record_problems
+from keras_orbax._src.format.step_record import FORMAT_NAME, FORMAT_VERSION, StepRecord
+from keras_orbax._src.storage import locations
+from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """The committed steps under `directory`, ascending; `[]` if there are none.
+
+    Orbax writes a step under a temporary name and renames it when committed, so a step that
+    crashed mid-save is never listed. A step directory without its metadata file is not listed
+    either: the process died between the rename and the metadata write, or while retention was
+    deleting the step (Orbax deletes in place); neither can be restored.
+    """
+    root = locations.as_path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(step for step, path in _step_dirs(root) if _is_complete(path))
+
+
+def _step_dirs(root: Any) -> list[tuple[int, Any]]:
+    """`(step, directory)` of each step Orbax has renamed as committed: directories named by the
+    bare step number, as Orbax's `standard_name_format()` names them (a save in progress is under
+    `<step>.orbax-checkpoint-tmp-*`). Listed here rather than with Orbax's `find_all`, which reads
+    every step's metadata file (holding the keras-orbax record) for timestamps, in a thread pool:
+    10-15 ms of a background save's blocking time, 0.5 s with 5000 variables."""
+    return [
+        (int(path.name), path)
+        for path in root.iterdir()
+        if path.name.isdecimal() and str(int(path.name)) == path.name and path.is_dir()
+    ]
+
+
+def _is_complete(step_dir: Any) -> bool:
+    """The step has its metadata file and, in object storage, Orbax's commit marker: objects are
+    written in place, so the marker, written last, is what commits the step."""
+    if locations.is_remote(step_dir) and not (step_dir / locations.COMMIT_FILE).exists():
+        return False
+    return orbax_compat.step_metadata_file(step_dir).is_file()
+
+
+def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path]:
+    """The step to read (the latest committed one if `step` is None) and its directory.
+
+    Raises:
+        CheckpointNotFoundError: `directory` is missing, holds no committed step, or not `step`.
+        CorruptCheckpointError: `step` (or, with no committed step, the latest) lacks its metadata.
+    """
+    root = locations.as_path(directory)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"Checkpoint directory does not exist: '{root}'")
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"Checkpoint directory is not a directory: '{root}'")
+    steps = committed_steps(root)
+    unfinished = _unfinished_steps(root)
+    wanted_unfinished = step in unfinished if step is not None else not steps and unfinished
+    if wanted_unfinished:
+        names = step if step is not None else unfinished
+        raise CorruptCheckpointError(
+            f"Checkpoint step {names} of '{root}' has no metadata file "
+            f"({orbax_compat.step_metadata_file(root / str(unfinished[-1])).name})"
+            + (
+                f" or no commit marker ({locations.COMMIT_FILE})"
+                if locations.is_remote(root)
+                else ""
+            )
+            + ": its save was cut off before it committed, or retention was deleting it. "
+            "It cannot be restored." + (f" Committed steps: {steps}." if steps else "")
+        )
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"No committed checkpoint step in '{root}'. It is not a keras-orbax checkpoint "
+            "directory, or every save into it was interrupted before it committed."
+        )
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointNotFoundError(
+            f"Step {step} is not a committed step of '{root}'. Committed steps: {steps}. "
+            f"Received: step={step}"
+        )
+    return step, root / str(step)
+
+
+def _unfinished_steps(root: Path) -> list[int]:
+    """Steps renamed as committed whose metadata file is missing (see `committed_steps`)."""
+    return sorted(step for step, path in _step_dirs(root) if not _is_complete(path))
+
+
+def resolve_step(directory: str | os.PathLike, step: int | None) -> int:
+    """`step`, or the latest committed one if None, checked to be committed.
+
+    Raises:
+        CheckpointNotFoundError: as `step_path`.
+    """
+    return step_path(directory, step)[0]
+
+
+def read_record(path: Path) -> StepRecord:
+    """The keras-orbax record of the step at `path`, validated (`_record_check`).
+
+    Raises:
+        CorruptCheckpointError: the step has no readable, valid keras-orbax record; the message
+            names the metadata file and each problem.
+    """
+    file = orbax_compat.step_metadata_file(path)
+    try:
+        custom = orbax_compat.step_custom_metadata(path) or {}
+    except (OSError, ValueError) as error:
+        raise CorruptCheckpointError(
+            f"Cannot read the metadata of checkpoint step '{path}' ({file}): {error}"
+        ) from error
+    record = custom.get(FORMAT_NAME) if isinstance(custom, dict) else None
+    if record is None:
+        raise CorruptCheckpointError(_no_record_message(path, file))
+    problems = record_problems(record, FORMAT_VERSION)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems[:20])
+        raise CorruptCheckpointError(
+            f"The keras-orbax record of checkpoint step '{path}' (in {file}) is damaged or not "
+            f"one this version reads; {len(problems)} problems:\n{lines}\nNo variable was modified."
+        )
+    return StepRecord.from_json(record)
+
+
+def _no_record_message(path: Path, file: Path) -> str:
+    """Why a step has no record: its metadata file is missing, not JSON, or from plain Orbax."""
+    if not file.is_file():
+        return (
+            f"Checkpoint step '{path}' has no metadata file {file}: the step is damaged or was "
+            "partly deleted. Restore another step."
+        )
+    try:
+        json.loads(file.read_bytes())
+    except (OSError, ValueError) as error:
+        return f"The metadata file {file} of checkpoint step '{path}' is unreadable: {error}"
+    return (
+        f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
+        f"(its metadata {file} has no '{FORMAT_NAME}' record)."
+    )

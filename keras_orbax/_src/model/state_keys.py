@@ -1,0 +1,189 @@
+"""Model state <-> stable checkpoint keys, in Keras's own saving structure.
+
+A key names a variable by where Keras's `.weights.h5` saving puts it, not by `variable.path`, because
+paths carry Keras's global name counters (`dense_1`, `adam_1`, `seed_generator_3`) and change when
+the same model is built twice in one process. Groups are the ones `save_weights` writes (Keras's own
+walk, snake-cased class names uniquified per container, nested containers as `container`), and a
+variable is `vars/<i>` by its position in the layer's own variables, as `Layer.save_own_variables`
+numbers them:
+
+    layers/dense/vars/0                       a layer's variable (its kernel)
+    layers/lstm/cell/vars/1                   a nested layer's, under its attribute name
+    optimizer/vars/7                          an optimizer variable, in `optimizer.variables` order
+    layers/dropout/seed_generators/0          a seed generator's state (not in `.weights.h5`)
+    metrics/loss/total                        a metric variable, by its path (not in `.weights.h5`)
+
+Each key also has a role (`model`, `optimizer` or `metric`), which decides how strictly it is matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import keras
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax.errors import DuplicateKeyError
+
+Role = Literal["model", "optimizer", "metric"]
+MODEL: Role = "model"
+OPTIMIZER: Role = "optimizer"
+METRIC: Role = "metric"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedState:
+    """A model's state by key, in a deterministic order, with each key's role."""
+
+    variables: dict[str, keras.Variable]
+    roles: dict[str, Role]
+
+    def of_role(self, *roles: Role) -> dict[str, keras.Variable]:
+        return {k: v for k, v in self.variables.items() if self.roles[k] in roles}
+
+
+def keyed_state(
+    model: keras.Model, *, optimizer: keras.optimizers.Optimizer | None = None
+) -> KeyedState:
+    """Every piece of `model`'s state by key: its weights, its optimizer's variables (as far as they
+    exist), seed-generator states and metric variables.
+
+    Args:
+        model: The model.
+        optimizer: Keyed in place of `model.optimizer` (a stand-in for one not built yet).
+
+    Raises:
+        DuplicateKeyError: two different variables would share a key.
+    """
+    table = _KeyTable()
+    replace = {}
+    if optimizer is not None:
+        replace[id(model.optimizer)] = optimizer
+    else:
+        optimizer = getattr(model, "optimizer", None)
+    optimizer_ids = (
+        {id(v) for v in optimizer.variables}
+        if isinstance(optimizer, keras.optimizers.Optimizer)
+        else set()
+    )
+    for group, saveable in _walk(model, "", set(), replace):
+        for i, variable in enumerate(_own_variables(saveable)):
+            role: Role = OPTIMIZER if id(variable) in optimizer_ids else MODEL
+            table.add(_join(group, f"vars/{i}"), variable, role)
+        if isinstance(saveable, keras.Layer):
+            for i, generator in enumerate(keras_compat.seed_generators(saveable)):
+                table.add(_join(group, f"seed_generators/{i}"), generator.state, MODEL)
+    for variable in model.variables:  # anything Keras's walk does not reach
+        table.add_if_new(f"unreached/{variable.path}", variable, MODEL)
+    for variable in model.metrics_variables:
+        table.add_if_new(f"metrics/{variable.path}", variable, METRIC)
+    return KeyedState(table.variables, table.roles)
+
+
+def keyed_variables(model: keras.Model) -> dict[str, keras.Variable]:
+    """`keyed_state(model).variables`."""
+    return keyed_state(model).variables
+
+
+def saveables(obj: Any) -> Iterator[tuple[str, Any]]:
+    """`(group, object)` for each Keras object holding state, in the order and under the names
+    that Keras's `save_weights` gives them (`saving_lib._save_state`)."""
+    yield from _walk(obj, "", set(), {})
+
+
+def _walk(
+    obj: Any, path: str, visited: set[int], replace: dict[int, Any]
+) -> Iterator[tuple[str, Any]]:
+    obj = replace.get(id(obj), obj)
+    if id(obj) in visited:
+        return
+    visited.add(id(obj))
+    yield path, obj
+    for attribute, child in keras_compat.walk_saveable(obj):
+        if keras_compat.is_saveable(child):
+            yield from _walk(child, _join(path, attribute), visited, replace)
+        elif isinstance(child, list | tuple | dict):
+            yield from _walk_container(child, _join(path, attribute), visited, replace, set())
+
+
+def _walk_container(
+    container: list | tuple | dict,
+    path: str,
+    visited: set[int],
+    replace: dict[int, Any],
+    containers: set[int],
+) -> Iterator[tuple[str, Any]]:
+    if id(container) in containers:
+        return
+    containers.add(id(container))
+    used: dict[str, int] = {}
+    for member in container.values() if isinstance(container, dict) else container:
+        if keras_compat.is_saveable(member):
+            name = keras_compat.unique_name(keras_compat.to_snake_case(type(member).__name__), used)
+            yield from _walk(member, _join(path, name), visited, replace)
+        elif isinstance(member, list | tuple | dict):
+            name = keras_compat.unique_name("container", used)
+            yield from _walk_container(member, _join(path, name), visited, replace, containers)
+
+
+def _own_variables(saveable: Any) -> list[keras.Variable]:
+    """What Keras's default `save_own_variables` numbers `vars/<i>`: a layer's own variables, an
+    optimizer's `variables` (a LossScaleOptimizer's include its inner optimizer's)."""
+    if isinstance(saveable, keras.Layer):
+        return keras_compat.own_variables(saveable)
+    if isinstance(saveable, keras.optimizers.Optimizer):
+        return list(saveable.variables)
+    return []
+
+
+def _join(group: str, name: str) -> str:
+    return f"{group}/{name}" if group else name
+
+
+class _KeyTable:
+    def __init__(self) -> None:
+        self.variables: dict[str, keras.Variable] = {}
+        self.roles: dict[str, Role] = {}
+        self._keys: dict[int, str] = {}
+
+    def add(self, key: str, variable: keras.Variable, role: Role) -> None:
+        if id(variable) in self._keys:
+            return  # shared variable (or a LossScaleOptimizer's inner one), already keyed
+        if key in self.variables:
+            raise DuplicateKeyError(
+                f"Two variables map to the checkpoint key '{key}': "
+                f"'{self.variables[key].path}' and '{variable.path}'. keras-orbax cannot tell them "
+                f"apart on restore. Received: paths=['{self.variables[key].path}', '{variable.path}']"
+            )
+        self.variables[key] = variable
+        self.roles[key] = role
+        self._keys[id(variable)] = key
+
+    def add_if_new(self, key: str, variable: keras.Variable, role: Role) -> None:
+        if id(variable) not in self._keys:
+            self.add(key, variable, role)
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"a/b": x}` -> `{"a": {"b": x}}`: the PyTree Orbax saves, one array per key."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten(tree: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """The leaves of a tree made by `nest`, by key."""
+    flat = {}
+    for key in keys:
+        node: Any = tree
+        for part in key.split("/"):
+            node = node[part]
+        flat[key] = node
+    return flat

@@ -1,0 +1,100 @@
+"""`load_model`: rebuild a model from a checkpoint's config without allocating it, then restore it sharded."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.model.deferred import deferred_init
+from keras_orbax._src.restore.restore import restore_sharded
+from keras_orbax._src.runtime import multihost
+from keras_orbax._src.sources import h5_files, keras_checkpoint, keras_weights
+from keras_orbax.errors import CheckpointMismatchError
+
+
+def load_model(
+    directory: str | os.PathLike,
+    step: int | None = None,
+    *,
+    custom_objects: dict[str, Any] | None = None,
+    compile: bool = True,
+    safe_mode: bool = True,
+    strict: bool = True,
+) -> keras.Model:
+    """Rebuilds the model saved in a checkpoint and restores it sharded under the active distribution.
+
+    The model is built from the config stored with the step under `deferred_init()`, so no variable is
+    allocated before its shards are read onto their devices. Call on every process.
+
+    Args:
+        directory: The root given to `save` or to the `ModelCheckpoint` callback, or a `.keras`
+            archive written by `model.save` (its weights read in place, region by region).
+        step: The step to load; `None` means the latest committed one.
+        custom_objects: Classes and functions the config names, as for `keras.models.load_model`.
+        compile: Compile the model as it was when saved, and restore its optimizer state.
+        safe_mode: As in Keras: refuse to deserialize code (`Lambda` layers and such) stored in the
+            checkpoint. Nothing in a checkpoint is ever unpickled.
+        strict: As in `restore_sharded`.
+
+    Returns:
+        The restored model, ready to predict, evaluate, fit and save.
+
+    Raises:
+        CheckpointMismatchError: the step holds no model config (the model was not serializable).
+
+    Example:
+    ```python
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    model = keras_orbax.load_model("/ckpt")
+    ```
+    """
+    config: dict[str, Any] | None
+    archive = keras_weights.weights_file(directory)
+    if archive is not None and archive.name.endswith(".keras"):
+        path, config = archive, h5_files.archive_json(archive, "config.json")
+    else:
+        step = multihost.primary_value("load_model/step", step_dirs.resolve_step, directory, step)
+        _, path = step_dirs.step_path(directory, step)
+        config = (
+            keras_checkpoint.model_config(path)
+            if keras_checkpoint.is_keras_step(path)
+            else step_dirs.read_record(path).model_config
+        )
+    if config is None:
+        raise CheckpointMismatchError(
+            f"Checkpoint step '{path}' holds no model config: the model that saved it could not be "
+            "serialized (e.g. a subclassed model without get_config). Build the model in code and "
+            "call keras_orbax.restore_sharded(model, directory)."
+        )
+    config = dict(config)
+    compile_config = config.pop("compile_config", None)
+    with deferred_init():
+        model = keras.saving.deserialize_keras_object(
+            config, custom_objects=custom_objects, safe_mode=safe_mode
+        )
+    if compile and compile_config:  # {} for a model that was never compiled
+        compile_deferred(model, compile_config, custom_objects, safe_mode)
+    restore_sharded(model, directory, step, strict=strict)
+    return model
+
+
+def compile_deferred(
+    model: keras.Model,
+    compile_config: dict[str, Any],
+    custom_objects: dict[str, Any] | None,
+    safe_mode: bool,
+) -> None:
+    """`model.compile_from_config`, deserialized in the same custom-object and safe-mode scopes as
+    the model, but leaving the optimizer unbuilt: `restore_sharded` builds its slots deferred, so
+    no initialized copy of the optimizer state is ever made. (Outside `deferred_init()`: an
+    optimizer's step counter is made from a number.)"""
+    if type(model).compile is not keras.Model.compile:
+        model.compile_from_config(compile_config)  # Keras warns that a custom compile is not called
+        return
+    arguments = keras.saving.deserialize_keras_object(
+        compile_config, custom_objects=custom_objects, safe_mode=safe_mode
+    )
+    model.compile(**arguments)

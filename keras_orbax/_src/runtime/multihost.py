@@ -1,0 +1,171 @@
+"""The only module that knows about processes: who is primary, and agreeing on success or failure.
+
+Under `jax.distributed`, `restore_sharded` is collective: every process reads its own shards, and
+either all of them assign their variables or all raise the same error. `agree` is that handshake,
+over JAX's coordination service, with a named key and a timeout, so a process that fails or never
+arrives produces an error naming it instead of a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from keras_orbax import errors
+from keras_orbax._src.compat import orbax_compat
+from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_S = float(os.environ.get("KERAS_ORBAX_SYNC_TIMEOUT_S", "300"))
+_calls = itertools.count()
+_agreed: weakref.WeakSet[BaseException] = weakref.WeakSet()  # raised by `agree`: reported already
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    """True on the process that prints and writes shared files (process 0)."""
+    return jax.process_index() == 0
+
+
+def primary_decision(decision: bool) -> bool:
+    """Process 0's decision, on every process, so that all enter a collective save together."""
+    if process_count() == 1:
+        return decision
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
+
+
+def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Every process reports how its part of `name` went; all raise if any failed.
+
+    Single-process: re-raises `error` if given. Multi-process: each process publishes its outcome
+    under a key unique to this call, then waits for every other process's, all within one deadline
+    `timeout_s` from now.
+
+    Raises:
+        The failing process's error type (from `keras_orbax.errors`), with a message that names
+        each failed process and its details (a mismatch's `problems` too), on every process;
+        `ProcessSyncError` naming the processes that did not report in time.
+    """
+    if process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    client = orbax_compat.distributed_client()
+    key = f"keras_orbax/{name}/{next(_calls)}"
+    me = jax.process_index()
+    client.key_value_set(f"{key}/{me}", json.dumps(_outcome(error)))
+    deadline = time.monotonic() + timeout_s
+    failures, missing = {}, []
+    for process in range(process_count()):
+        found = _get(client, f"{key}/{process}", deadline)
+        if found is None:
+            missing.append(process)
+        elif not found["ok"]:
+            failures[process] = found
+    if missing:
+        late = ProcessSyncError(
+            f"Processes {missing} did not reach '{name}' within {timeout_s:.0f} s (this is process "
+            f"{me}). They may have crashed or be stuck; no variable was modified here."
+        )
+        raise _mark(late) from error
+    if failures:
+        raise _mark(_combined(name, failures)) from error
+
+
+def _mark(error: KerasOrbaxError) -> KerasOrbaxError:
+    """`error`, noted as the outcome of an `agree`, which every process that got there raises."""
+    _agreed.add(error)
+    return error
+
+
+def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` as process 0 computes it, on every process (or its error, raised everywhere).
+
+    What process 0 decides (e.g. which step of a shared directory to restore) is what every process
+    does, even if the others would see the directory differently. The value must be JSON-safe.
+    """
+    if process_count() == 1:
+        return fn(*args)
+    client = orbax_compat.distributed_client()
+    key = f"keras_orbax/{name}/{next(_calls)}/decision"
+    if jax.process_index() == 0:
+        try:
+            value = fn(*args)
+        except Exception as error:  # published to every process, then raised here too
+            client.key_value_set(key, json.dumps(_outcome(error)))
+            raise
+        client.key_value_set(key, json.dumps({"ok": True, "value": value}))
+        return value
+    found = _get(client, key, time.monotonic() + DEFAULT_TIMEOUT_S)
+    if found is None:
+        raise ProcessSyncError(
+            f"Process 0 did not decide '{name}' within {DEFAULT_TIMEOUT_S:.0f} s (this is process "
+            f"{jax.process_index()}). It may have crashed or be stuck; nothing was modified here."
+        )
+    if not found["ok"]:
+        raise _combined(name, {0: found})
+    return found["value"]
+
+
+def _outcome(error: BaseException | None) -> dict[str, Any]:
+    if error is None:
+        return {"ok": True}
+    return {
+        "ok": False,
+        "type": type(error).__name__,
+        "message": str(error),
+        "problems": list(getattr(error, "problems", ())),
+    }
+
+
+def _get(client: Any, key: str, deadline: float) -> dict[str, Any] | None:
+    """The JSON value under `key`, waiting until `deadline` at most; None if it never came."""
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+        return json.loads(client.blocking_key_value_get(key, remaining_ms))
+    except Exception:  # the coordination service reports a timeout as a generic error
+        return None
+
+
+def run_collectively(name: str, fn: Callable[..., T], *args: Any) -> T:
+    """Runs `fn(*args)` on this process, then `agree`s: returns only if it succeeded everywhere.
+
+    An error that `fn` got from an `agree` of its own is raised as it is: the processes have
+    reported already.
+    """
+    try:
+        result = fn(*args)
+    except Exception as error:  # reported to every process by `agree`, which re-raises
+        if error in _agreed:
+            raise
+        agree(name, error)
+        raise
+    agree(name, None)
+    return result
+
+
+def _combined(name: str, failures: dict[int, dict]) -> KerasOrbaxError:
+    """One error, the same on every process, naming each process that failed and why."""
+    first = failures[min(failures)]
+    error_type = getattr(errors, first["type"], KerasOrbaxError)
+    if not (isinstance(error_type, type) and issubclass(error_type, KerasOrbaxError)):
+        error_type = KerasOrbaxError
+    lines = [f"'{name}' failed on {len(failures)} of {process_count()} processes:"]
+    lines += [f"process {p}: {f['type']}: {f['message']}" for p, f in sorted(failures.items())]
+    message = "\n".join(lines)
+    if issubclass(error_type, errors.CheckpointMismatchError):
+        problems = [p for f in failures.values() for p in f.get("problems", ())]
+        return error_type(message, list(dict.fromkeys(problems)))
+    return error_type(message)

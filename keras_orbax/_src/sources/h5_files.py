@@ -1,0 +1,133 @@
+"""The datasets of Keras's weight files, indexed without reading their data.
+
+`.weights.h5` (`save_weights`, keras-hub's `save_to_preset`), a sharded `*.weights.json` with its
+`*_NNNNN.weights.h5` parts (`save_weights(..., max_shard_size=...)`), and a `.keras` archive, whose
+`model.weights.h5` member is stored uncompressed and read in place: every dataset becomes an array
+reader at its byte offset, so a restore reads only the regions each device holds.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.read.contiguous import ContiguousArray, H5SliceArray
+from keras_orbax.errors import CorruptCheckpointError
+
+WEIGHTS_IN_ARCHIVE = "model.weights.h5"
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header, 30 bytes
+
+H5Array = ContiguousArray | H5SliceArray
+
+
+def h5_datasets(path: Path) -> dict[str, H5Array]:
+    """Every dataset of a `.weights.h5`, `.weights.json` (with its parts) or `.keras`, by h5 path.
+
+    Raises:
+        CorruptCheckpointError: a file is missing or not readable as HDF5.
+    """
+    name = path.name
+    if name.endswith(".keras"):
+        return _archive_datasets(path)
+    if name.endswith(".json"):
+        return _sharded_datasets(path)
+    return _file_datasets(path, path, 0)
+
+
+def _file_datasets(h5: Any, file: Path, base: int) -> dict[str, H5Array]:
+    """The datasets of one HDF5 file (a path or an open file object) whose bytes start at `base`
+    of `file`."""
+    found: dict[str, H5Array] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset):
+            found[name] = _array(name, obj, file, base)
+
+    try:
+        with h5py.File(h5, "r") as handle:
+            handle.visititems(visit)
+    except OSError as error:
+        raise CorruptCheckpointError(
+            f"Cannot read '{file}' as a Keras weights file: {error}"
+        ) from error
+    return found
+
+
+def _array(name: str, dataset: h5py.Dataset, file: Path, base: int) -> H5Array:
+    # Keras stores bfloat16 as 2-byte data with a `dtype` attribute (H5IOStore.__setitem__).
+    if dataset.attrs.get("dtype") == "bfloat16":
+        dtype = np_dtype("bfloat16")
+    else:
+        dtype = dataset.dtype.newbyteorder("<") if dataset.dtype.byteorder == ">" else dataset.dtype
+    shape = tuple(int(n) for n in dataset.shape)
+    offset = dataset.id.get_offset()
+    plain = (
+        dataset.chunks is None
+        and dataset.compression is None
+        and dataset.dtype.byteorder in "<=|"
+        and offset is not None
+    )
+    if plain or int(np.prod(shape)) == 0:
+        return ContiguousArray(name, file, base + (offset or 0), shape, np.dtype(dtype))
+    return H5SliceArray(name, file, name, shape, np.dtype(dtype))
+
+
+def _sharded_datasets(index: Path) -> dict[str, H5Array]:
+    """`x.weights.json`: `{"metadata": ..., "weight_map": {"/layers/dense/vars": [parts]}}`."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        parts = sorted({part for files in weight_map.values() for part in _as_list(files)}, key=str)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(
+            f"'{index}' is not a Keras sharded-weights index: {error}"
+        ) from error
+    found: dict[str, H5Array] = {}
+    for part in parts:
+        file = index.parent / part
+        if not file.exists():
+            raise CorruptCheckpointError(f"'{index}' names the part '{part}', which is missing.")
+        found.update(_file_datasets(file, file, 0))
+    return found
+
+
+def _archive_datasets(archive: Path) -> dict[str, H5Array]:
+    """A `.keras` zip: its weights member is stored uncompressed, so its datasets sit at fixed
+    offsets of the archive and are read in place."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            info = zf.getinfo(WEIGHTS_IN_ARCHIVE)
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(
+                    f"'{archive}': {WEIGHTS_IN_ARCHIVE} is compressed; Keras stores it uncompressed."
+                )
+            with open(archive, "rb") as raw:
+                raw.seek(info.header_offset)
+                header = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
+            name_length, extra_length = header[-2], header[-1]
+            base = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+            with zf.open(info) as member:
+                return _file_datasets(member, archive, base)
+    except (zipfile.BadZipFile, KeyError) as error:
+        raise CorruptCheckpointError(
+            f"'{archive}' is not a readable .keras archive: {error}"
+        ) from error
+
+
+def archive_json(archive: Path, member: str) -> dict[str, Any]:
+    """A JSON member of a `.keras` archive (`config.json`, `metadata.json`)."""
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            return json.loads(zf.read(member))
+    except (zipfile.BadZipFile, KeyError, ValueError) as error:
+        raise CorruptCheckpointError(f"Cannot read {member} of '{archive}': {error}") from error
+
+
+def _as_list(files: Any) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)

@@ -1,0 +1,115 @@
+"""Restoring a keras-hub backbone from a Hugging Face directory (`config.json` + safetensors).
+
+keras-hub's own converter decides which tensor goes to which variable, through which hook
+(`hub_convert`). A tensor the hook leaves as it is, or only transposes, is read region by region
+straight from the file (a transposed region is a box of the stored tensor); any other hook runs on
+the host one tensor at a time, and each device gets only its region. The plan, the checks and the
+all-or-nothing assignment are those of every other source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format.step_record import StepRecord, VariableRecord
+from keras_orbax._src.model import matching, state_keys
+from keras_orbax._src.model.state_keys import METRIC
+from keras_orbax._src.read import sharded_read
+from keras_orbax._src.read.contiguous import ComputedArray, ContiguousArray
+from keras_orbax._src.storage.byte_runs import Index, aligned_empty
+from keras_orbax.errors import CheckpointMismatchError
+
+
+def is_transformers_directory(path: Path) -> bool:
+    """A Hugging Face model directory: its `config.json` has a `model_type`, beside safetensors."""
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file()):
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedArray:
+    """A stored tensor whose variable is `tensor.transpose(permutation)`: a region of the variable is
+    the permuted region of the tensor, read as a box, then transposed into an aligned buffer."""
+
+    stored: ContiguousArray
+    permutation: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.stored.dtype
+
+    def check(self, indices: list[Index]) -> None:
+        self.stored.check([])
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        source: list[slice] = [slice(None)] * len(index)
+        for axis, stored_axis in enumerate(self.permutation):
+            source[stored_axis] = index[axis]
+        region = self.stored.read(tuple(source), dtype).transpose(self.permutation)
+        out = aligned_empty(region.nbytes).view(region.dtype).reshape(region.shape)
+        np.copyto(out, region)
+        return out
+
+
+def prepare(
+    model: keras.Model, directory: Path, strict: bool
+) -> tuple[StepRecord, state_keys.KeyedState, matching.Plan, sharded_read.ReadPlan]:
+    """Plans a restore of a keras-hub backbone from a Hugging Face directory; changes nothing.
+
+    Raises:
+        CheckpointMismatchError: a variable keras-hub's converter does not fill, or a shape differs.
+    """
+    from keras_orbax._src.sources import hub_convert
+
+    state = state_keys.keyed_state(model)
+    key_of = {id(v): k for k, v in state.variables.items()}
+    record = StepRecord(step=0, variables={}, format_version=0)
+    readers: dict[str, Any] = {}
+    for ported in hub_convert.port_tensors(model, directory):
+        key = key_of[id(ported.variable)]
+        shape = tuple(int(n) for n in ported.variable.shape)
+        readers[key] = _reader(ported, hub_convert.classify_hook(ported), shape)
+        dtype = str(readers[key].dtype)
+        name = ported.tensor.name
+        record.variables[key] = VariableRecord(key, name, shape, dtype, name, role=state.roles[key])
+    optional = {k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC}
+    plan = matching.make_plan(record, state, strict=strict, optional=frozenset(optional))
+    if plan.problems:
+        lines = "\n".join(f"  {p}" for p in plan.problems)
+        raise CheckpointMismatchError(
+            f"Cannot restore model '{model.name}' from '{directory}': {len(plan.problems)} "
+            f"problems.\n{lines}\nNo variable was modified.",
+            plan.problems,
+        )
+    reads = sharded_read.plan_reads(directory, list(plan.reads.values()), lambda r: readers[r.key])
+    return record, state, plan, reads
+
+
+def _reader(ported: Any, hook: Any, shape: tuple[int, ...]) -> Any:
+    from keras_orbax._src.sources import hub_convert
+    from keras_orbax._src.sources.hub_hooks import HookKind
+
+    tensor = ported.tensor
+    stored = ContiguousArray(tensor.name, tensor.file, tensor.offset, tensor.shape, tensor.dtype)
+    if not hook.casts and hook.kind is HookKind.IDENTITY and tensor.shape == shape:
+        return stored
+    if not hook.casts and hook.kind is HookKind.TRANSPOSE and hook.permutation is not None:
+        permuted = tuple(tensor.shape[axis] for axis in hook.permutation)
+        if permuted == shape:
+            return TransposedArray(stored, tuple(hook.permutation), shape)
+    dtype = np.dtype(jax.numpy.dtype(keras_compat.stored_dtype(ported.variable)))
+    return ComputedArray(tensor.name, lambda: hub_convert.host_value(ported), shape, dtype)

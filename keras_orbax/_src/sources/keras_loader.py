@@ -1,0 +1,142 @@
+"""Which stored array goes to which variable, exactly as Keras's own loader decides, without data.
+
+Keras's `load_weights` walks the model (`saving_lib._load_state`) and each layer's
+`load_own_variables` assigns what it takes from the file (quantized layers, EinsumDense, LoRA and
+keras-hub layers each in their own way). That walk is run here on a store whose entries are traced
+JAX placeholders, inside a `keras.StatelessScope` that collects every `assign` instead of doing it,
+under `jax.make_jaxpr`. Each variable's update is then, in the traced program:
+- a stored array itself (possibly cast): read its regions straight onto the devices;
+- anything else (LoRA factors set to zeros, values Keras computes): evaluated on the host from the
+  arrays it needs, one variable at a time, and each device gets its region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_orbax._src.compat import keras_compat, loading_compat
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.read.contiguous import ComputedArray
+
+Reader = Any  # ContiguousArray | H5SliceArray | ComputedArray
+
+
+@dataclasses.dataclass(frozen=True)
+class Feed:
+    """What one variable gets: `reader` gives its regions; `source` names it in the file."""
+
+    reader: Reader
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    feeds: dict[str, Feed]  # by the variable's keras-orbax key
+    consumed: set[str]  # stored arrays some variable takes
+    problems: list[str]  # what Keras's loader refused, by layer
+
+
+def trace_load(
+    model: keras.Model,
+    arrays: Mapping[str, Reader],
+    state: state_keys.KeyedState,
+    optimizer: keras.optimizers.Optimizer | None = None,
+) -> Traced:
+    """Runs Keras's own loading walk of `model` over `arrays` (by h5 path) without reading them.
+
+    Args:
+        model: The model to load into; nothing of it changes.
+        arrays: The stored arrays by their path in the file.
+        state: The model's keyed state (with `optimizer` as its optimizer, if given).
+        optimizer: Walked in place of `model.optimizer` (a stand-in for one not built yet).
+    """
+    names = list(arrays)
+    abstract = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) for n in names]
+    by_id = {id(v): key for key, v in state.variables.items()}
+    errors: dict[int, tuple[Any, BaseException]] = {}
+    assigned: list[str] = []
+
+    def load(*placeholders: Any) -> list[Any]:
+        store = loading_compat.tracing_store(dict(zip(names, placeholders, strict=True)))
+        with keras.StatelessScope(initialize_variables=False) as scope:
+            loading_compat.load_state(model, store, errors, skip=optimizer and model.optimizer)
+            if optimizer is not None:
+                loading_compat.load_state(optimizer, store, errors, path="optimizer")
+        updates = loading_compat.stateless_updates(scope)
+        assigned.extend(by_id[i] for i in updates if i in by_id)
+        return [updates[i] for i in updates if i in by_id]
+
+    loading_compat.cache_walk_skipsets()
+    closed = jax.make_jaxpr(load)(*abstract)
+    feeds, consumed = _feeds(closed, names, arrays, assigned, state)
+    problems = [_problem(saveable, error, model) for saveable, error in errors.values()]
+    return Traced(feeds, consumed, problems)
+
+
+def _feeds(
+    closed: Any,
+    names: list[str],
+    arrays: Mapping[str, Reader],
+    keys: list[str],
+    state: state_keys.KeyedState,
+) -> tuple[dict[str, Feed], set[str]]:
+    jaxpr = closed.jaxpr
+    inputs = {var: i for i, var in enumerate(jaxpr.invars)}
+    producers = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    feeds, consumed = {}, set()
+    for position, (key, out) in enumerate(zip(keys, jaxpr.outvars, strict=True)):
+        variable = state.variables[key]
+        source = _stored_source(out, inputs, producers)
+        if source is not None:
+            name = names[source]
+            array = arrays[name]
+            feeds[key] = Feed(array, name, tuple(array.shape), str(array.dtype))
+            consumed.add(name)
+            continue
+        needed = loading_compat.inputs_of(jaxpr, position)
+        consumed.update(names[i] for i in needed)
+        shape = tuple(int(n) for n in variable.shape)
+        dtype = keras_compat.stored_dtype(variable)
+        compute = _host_computation(closed, position, needed, names, arrays)
+        reader = ComputedArray(key, compute, shape, np.dtype(jax.numpy.dtype(dtype)))
+        described = ", ".join(names[i] for i in needed) or "no stored array"
+        feeds[key] = Feed(reader, f"computed by Keras's loader from {described}", shape, dtype)
+    return feeds, consumed
+
+
+def _stored_source(out: Any, inputs: dict[Any, int], producers: dict[Any, Any]) -> int | None:
+    """The input that `out` is, through casts only; None if it is computed."""
+    var = out
+    while not loading_compat.is_literal(var) and var not in inputs:
+        eqn = producers.get(var)
+        if eqn is None or eqn.primitive.name != "convert_element_type":
+            return None
+        var = eqn.invars[0]
+    return None if loading_compat.is_literal(var) else inputs[var]
+
+
+def _host_computation(
+    closed: Any, position: int, needed: list[int], names: list[str], arrays: Mapping[str, Reader]
+) -> Callable[[], np.ndarray]:
+    def compute() -> np.ndarray:
+        stored = [arrays[names[i]] for i in needed]
+        full = [a.read(tuple(slice(None) for _ in a.shape), a.dtype) for a in stored]
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return np.asarray(loading_compat.evaluate_output(closed, position, full))
+
+    return compute
+
+
+def _problem(saveable: Any, error: BaseException, model: keras.Model) -> str:
+    groups = {id(obj): group for group, obj in state_keys.saveables(model)}
+    name = getattr(saveable, "name", type(saveable).__name__)
+    group = groups.get(id(saveable), "?")
+    return f"{group or '<model>'} (model: {name}): Keras cannot load it: {error}"

@@ -1,0 +1,127 @@
+"""Where a checkpoint lives: a local directory, or a prefix in object storage (`gs://`, `s3://`).
+
+Local paths are `pathlib.Path`s, read and written with system calls. Object-store prefixes are
+`etils.epath.Path`s (what Orbax uses: listing, metadata files, deletes) and, for the array bytes,
+tensorstore key-value stores (ranged reads, concurrent writes). Endpoints and credentials come from
+the standard environment variables only:
+
+- S3: `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+  `AWS_REGION` (read by s3fs and by tensorstore's credential chain; the endpoint and region are
+  put into tensorstore's spec, which ignores those variables).
+- GCS: Google's default credentials, or `STORAGE_EMULATOR_HOST` for an emulator (anonymous),
+  turned into `TENSORSTORE_GCS_HTTP_URL` for tensorstore.
+
+```python
+keras_orbax.save(model, "s3://bucket/run-1", step=100)
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+import tensorstore as ts
+
+REMOTE_SCHEMES = ("gs://", "s3://")
+COMMIT_FILE = "commit_success.txt"  # Orbax's marker of a committed step where rename is not atomic
+_GCS_URL = "TENSORSTORE_GCS_HTTP_URL"
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether `path` is an object-store URL (`gs://...` or `s3://...`)."""
+    return os.fspath(path).startswith(REMOTE_SCHEMES)
+
+
+def as_path(path: str | os.PathLike) -> Any:
+    """`path` as a `pathlib.Path`, or an `etils.epath.Path` for an object-store URL.
+
+    A `pathlib.Path` would turn `s3://b/x` into `s3:/b/x`, a local folder.
+    """
+    if isinstance(path, pathlib.Path) or not is_remote(path):
+        return pathlib.Path(path)
+    from etils import epath
+
+    configure_environment()
+    return epath.Path(os.fspath(path))
+
+
+def configure_environment() -> None:
+    """Derives what the storage layers need from the standard variables, unless the user set it.
+
+    - `EPATH_USE_TF=false`: with TensorFlow installed (keras-hub pulls it in), epath sends `gs://`
+      and `s3://` to `tf.io.gfile`, which has no `s3` and ignores `STORAGE_EMULATOR_HOST`.
+    - With `STORAGE_EMULATOR_HOST`: `TENSORSTORE_GCS_HTTP_URL` (tensorstore reads only that) and
+      `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` (gcsfs otherwise probes bucket layouts the emulator
+      does not serve, slowing every call by seconds).
+    """
+    os.environ.setdefault("EPATH_USE_TF", "false")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        url = emulator if "://" in emulator else f"http://{emulator}"
+        os.environ.setdefault(_GCS_URL, url)
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    if "etils.epath" in sys.modules:  # imported already: it may have decided before
+        from keras_orbax._src.compat import orbax_compat
+
+        orbax_compat.epath_forget_tensorflow()
+
+
+def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
+    """The tensorstore kvstore spec of the object-store prefix `path` (ending in `/`)."""
+    text = os.fspath(path)
+    scheme, rest = text.split("://", 1)
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    spec: dict[str, Any] = {
+        "driver": "gcs" if scheme == "gs" else "s3",
+        "bucket": bucket,
+        "path": f"{prefix}/" if prefix else "",
+    }
+    if scheme == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+    return spec
+
+
+def kvstore(path: str | os.PathLike) -> ts.KvStore:
+    """An open tensorstore kvstore rooted at the object-store prefix `path`."""
+    configure_environment()
+    spec = kvstore_spec(path)
+    prefix = spec.pop("path")
+    # tensorstore's gcs driver reads its endpoint from the environment: part of the cache key.
+    return _open_bucket(json.dumps(spec, sort_keys=True), os.environ.get(_GCS_URL)) / prefix
+
+
+@functools.lru_cache(maxsize=16)
+def _open_bucket(spec: str, gcs_url: str | None) -> ts.KvStore:
+    """One kvstore per bucket and endpoint: its connections and credentials are reused."""
+    return ts.KvStore.open(json.loads(spec)).result()
+
+
+def total_bytes(path: str | os.PathLike) -> int:
+    """Bytes of every object under the object-store prefix `path` (one listing, via fsspec)."""
+    import fsspec
+
+    configure_environment()
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    return int(fs.du(root, total=True))
+
+
+def object_sizes(path: str | os.PathLike) -> dict[str, int]:
+    """Name (relative to the prefix `path`) -> size of every object under `path`, in one listing."""
+    import fsspec
+
+    configure_environment()
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    found = fs.find(root, detail=True)
+    root = root.rstrip("/") + "/"
+    return {name[len(root) :]: int(info["size"]) for name, info in found.items()}

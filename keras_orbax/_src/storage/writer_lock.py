@@ -1,0 +1,151 @@
+"""One writer per step: a lock per (directory, step), held until the step is committed.
+
+Two processes saving the same step into one directory would share Orbax's temporary directory
+(`<step>.orbax-checkpoint-tmp`) and trip over each other's files. `writer_lock` takes an exclusive
+`flock` on `<directory>/.keras_orbax.<step>.lock` for the whole write; a second writer of that step
+gets `StepLockedError` at once, naming the holder's PID and host, and writes nothing. Other steps
+are not locked: two writers of different steps both commit.
+
+- The kernel drops a `flock` when its holder exits or is killed, so a dead writer never blocks the
+  next one; the stale file it leaves is simply locked again.
+- The file starts with a dot and its name is not a number: neither Orbax's step listing nor
+  `committed_steps` takes it for a step. It is deleted on release while still locked; a writer that
+  opened it just before finds, once it holds the lock, that the path no longer names its file, and
+  starts over with a new one.
+- Under `jax.distributed`, only process 0 takes the lock (every process saves each step); the
+  others learn whether it got it, so all of them save or all raise.
+- Object storage (`gs://`, `s3://`) has no `flock`: remote directories are not locked. Neither is a
+  local filesystem that does not support `flock` (some network and FUSE mounts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from keras_orbax._src.runtime import multihost
+from keras_orbax._src.storage import locations
+from keras_orbax.errors import StepLockedError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no lock
+    fcntl = None  # type: ignore[assignment]
+
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_HOLDER_WAIT_S = 2.0
+
+
+def lock_path(directory: str | os.PathLike, step: int) -> Path:
+    """The lock file of `step` in `directory`."""
+    return Path(directory) / f".keras_orbax.{step}.lock"
+
+
+@contextlib.contextmanager
+def writer_lock(directory: str | os.PathLike, step: int) -> Iterator[None]:
+    """Holds the writer lock of `step` in `directory` for the with-block; call on every process.
+
+    Raises:
+        StepLockedError: another writer holds it; nothing was written.
+        OSError: the lock file cannot be created (e.g. a read-only directory).
+    """
+    if fcntl is None or locations.is_remote(directory):
+        yield
+        return
+    taken: list[int] = []
+
+    def take() -> None:
+        fd = _acquire(directory, step)
+        if fd is not None:
+            taken.append(fd)
+
+    multihost.primary_value(f"writer lock of step {step}", take)
+    try:
+        yield
+    finally:
+        for fd in taken:
+            _release(lock_path(directory, step), fd)
+
+
+def _acquire(directory: str | os.PathLike, step: int) -> int | None:
+    """A file descriptor holding the lock; None where the filesystem has no `flock`."""
+    path = lock_path(directory, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise StepLockedError(_busy_message(directory, step, holder, path)) from None
+        except OSError as error:
+            os.close(fd)
+            if error.errno in _NO_FLOCK:
+                return None
+            raise
+        if _names(path, fd):
+            _record_holder(fd)
+            return fd
+        os.close(fd)  # its holder released and deleted it after we opened it: take a new one
+
+
+def _record_holder(fd: int) -> None:
+    """Writes `<pid> <host>` for a second writer's error message."""
+    # Best effort: on a full disk the save fails anyway, with the error that says why.
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+
+
+def _release(path: Path, fd: int) -> None:
+    """Deletes the lock file while still holding it, then drops the lock."""
+    try:
+        # Best effort: a lock file left behind (say, on a directory remounted read-only) is
+        # harmless; the next writer locks it again.
+        with contextlib.suppress(OSError):
+            path.unlink()
+    finally:
+        os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        on_disk = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """`PID <pid> on <host>` as the holder wrote it, or a note that it has not yet.
+
+    The holder records itself just after taking the lock: a writer refused in between waits up to
+    `_HOLDER_WAIT_S` for the record rather than name no one.
+    """
+    deadline = time.monotonic() + _HOLDER_WAIT_S
+    while True:
+        try:
+            pid, host = os.pread(fd, 256, 0).decode().split()
+        except (OSError, UnicodeDecodeError, ValueError):
+            if time.monotonic() > deadline:
+                return "its PID not yet recorded"
+            time.sleep(0.01)
+        else:
+            return f"PID {pid} on {host}"
+
+
+def _busy_message(directory: str | os.PathLike, step: int, holder: str, path: Path) -> str:
+    return (
+        f"Cannot save step {step} to '{directory}': another writer ({holder}) is saving that "
+        f"step right now and holds its lock, {path}. Nothing was written; the committed steps "
+        "are intact. Save a different step, or wait for that save to finish. "
+        f"Received: step={step}"
+    )

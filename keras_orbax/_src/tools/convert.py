@@ -1,0 +1,159 @@
+"""`convert`: Keras weight files, keras-hub presets and Keras `OrbaxCheckpoint` directories to a
+keras-orbax checkpoint, one array at a time (peak memory near the largest variable, not the model).
+
+Without a model, a weights file's arrays keep their h5 dataset paths as keys (`layers/dense/vars/0`),
+which are the keras-orbax keys of ordinary layers: the result restores into the same architecture
+by Keras's structure and position. Layers whose `save_own_variables` stores derived values (LoRA
+stores merged kernels; quantized layers their own set) need `model`: Keras's own loader then decides
+what each variable gets, exactly as `load_weights` would, and the checkpoint holds the variables.
+
+```python
+keras_orbax.convert("model.weights.h5", "/ckpt")                   # by structure
+keras_orbax.convert("/keras_ckpt", "/ckpt", model=build_model())  # an OrbaxCheckpoint directory
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import keras
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import FORMAT_NAME, StepRecord, VariableRecord, versions
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.read import sharded_read
+from keras_orbax._src.restore import restore
+from keras_orbax._src.runtime import quiet
+from keras_orbax._src.sources import keras_weights
+from keras_orbax._src.sources.resolve import open_source, split_step
+from keras_orbax._src.write import step_writer
+from keras_orbax.errors import StepExistsError
+
+
+def convert(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    model: keras.Model | None = None,
+    step: int = 0,
+    on_write: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`.
+
+    Args:
+        source: A `.weights.h5`, `.weights.json`, `.keras`, a keras-hub preset directory, or a
+            directory written by `keras.callbacks.OrbaxCheckpoint` (`DIR@STEP` for one step).
+        destination: The keras-orbax checkpoint root.
+        model: The architecture (built, or under `deferred_init()`): keys and values are then what
+            `restore_sharded(model, source)` gives, i.e. Keras's own `load_weights`. Required for an
+            `OrbaxCheckpoint` directory.
+        step: The step written.
+        on_write: Called with `(nbytes, total)` after each array is written.
+
+    Returns:
+        The step's directory.
+
+    Raises:
+        StepExistsError: `destination` already holds `step`.
+        CheckpointMismatchError: `model` does not fit `source`.
+    """
+    if step in step_dirs.committed_steps(destination):
+        raise StepExistsError(f"Step {step} is already committed in '{destination}'.")
+    if model is None:
+        record, reads = _by_structure(source)
+    else:
+        record, reads = _by_model(source, model)
+    total = sum(v.nbytes for v in record.variables.values())
+    record = dataclasses.replace(record, step=step, versions=versions())
+    step_dir = Path(destination) / str(step)
+    try:
+        with quiet.skipped_merge_notices(destination), _fast_context():
+            first = True
+            for key, plan in reads:
+                arrays, _ = sharded_read.read_arrays(plan)
+                metadata = {FORMAT_NAME: record.to_json()} if first else None
+                ocp.partial.save(
+                    step_dir, state_keys.nest({key: arrays[key]}), custom_metadata=metadata
+                )
+                del arrays
+                first = False
+                if on_write is not None:
+                    on_write(record.variables[key].nbytes, total)
+            ocp.partial.finalize(step_dir)
+    except BaseException:
+        for unfinished in Path(destination).glob(f"{step}.partial_save*"):
+            shutil.rmtree(unfinished, ignore_errors=True)
+        raise
+    return step_dir
+
+
+def _fast_context() -> ocp.Context:
+    context = ocp.Context()
+    for option, value in step_writer._FORMATS["fast"].items():
+        setattr(context.array.saving, option, value)
+    return context
+
+
+def _one_device() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _by_structure(
+    source: str | os.PathLike,
+) -> tuple[StepRecord, list[tuple[str, sharded_read.ReadPlan]]]:
+    opened = open_source(source)
+    if opened.kind == "keras":
+        raise ValueError(
+            f"'{source}' was written by keras.callbacks.OrbaxCheckpoint, whose arrays are keyed by "
+            "variable paths: pass the architecture (--model module:function) to convert it."
+        )
+    variables = {
+        key: dataclasses.replace(v, array=key.replace("/", "."), layout=None)
+        for key, v in opened.variables.items()
+    }
+    reads = []
+    for key, saved in opened.variables.items():
+        target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=_one_device())
+        reads.append((key, opened.plan_reads([sharded_read.ReadRequest(saved, target)])))
+    return dataclasses.replace(opened.record, variables=variables, format_version=2), reads
+
+
+def _by_model(
+    source: str | os.PathLike, model: keras.Model
+) -> tuple[StepRecord, list[tuple[str, sharded_read.ReadPlan]]]:
+    path, at = split_step(source)
+    file = keras_weights.weights_file(path)
+    if file is not None:
+        saved, state, plan, reads = keras_weights.prepare(model, file, strict=True)
+    else:
+        step = step_dirs.resolve_step(path, at)
+        saved, state, plan, reads = restore._prepare(model, path, step, strict=True)
+    variables = {}
+    for key in plan.reads:
+        variable = state.variables[key]
+        variables[key] = VariableRecord(
+            key=key,
+            path=variable.path,
+            shape=tuple(int(n) for n in variable.shape),
+            dtype=keras_compat.stored_dtype(variable),
+            array=key.replace("/", "."),
+            role=state.roles[key],
+        )
+    one = [
+        (entry[0].record.key, dataclasses.replace(reads, fast=[entry], via_orbax=[]))
+        for entry in reads.fast
+    ] + [
+        (request.record.key, dataclasses.replace(reads, fast=[], via_orbax=[request]))
+        for request in reads.via_orbax
+    ]
+    record = StepRecord(step=0, variables=variables, model_config=step_writer._model_config(model))
+    del saved
+    return record, one

@@ -1,0 +1,1 @@
+"""`ModelCheckpoint` during `fit`: background saves, retention, resume, preemption."""

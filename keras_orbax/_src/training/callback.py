@@ -1,0 +1,427 @@
+"""`ModelCheckpoint`: sharded, asynchronous checkpoints during `fit`, with retention, resume and preemption."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from typing import Any, NoReturn
+
+import jax
+import keras
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.restore.restore import RestoreResult
+from keras_orbax._src.runtime import multihost, quiet
+from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.training.callback_args import validate
+from keras_orbax._src.training.pending import Collector, PendingSave
+from keras_orbax._src.training.preemption import PreemptionWatcher
+from keras_orbax._src.training.resume import ResumePoint, resume
+from keras_orbax._src.training.retention import Retention, loggable, metric
+from keras_orbax._src.write import shard_writer, step_writer
+from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
+
+logger = logging.getLogger("keras_orbax")
+
+
+class ModelCheckpoint(keras_compat.MonitorCallback):
+    """Saves sharded checkpoints of the whole training state during `fit`, in the background.
+
+    Each checkpoint is `<directory>/<step>` with the global training step: the batches trained
+    so far, counted across restarts (`model.optimizer.iterations` unless gradients are accumulated
+    or loss scaling skipped an update), so steps never collide. Every process writes only its own
+    shards while `fit` goes on; a step appears only once fully written, and older steps are
+    deleted only after that. A save at the end of epoch `e` (0-based) or after its known last
+    batch records `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e,
+    batch=b + 1`, and resuming from it reads and drops those `b + 1` batches of epoch `e`.
+    Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
+    by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
+    of `keep_every`. See docs/callback.md.
+
+    Args:
+        directory: Where checkpoints go. Use one directory per training run.
+        monitor: The metric that `save_best_only` and `keep_best` rank by, e.g. `"val_loss"`.
+        verbose: 1 prints one line per save (on process 0 only).
+        save_best_only: Save only when `monitor` improves on the best value so far (read back
+            from the directory when `fit` starts); the best step is always kept.
+        save_weights_only: Save only the model's variables: no optimizer or metric state (such
+            a checkpoint cannot be resumed from).
+        mode: `"auto"`, `"min"` or `"max"`: whether a lower or higher `monitor` is better.
+        save_freq: `"epoch"`, or an int N: save whenever the global step reaches a multiple of N.
+        initial_value_threshold: With `save_best_only`, a value of `monitor` to beat first.
+        max_to_keep: Keep the latest N steps; `None` keeps every step.
+        keep_best: Also keep the N best steps by `monitor`.
+        keep_every: Also keep every step that is a multiple of K.
+        resume: When `fit` starts, restore the latest committed step (`restore_sharded`) and
+            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run.
+        save_on_background: Write checkpoints while training continues. A failed background
+            save raises `SaveFailedError` at the next save or when `fit` ends.
+        format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
+        save_on_preemption: On SIGTERM, save at the next batch boundary (waiting until it is
+            committed) and stop `fit`, which returns normally with `preempted` set; exiting is
+            left to the caller. Under `jax.distributed`, JAX's preemption service makes every
+            process save at the same step.
+
+    Raises:
+        SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
+
+    Example:
+    ```python
+    keras.distribution.set_distribution(ModelParallel(layout_map=layout_map))
+    model = build_model()
+    model.compile(optimizer="adam", loss="mse")
+    checkpoint = keras_orbax.ModelCheckpoint("/ckpt", max_to_keep=3, resume=True)
+    model.fit(x, y, epochs=10, callbacks=[checkpoint])
+    if checkpoint.preempted:
+        sys.exit(0)  # rerun the same script to continue
+    ```
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+        *,
+        max_to_keep: int | None = 1,
+        keep_best: int | None = None,
+        keep_every: int | None = None,
+        resume: bool = False,
+        save_on_background: bool = True,
+        format: step_writer.SaveFormat = "fast",
+        save_on_preemption: bool = True,
+    ) -> None:
+        super().__init__(monitor, mode, initial_value_threshold)
+        validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
+        if resume and save_weights_only:
+            raise ValueError(
+                "resume=True needs the optimizer state, which save_weights_only=True leaves out. "
+                f"Received: resume={resume}, save_weights_only={save_weights_only}"
+            )
+        self.directory = os.fspath(directory)
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.save_freq = save_freq
+        self.initial_value_threshold = initial_value_threshold
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.keep_every = keep_every
+        self._retention = Retention(
+            monitor,
+            max_to_keep=max_to_keep,
+            keep_best=keep_best or (1 if save_best_only else None),
+            keep_every=keep_every,
+        )
+        self.resume = resume
+        self.save_on_background = save_on_background
+        self.format = format
+        self.save_on_preemption = save_on_preemption
+        self.preempted = False
+        """True once a preemption notice made this callback save and stop `fit`."""
+        self.restored: RestoreResult | None = None
+        """What `resume=True` restored when `fit` started; None if nothing was."""
+        self._checkpointer: ocp.training.Checkpointer | None = None
+        self._pending: PendingSave | None = None
+        self._last_saved_step: int | None = None
+        self._candidates: list[float] = []
+        self._watcher = PreemptionWatcher()
+        self._saves: Collector | None = None
+        self._set_epoch = False
+        self._warned_missing = False
+        self._resume_point: ResumePoint | None = None
+        self._notices = contextlib.ExitStack()
+        self._step = 0
+        self._epoch = 0
+        self._last_batch: int | None = None
+
+    # -- fit hooks -------------------------------------------------------------------------------
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.preempted, self.restored, self._pending = False, None, None
+        self._resume_point = None
+        steps = step_dirs.committed_steps(self.directory)
+        if self.resume and steps:
+            self._restore()
+        # The step counts training batches, updates applied or not (see keras_compat.optimizer_steps);
+        # a LossScaleOptimizer's counter also stops on skipped updates, the checkpoint's does not.
+        self._step = keras_compat.optimizer_steps(self.model.optimizer)
+        if self.restored is not None:
+            self._step = max(self._step, self.restored.step)
+        if steps and steps[-1] > self._step:
+            raise ValueError(
+                f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
+                f"step {self._step}: new checkpoints would be mixed with a different run's. Pass "
+                f"resume=True to continue that run, or use a new directory. Received: "
+                f"directory='{self.directory}', resume={self.resume}"
+            )
+        self._last_saved_step = steps[-1] if steps else None
+        self._notices.close()  # left open by a fit that raised before on_train_end
+        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
+        self._checkpointer = step_writer.open_checkpointer(
+            self.directory, self.format, preservation_policy=self._retention.policy()
+        )
+        self.best = self.initial_value_threshold
+        self._candidates = [
+            value
+            for checkpoint in self._checkpointer.checkpoints
+            if (value := metric(checkpoint.metrics, self.monitor)) is not None
+        ]
+        if self.save_on_background and self._saves is None:
+            self._saves = Collector()
+            unpacked = (v for v in self._state_values() if not shard_writer.is_packed(v))
+            self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
+            step_writer.warm_up()
+        if self.save_on_preemption:
+            self._watcher.start()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch, self._last_batch = epoch, None
+        if self._set_epoch:  # fit has read it by now; a later fit must not start there again
+            keras_compat.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.begin_epoch(self.model, epoch)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
+            self._last_batch = batch  # trained before the checkpoint; read and dropped now
+            return
+        previous = self._step
+        self._step += batch + 1 if self._last_batch is None else batch - self._last_batch
+        self._last_batch = batch
+        preempted = self.save_on_preemption and self._watcher.reached()
+        if (
+            isinstance(self.save_freq, int)
+            and self._step // self.save_freq > previous // self.save_freq
+        ):
+            self._consider_save(logs or {}, at_epoch_end=False)
+        if preempted:
+            self._save_for_preemption(at_epoch_end=False)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._resume_point is not None:
+            self._resume_point.close()  # the input may have ended before the dropped batches did
+        if self.preempted:
+            return  # saved and stopping already; this epoch did not finish
+        if self.save_freq == "epoch":
+            self._consider_save(logs or {}, at_epoch_end=True)
+        if self.save_on_preemption and self._watcher.requested:
+            self._save_for_preemption(at_epoch_end=True)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.wait_until_finished()
+        self._close(failing=False)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in progress, if any, is committed.
+
+        Raises:
+            SaveFailedError: it failed; the previous committed step is intact.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error = pending.join()
+        if error is not None:
+            self._fail(
+                f"Saving step {pending.step} to '{self.directory}' failed in the background", error
+            )
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def _consider_save(self, logs: dict, *, at_epoch_end: bool) -> None:
+        if self.save_best_only or self.keep_best:
+            self._ensure_monitor_op()
+        note = ""
+        if self.save_best_only:
+            current = logs.get(self.monitor)
+            if not isinstance(current, int | float):
+                self._warn_missing(current)
+                improved = False
+            else:
+                improved = bool(self._is_improvement(current, self.best))
+            if not multihost.primary_decision(improved):
+                return
+            previous = "None" if self.best is None else f"{self.best:.5f}"
+            note = f" ({self.monitor} improved from {previous} to {current:.5f})"
+            self.best = current
+        reason = "epoch" if at_epoch_end else "batch"
+        blocking = not self.save_on_background
+        self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
+
+    def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
+        self._save(None, "preemption", at_epoch_end, blocking=True)
+        self.wait_until_finished()  # the step may have been started just before, in the background
+        self.preempted = True
+        self.model.stop_training = True
+
+    def _save(
+        self,
+        metrics: dict[str, float] | None,
+        reason: str,
+        at_epoch_end: bool,
+        *,
+        blocking: bool,
+        note: str = "",
+    ) -> None:
+        step = self._step
+        if step == self._last_saved_step:
+            return  # nothing was trained since: that step holds this very state
+        self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
+        self.wait_until_finished()
+        epoch, batch = self._position(at_epoch_end)
+        if self._checkpointer is None:
+            raise SaveFailedError(
+                f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
+                "on_train_begin has not run."
+            )
+        staging: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if not blocking and self._saves is not None:  # the shards are copied into warm buffers
+            staging = self._saves.staging.active()
+        with contextlib.ExitStack() as lock:
+            try:
+                lock.enter_context(writer_lock(self.directory, step))
+                with staging:
+                    response = step_writer.write_step(
+                        self._checkpointer,
+                        self.model,
+                        step=step,
+                        epoch=epoch,
+                        batch=batch,
+                        metrics=metrics,
+                        extra={"reason": reason},
+                        blocking=blocking,
+                        weights_only=self.save_weights_only,
+                        # Orbax's part of the save runs in the background too. Not for compact
+                        # arrays (Orbax's own serializer reads the live arrays), nor across
+                        # processes (its collectives would interleave with the train step's).
+                        start_later=self.format == "fast" and jax.process_count() == 1,
+                    )
+            except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
+                self._close(failing=True)
+                raise
+            except Exception as error:
+                self._fail(f"Saving step {step} to '{self.directory}' failed", error)
+            if not blocking:  # the lock is held until the background save commits or fails
+                assert self._saves is not None, "on_train_begin starts the collector"
+                self._pending = self._saves.submit(step, response, lock.pop_all().close)
+        self._last_saved_step = step
+        self._report(step, epoch, batch, reason, note)
+
+    def _state_values(self) -> list[Any]:
+        """The arrays a save of this model writes (for the background saves' host buffers)."""
+        state = state_keys.keyed_state(self.model)
+        variables = state.of_role(state_keys.MODEL) if self.save_weights_only else state.variables
+        return [
+            keras_compat.current_value(v)
+            for v in variables.values()
+            if keras_compat.is_allocated(v)
+        ]
+
+    def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
+        """(epoch, batch) to record: the next epoch to run, or the batches done in this one.
+
+        After a batch, the epoch is done only if that was its known last batch (a generator's
+        length is unknown: its epoch counts as unfinished). At an epoch's end, it is done unless
+        it stopped before its known number of batches (another callback stopped `fit`).
+        """
+        steps = self.params.get("steps") if self.params else None
+        done = 0 if self._last_batch is None else self._last_batch + 1
+        finished = (
+            (steps is None or done >= steps)
+            if at_epoch_end
+            else (steps is not None and done >= steps)
+        )
+        return (self._epoch + 1, None) if finished else (self._epoch, done)
+
+    # -- resume, retention, monitoring -----------------------------------------------------------
+
+    def _restore(self) -> None:
+        self.restored, self._resume_point = resume(self.model, self.directory)
+        self._set_epoch = self._resume_point is not None
+
+    def _ensure_monitor_op(self) -> None:
+        """Settles the monitor's direction, and folds in the best value stored in the directory."""
+        if self.monitor_op is None:
+            self._set_monitor_op()
+        self._retention.higher_is_better = self.monitor_op is keras.ops.greater
+        self.best = self._retention.best([self.best, *self._candidates])
+        self._candidates = []
+
+    def _warn_missing(self, current: Any) -> None:
+        if not self._warned_missing:
+            self._warned_missing = True
+            warnings.warn(
+                f"ModelCheckpoint(save_best_only=True) skips saves while '{self.monitor}' is not "
+                f"a number in the logs. Received: {self.monitor}={current!r}",
+                KerasOrbaxWarning,
+                stacklevel=3,
+            )
+
+    # -- reporting and cleanup -------------------------------------------------------------------
+
+    def _report(self, step: int, epoch: int, batch: int | None, reason: str, note: str) -> None:
+        if not multihost.is_primary():
+            return
+        # Numbered from 1, as Keras prints epochs: `epoch` epochs are done, or `batch` batches of
+        # the 0-based epoch `epoch`.
+        where = f"Epoch {epoch}" if batch is None else f"Epoch {epoch + 1}, batch {batch}"
+        action = "preempted, saved" if reason == "preemption" else "saving"
+        line = f"{where}: {action} step {step} to '{self.directory}'{note}"
+        logger.info(line)
+        if self.verbose > 0:
+            print(line, flush=True)
+
+    def _intact_note(self) -> str:
+        steps = step_dirs.committed_steps(self.directory)
+        if not steps:
+            return "No step is committed in the directory."
+        return f"The last committed step, {steps[-1]}, is intact."
+
+    def _fail(self, what: str, error: BaseException) -> NoReturn:
+        """Raises SaveFailedError after closing: Orbax re-raises the same failure at every later
+        save, and fit calls no on_train_end when a callback raises."""
+        failure = SaveFailedError(f"{what}: {type(error).__name__}: {error}. {self._intact_note()}")
+        self._close(failing=True)
+        raise failure from error
+
+    def _close(self, *, failing: bool) -> None:
+        """Closes the checkpointer and puts back what on_train_begin changed."""
+        checkpointer, self._checkpointer = self._checkpointer, None
+        self._watcher.stop()
+        if self._saves is not None:
+            self._saves.close()
+            self._saves = None
+        if self._set_epoch:
+            keras_compat.set_initial_epoch(self.model, None)
+            self._set_epoch = False
+        if self._resume_point is not None:
+            self._resume_point.close()
+            self._resume_point = None
+        if checkpointer is None:
+            return
+        try:
+            checkpointer.close()
+        except Exception as error:
+            self._notices.close()
+            if failing:  # the save failure already being raised is the one to report
+                logger.warning(
+                    "Closing the checkpointer of '%s' failed too: %s", self.directory, error
+                )
+                return
+            raise SaveFailedError(
+                f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
+                f"{error}. {self._intact_note()}"
+            ) from error
+        self._notices.close()  # every save has finished logging

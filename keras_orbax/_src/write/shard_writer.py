@@ -1,0 +1,348 @@
+"""Writing the `"fast"` format's shard files ourselves, while Orbax still commits the step.
+
+Orbax's `PyTreeHandler` writes the tree metadata (`_METADATA`) and commits the step (temporary
+directory, barrier across processes, rename); only the `jax.Array` leaves go through
+`FastArrayLeafHandler`, which writes the very files Orbax's tensorstore path would
+(`tests/test_format.py` compares them byte for byte): per array a zarr v3 `zarr.json` whose chunk
+is the saved shard, one file per distinct shard (the raw C-order bytes, then the 20-byte
+`sharding_indexed` index), `_sharding` and `array_metadatas/process_<i>`. One difference: an array
+of at most `PACK_BYTES` is one chunk in one file, `<array>/c.0.0`, however it is sharded (the bytes
+Orbax writes for it replicated, under a chunk key with no directories). What it does not do that
+tensorstore does: encode each shard into a second buffer, write every file under a temporary name
+and rename it, and fsync the directory after every file. Here each file is written once from the
+shard's own buffer (on CPU, the device buffer itself) by a pool of threads, checksummed piece by
+piece while it is written, fsync-ed, and every directory is fsync-ed once at the end; a metadata
+file whose content another has already (the same `zarr.json` for arrays of one shape, chunk and
+dtype) is a hard link to it. The step stays atomic: nothing is visible until Orbax renames the
+temporary step directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import os
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import checksum
+from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.write import staging
+from keras_orbax._src.write.shard_metadata import SavedArray, metadata_files
+
+# Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
+# ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
+# (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
+_WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
+# An array of at most this many bytes is one chunk in one file, not one per shard: the files and
+# directories of a model of many small variables are what its save costs (5000 variables, kernels
+# split over 4 devices: 17,500 files and 12,500 directories before, 10,000 and 5,000 now; save
+# 3.8 x -> 2.05 x the write floor, docs/benchmarks.md).
+PACK_BYTES = 1 << 20
+_COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
+_STAGED: contextvars.ContextVar[Mapping[str, list[_Shard]] | None] = contextvars.ContextVar(
+    "keras_orbax_staged_shards", default=None
+)
+
+
+@contextlib.contextmanager
+def shards_stay_unchanged() -> Iterator[None]:
+    """Within it, a save may write straight from the device buffers instead of host copies.
+
+    Only for a save that is waited for before the arrays can change: Keras's train step donates
+    the state's buffers, so an asynchronous save must copy them first (as Orbax does).
+    """
+    token = _COPY_SHARDS.set(False)
+    try:
+        yield
+    finally:
+        _COPY_SHARDS.reset(token)
+
+
+def stage(values: Mapping[str, Any]) -> dict[str, list[_Shard]]:
+    """Host copies, taken now, of the shards this process writes for `values` (Orbax parameter
+    name -> array): a save started later under `from_staged` writes these, whatever has become of
+    the arrays' buffers since (a train step donates them)."""
+    params = [_Param(name, value) for name, value in values.items() if _writable(value)]
+    staged: dict[str, list[_Shard]] = {p.name: [] for p in params}
+    for shard in _host_shards(params, copy=True):
+        staged[shard.array].append(shard)
+    return staged
+
+
+@contextlib.contextmanager
+def from_staged(staged: Mapping[str, list[_Shard]]) -> Iterator[None]:
+    """Within it, a save writes the shards `stage` copied instead of reading the arrays."""
+    token = _STAGED.set(staged)
+    try:
+        yield
+    finally:
+        _STAGED.reset(token)
+
+
+class _Param(NamedTuple):
+    name: str
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    array: str  # Orbax parameter name: the array's directory
+    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
+    data: np.ndarray  # C-contiguous host bytes
+    packed: bool = False
+
+    @property
+    def relative(self) -> str:
+        return f"{self.array}/{chunk_key(self.coords, ONE_FILE_SEPARATOR if self.packed else '/')}"
+
+
+class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[misc]
+    """Orbax's array leaf handler, saving with keras-orbax's own shard writer.
+
+    Loading and metadata stay Orbax's. A tree holding an array this writer does not handle (a PRNG
+    key, an empty array; Keras makes neither) is saved by Orbax's own serializer, all of it, so
+    that the per-process files stay one writer's.
+    """
+
+    async def serialize(self, params: Sequence[Any], serialization_context: Any) -> Awaitable[None]:
+        if not all(_writable(p.value) for p in params):
+            return await super().serialize(params, serialization_context)
+        arrays = [_describe(p.name, p.value) for p in params]
+        staged = _STAGED.get()
+        if staged is not None and all(p.name in staged for p in params):
+            shards = [shard for p in params for shard in staged[p.name]]
+        else:
+            shards = _host_shards(params, copy=_COPY_SHARDS.get())
+        parent = serialization_context.parent_dir
+
+        async def write() -> None:
+            await parent.await_creation()
+            await asyncio.to_thread(write_arrays, locations.as_path(parent.path), arrays, shards)
+
+        return write()
+
+
+def _writable(value: Any) -> bool:
+    return (
+        isinstance(value, jax.Array)
+        and value.size > 0
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    )
+
+
+def _describe(name: str, value: jax.Array) -> SavedArray:
+    packed = is_packed(value)
+    chunk = value.shape if packed else value.sharding.shard_shape(value.shape)
+    dtype = np.dtype(value.dtype)
+    return SavedArray(name, tuple(value.shape), tuple(chunk), dtype, value.sharding, packed)
+
+
+def is_packed(value: jax.Array) -> bool:
+    """Whether `value` is saved as one chunk in one file, `<array>/c.0.0`, however it is sharded:
+    small (each file and directory costs a journal commit more than its bytes) and held by one
+    process (which writes that file)."""
+    devices: set[Any] = value.sharding.device_set
+    return value.nbytes <= PACK_BYTES and len({d.process_index for d in devices}) == 1
+
+
+def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
+    """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
+    accelerator; on CPU a view of the device buffer unless `copy`); a packed array's shards
+    assembled into one."""
+
+    def distinct(value: jax.Array) -> list[Any]:
+        return [s for s in value.addressable_shards if s.replica_id == 0]
+
+    packed = [is_packed(p.value) for p in params]
+    unpacked = [p for p, one_file in zip(params, packed, strict=True) if not one_file]
+    # A packed array is held by one process: all its distinct shards are here, or none.
+    whole = [(p, distinct(p.value)) for p, one_file in zip(params, packed, strict=True) if one_file]
+    whole = [(p, shards) for p, shards in whole if shards]
+    picked = [(p.name, s) for p in unpacked for s in distinct(p.value)]
+    host = _on_host([s.data for _, s in picked])
+    fetched = iter(_on_host([s.data for _, shards in whole for s in shards]))
+    assembled = [
+        _Shard(p.name, (0,) * p.value.ndim, _assemble(p.value, shards, fetched), packed=True)
+        for p, shards in whole
+    ]
+    held = staging.active()
+    if not copy:
+        host = [np.ascontiguousarray(data) for data in host]
+    elif held is not None:  # a background save of the callback: pinned, or its warm buffers
+        host = held.keep(host, [p.value for p in unpacked])
+    else:
+        host = [np.array(data, order="C") for data in host]
+    shards = []
+    for (name, shard), data in zip(picked, host, strict=True):
+        chunk = shard.data.shape
+        coords = tuple(
+            (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
+        )
+        shards.append(_Shard(name, coords, data))
+    return shards + assembled
+
+
+def _on_host(datas: list[jax.Array]) -> list[np.ndarray]:
+    """`jax.device_get(datas)` (single-device arrays) without its cost per array where they are on
+    the host already: on CPU 12,500 shards take 0.05 s this way, 0.17 s through `device_get`.
+    An accelerator's copies are all started before the first is waited for, as there."""
+    if any(d.platform != "cpu" for data in datas for d in data.devices()):
+        return [np.asarray(data) for data in jax.device_get(datas)]
+    return [np.asarray(data) for data in datas]
+
+
+def _assemble(value: jax.Array, shards: Sequence[Any], datas: Iterator[np.ndarray]) -> np.ndarray:
+    """The whole of `value` in a new C-contiguous host array, from its distinct shards (their host
+    data the next of `datas`)."""
+    whole = np.empty(value.shape, np.dtype(value.dtype))
+    for shard in shards:
+        whole[shard.index] = next(datas)
+    return whole
+
+
+def write_arrays(directory: Any, arrays: list[SavedArray], shards: list[_Shard]) -> None:
+    """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
+    durably: each file and each directory is fsync-ed (an object is durable once written)
+    before this returns."""
+    files = metadata_files(arrays)
+    if locations.is_remote(directory):
+        _write_objects(directory, files, shards)
+        return
+    # Each file's write by its directory (relative to `directory`, "" for itself), shard files by
+    # name for their checksums; the directories to make are those and every one above them.
+    # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
+    root = os.fspath(directory)
+    writes: dict[str, list[tuple[str, Callable[[], Any]]]] = defaultdict(list)
+    for shard in shards:
+        relative = shard.relative
+        write = functools.partial(_write_shard, f"{root}/{relative}", shard.data)
+        writes[_parent(relative)].append((relative, write))
+    metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+    for name, content in files:
+        metadata[_parent(name)].append((f"{root}/{name}", content))
+    names = [*(s.relative for s in shards), *(name for name, _ in files), _checksums_name()]
+    dirs = sorted({parent for name in names for parent in _ancestors(name)})  # parents first
+    small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
+    with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
+        # Directories are made here one by one (a parent's lock orders them anyway; 5000 arrays:
+        # 0.1-1 ms of kernel CPU each), and the shard files of each written by the pool as soon
+        # as it exists, overlapping the two (5000 Dense(64): 9.7 -> 6.8 s, medians of 10
+        # alternating); the metadata files here, each content once (`_Once`).
+        started, once = [], _Once()
+        for relative in dirs:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(f"{root}/{relative}")
+            started += [(name, pool.submit(write)) for name, write in writes[relative]]
+            for path, content in metadata[relative]:
+                once.write(path, content)
+        checksums = {name: future.result() for name, future in started}
+        _write_file(f"{root}/{_checksums_name()}", _checksums_json(checksums))
+        written = [*once.written, *(f"{root}/{relative}" for relative in dirs)]
+        list(pool.map(durable.fsync_path, written))
+
+
+class _Once:
+    """Writes small files, each distinct content once: a file whose content was written before is a
+    hard link to that file (a model's thousands of arrays have a few distinct `zarr.json`, and each
+    file costs an inode and its own write-back; 5000 Dense(64): save 5.08 -> 4.29 s, medians of 6
+    alternating). Where the filesystem refuses the link (some FUSE and network filesystems have no
+    hard links; ext4 allows 65,000 per file) the content is written again. Nothing is fsync-ed:
+    the caller fsyncs `written` and the directories."""
+
+    def __init__(self) -> None:
+        self._sources: dict[bytes, str] = {}
+        self.written: list[str] = []
+
+    def write(self, path: str, content: bytes) -> None:
+        source = self._sources.get(content)
+        if source is not None:
+            with contextlib.suppress(OSError):
+                os.link(source, path)
+                return
+        _write_file(path, content, sync=False)
+        self._sources[content] = path
+        self.written.append(path)
+
+
+def _parent(relative: str) -> str:
+    return relative.rpartition("/")[0]
+
+
+def _ancestors(relative: str) -> list[str]:
+    """The directories above the file `relative`, from `directory` itself ("") down: each is made
+    before the file and fsync-ed after it (`c/0/1/2` of a 3-D array has three below the array's)."""
+    parts = relative.split("/")[:-1]
+    return ["/".join(parts[:n]) for n in range(len(parts) + 1)]
+
+
+def _checksums_name() -> str:
+    return f"{checksum.CHECKSUMS_DIR}/process_{jax.process_index()}.json"
+
+
+def _checksums_json(checksums: dict[str, dict[str, int]]) -> bytes:
+    return json.dumps({"algorithm": checksum.ALGORITHM, "files": checksums}).encode()
+
+
+def _write_objects(directory: Any, files: list[tuple[str, bytes]], shards: list[_Shard]) -> None:
+    """The same files as objects under an object-store prefix, a few in flight at a time (each
+    shard is copied once into the request body)."""
+    store = locations.kvstore(directory)
+
+    def put_shard(shard: _Shard) -> tuple[str, dict[str, int]]:
+        view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
+        index = checksum.shard_index(len(view))
+        crc = checksum.update(checksum.update(0, view), index)
+        store.write(shard.relative, b"".join((view, index))).result()
+        return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        checksums = dict(pool.map(put_shard, shards))
+        list(pool.map(lambda f: store.write(f[0], f[1]).result(), files))
+    store.write(_checksums_name(), _checksums_json(checksums)).result()
+
+
+def _write_shard(path: str, data: np.ndarray) -> dict[str, int]:
+    """Writes one shard file (bytes, then the zarr index) and fsyncs it; returns its checksum."""
+    view = memoryview(data.reshape(-1).view(np.uint8).data)
+    index = checksum.shard_index(len(view))
+    crc = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        for start in range(0, len(view), checksum.PIECE_BYTES):
+            piece = view[start : start + checksum.PIECE_BYTES]
+            crc = checksum.update(crc, piece)
+            _write_all(fd, piece)
+        crc = checksum.update(crc, index)
+        _write_all(fd, memoryview(index))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+
+def _write_file(path: str, content: bytes, sync: bool = True) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        _write_all(fd, memoryview(content))
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])

@@ -1,0 +1,314 @@
+"""`save`: one committed step, each process writing only the shards its devices own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import keras
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax._src.compat import keras_compat, orbax_compat
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import (
+    FORMAT_NAME,
+    STATE,
+    StepRecord,
+    VariableRecord,
+    versions,
+)
+from keras_orbax._src.model import shardings, state_keys
+from keras_orbax._src.runtime import gc_pause, quiet
+from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import shard_writer
+from keras_orbax.errors import (
+    DeferredVariableError,
+    KerasOrbaxError,
+    SaveFailedError,
+    StepExistsError,
+)
+
+SaveFormat = Literal["fast", "compact"]
+# "fast": one uncompressed file per shard, chunk = shard (one file for an array of <= 1 MiB), so
+# restore reads each file once, straight into the buffer its device uses (docs/format.md); keras-orbax
+# writes these files itself (`shard_writer`). "compact": Orbax's defaults, zstd-compressed chunks in one
+# OCDBT database per process: smaller, fewer files.
+_FORMATS: dict[str, dict[str, bool]] = {
+    "fast": {
+        "use_zarr3": True,
+        "use_compression": False,
+        "use_ocdbt": False,
+        "use_replica_parallel": False,
+    },
+    "compact": {"use_zarr3": True, "use_compression": True, "use_ocdbt": True},
+}
+
+
+@gc_pause.paused()
+def save(
+    model: keras.Model,
+    directory: str | os.PathLike,
+    *,
+    step: int,
+    epoch: int | None = None,
+    format: SaveFormat = "fast",
+    overwrite: bool = False,
+) -> Path:
+    """Saves every piece of `model`'s state as one committed checkpoint step.
+
+    Call on every process: each writes only the shards its devices own. Trainable and
+    non-trainable variables, optimizer state (`iterations` included), metric variables and
+    seed-generator state are saved, with a JSON record of each variable's path, shape, dtype and
+    layout. The step appears only once it is fully written; earlier steps are never touched.
+
+    Args:
+        model: A built Keras model (JAX backend).
+        directory: The checkpoint root; the step is written to `<directory>/<step>`.
+        step: The step number, usually the global training step.
+        epoch: Recorded in the metadata (e.g. for resuming `fit`).
+        format: `"fast"` (uncompressed, one file per shard: the fastest restore) or `"compact"`
+            (zstd + OCDBT: smaller, fewer files). Both restore the same way.
+        overwrite: Replace `step` if it is already committed.
+
+    Returns:
+        The step's directory.
+
+    Raises:
+        StepExistsError: `step` is committed already and `overwrite` is False.
+        StepLockedError: another writer is saving `step` to `directory` right now (with or
+            without `overwrite`); nothing was written. Local directories only: `gs://` and
+            `s3://` directories are not locked.
+        SaveFailedError: the write failed (e.g. a full disk); the committed steps are intact.
+
+    Example:
+    ```python
+    keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
+    ```
+    """
+    _check_format(format, directory)
+    checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
+    try:
+        with (
+            writer_lock(directory, step),  # released once the checkpointer has closed
+            quiet.skipped_merge_notices(directory),
+            open_checkpointer(directory, format) as checkpointer,
+        ):
+            write_step(
+                checkpointer, model, step=step, epoch=epoch, overwrite=overwrite, checked=checked
+            )
+    except KerasOrbaxError:
+        raise
+    except Exception as error:  # the write itself failed: a full disk, a read-only directory...
+        steps = step_dirs.committed_steps(directory)
+        intact = f"The last committed step, {steps[-1]}, is intact." if steps else ""
+        raise SaveFailedError(
+            f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. {intact}"
+        ) from error
+    return locations.as_path(directory) / str(step)
+
+
+def warm_up() -> None:
+    """Does now what the first save in a process would otherwise spend its time on: reading the
+    installed packages' versions for the record (6 ms of parsing package metadata)."""
+    versions()
+
+
+def open_checkpointer(
+    directory: str | os.PathLike,
+    format: SaveFormat = "fast",
+    preservation_policy: Any = None,
+) -> ocp.training.Checkpointer:
+    """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
+    _check_format(format, directory)
+    context = ocp.Context()
+    for option, value in _FORMATS[format].items():
+        setattr(context.array.saving, option, value)
+    if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
+        context.checkpointables_options.registry = _fast_registry()
+    if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
+        context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
+    return ocp.training.Checkpointer(
+        locations.as_path(directory), context=context, preservation_policy=preservation_policy
+    )
+
+
+def _fast_registry() -> Any:
+    """Orbax's handlers, with `state` saved by a PyTreeHandler that writes arrays via `shard_writer`."""
+    handler = orbax_compat.pytree_handler_with_array_writer(shard_writer.FastArrayLeafHandler)
+    registry = ocp.handlers.local_registry(include_global_registry=False)
+    registry.add(handler, checkpointable_name=STATE)
+    default = ocp.handlers.local_registry()
+    for handler_type, name in default.get_all_entries():
+        if name != STATE:
+            registry.add(
+                handler_type,
+                checkpointable_name=name,
+                secondary_typestrs=default.get_secondary_typestrs(handler_type),
+            )
+    return registry
+
+
+def write_step(
+    checkpointer: ocp.training.Checkpointer,
+    model: keras.Model,
+    *,
+    step: int,
+    epoch: int | None = None,
+    batch: int | None = None,
+    metrics: dict[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    blocking: bool = True,
+    weights_only: bool = False,
+    start_later: bool = False,
+    checked: tuple[state_keys.KeyedState, dict[str, keras.Variable]] | None = None,
+) -> Any:
+    """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
+
+    `weights_only` keeps the model's own variables (trainable, non-trainable, seed-generator state)
+    and leaves out optimizer and metric state. `start_later` (fast format, not `blocking`) only
+    copies the shards to the host now and returns a `LaterSave`: its `result()`, called from
+    another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
+    `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
+    """
+    state, variables = checked or _checked_variables(
+        model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
+    )
+    record = StepRecord(
+        step=step,
+        epoch=epoch,
+        batch=batch,
+        variables={key: _record(key, v, state.roles[key]) for key, v in variables.items()},
+        model_config=_model_config(model),
+        versions=versions(),
+        extra=extra or {},
+    )
+    # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
+    values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
+
+    def start() -> DurableResponse | None:
+        response = checkpointer.save_async(
+            step,
+            state_keys.nest(values),
+            force=True,
+            overwrite=overwrite,
+            metrics=metrics,
+            custom_metadata={FORMAT_NAME: record.to_json()},
+        )
+        return None if response is None else DurableResponse(response, checkpointer.directory, step)
+
+    if start_later and not blocking:
+        staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
+        return LaterSave(start, staged)
+    # Waited for at once, the save may write from the live device buffers; in the background it
+    # must copy them first (the next train step donates them).
+    with shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext():
+        response = start()
+    if blocking and response is not None:
+        response.result()
+    return response
+
+
+class DurableResponse:
+    """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
+    durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename)."""
+
+    def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
+        self._response, self._step_dir = response, locations.as_path(directory) / str(step)
+
+    def result(self) -> None:
+        self._response.result()
+        if not locations.is_remote(self._step_dir):  # an object is durable once written
+            durable.step_committed(self._step_dir)
+
+
+class LaterSave:
+    """A save whose shards are on the host already; `result()` writes and commits it."""
+
+    def __init__(self, start: Callable[[], DurableResponse | None], staged: Any) -> None:
+        self._start, self._staged = start, staged
+
+    def result(self) -> None:
+        with shard_writer.from_staged(self._staged):
+            response = self._start()
+        if response is not None:
+            response.result()
+
+
+def _check_format(format: str, directory: str | os.PathLike) -> None:
+    if format not in _FORMATS:
+        raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
+    if format == "compact" and os.fspath(directory).startswith("s3://"):
+        # Orbax builds a local file path for the arrays of an s3:// checkpoint in this format.
+        raise ValueError(
+            "format='compact' cannot be written to s3:// (Orbax's tensorstore path for it is "
+            "local-only); use the default format='fast'. "
+            f"Received: format={format!r}, directory={os.fspath(directory)!r}"
+        )
+
+
+def _checked_variables(
+    model: keras.Model,
+    directory: Any,
+    step: int,
+    *,
+    overwrite: bool,
+    weights_only: bool,
+) -> tuple[state_keys.KeyedState, dict[str, keras.Variable]]:
+    """The model's keyed state and the variables to save, after the checks that need no writing.
+
+    Raises:
+        ValueError: the model has no variables.
+        DeferredVariableError: some were built deferred and never restored.
+        StepExistsError: `step` is committed already and `overwrite` is False.
+    """
+    state = state_keys.keyed_state(model)
+    variables = state.of_role(state_keys.MODEL) if weights_only else state.variables
+    if not variables:
+        raise ValueError(
+            f"Model '{model.name}' has no variables to save: build it first. "
+            f"Received: model={model.name}"
+        )
+    unset = [v.path for v in variables.values() if not keras_compat.is_allocated(v)]
+    if unset:
+        raise DeferredVariableError(
+            f"Cannot save model '{model.name}': {len(unset)} variables were built under "
+            f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
+        )
+    if not overwrite and step in step_dirs.committed_steps(directory):
+        raise StepExistsError(
+            f"Step {step} is already committed in '{directory}'. Pass overwrite=True "
+            f"to replace it. Received: step={step}"
+        )
+    return state, variables
+
+
+def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
+    value = keras_compat.current_value(variable)
+    return VariableRecord(
+        key=key,
+        path=variable.path,
+        shape=tuple(int(n) for n in variable.shape),
+        dtype=keras_compat.stored_dtype(variable),
+        array=key.replace("/", "."),  # Orbax names a nested parameter by its keys joined with "."
+        layout=shardings.describe(value.sharding),
+        role=role,
+    )
+
+
+def _model_config(model: keras.Model) -> dict[str, Any] | None:
+    """The model's serialized config where Keras can make one (JSON-safe), else None."""
+    try:
+        return json.loads(json.dumps(keras.saving.serialize_keras_object(model)))
+    except (TypeError, ValueError, NotImplementedError, RecursionError):  # e.g. GPTQ configs
+        return None
+
+
+def _size(variable: keras.Variable) -> int:
+    return int(np.prod(variable.shape, dtype=np.int64))
