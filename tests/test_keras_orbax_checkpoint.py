@@ -128,3 +128,82 @@ def test_a_mismatch_names_the_tree_path(keras_checkpoint):
     model = keras.Model(inputs, outputs)
     with pytest.raises(keras_orbax.errors.CheckpointMismatchError, match="trainable_variables/"):
         keras_orbax.restore_sharded(model, directory)
+
+
+class _Swapped(keras.Model):
+    """Makes `first` before `second` but tracks (and applies) `second` first: Keras's saving order
+    and the creation order differ, and both layers' weights have one shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        first = keras.layers.Dense(8)
+        self.second = keras.layers.Dense(8)
+        self.first = first
+
+    def call(self, inputs):
+        return self.first(self.second(inputs))
+
+
+def _swapped_functional() -> keras.Model:
+    first, second = keras.layers.Dense(8), keras.layers.Dense(8)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, first(second(inputs)))
+    model.first, model.second = first, second
+    return model
+
+
+def _swapped_subclassed() -> keras.Model:
+    model = _Swapped()
+    model(np.zeros((1, 8), "float32"))
+    return model
+
+
+def _saved_by_keras(directory, model: keras.Model) -> np.ndarray:
+    """Trains `model` one step, saved by Keras's callback; its predictions on the returned data."""
+    x = np.random.default_rng(1).random((8, 8), "float32")
+    callback = keras.callbacks.OrbaxCheckpoint(str(directory), save_on_background=False)
+    model.fit(x, x[:, ::-1], epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    return x
+
+
+@pytest.mark.parametrize("build", [_swapped_functional, _swapped_subclassed])
+def test_same_shape_layers_get_their_own_weights_when_counters_shift(tmp_path, build):
+    trained = _compiled(build())
+    x = _saved_by_keras(tmp_path, trained)
+    weights = {name: getattr(trained, name).get_weights() for name in ("first", "second")}
+    assert not np.array_equal(weights["first"][0], weights["second"][0])
+    model = _compiled(build())  # built again in this process: every counter shifts
+    assert model.first.kernel.path != trained.first.kernel.path
+    keras_orbax.restore_sharded(model, tmp_path)
+    for name, expected in weights.items():
+        for got, want in zip(getattr(model, name).get_weights(), expected, strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), trained.predict(x, verbose=0))
+    optimizer = {k: v for k, v in _state(trained).items() if k.startswith("optimizer/")}
+    _assert_equal({k: v for k, v in _state(model).items() if k in optimizer}, optimizer)
+
+
+def _named(names: tuple[str, str]) -> keras.Model:
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(8, name=names[0])(inputs)
+    return keras.Model(inputs, keras.layers.Dense(8, name=names[1])(x))
+
+
+@pytest.mark.parametrize(
+    ("saved", "restored"),
+    [
+        (("proj", "proj_0"), ("proj_1", "proj_2")),  # equal counters: `proj` is `proj_0`
+        (("p_0_1", "p_1_0"), ("p_2_1", "p_3_2")),  # the two counters order the sides differently
+    ],
+)
+def test_counters_that_cannot_tell_creation_order_are_refused(tmp_path, saved, restored):
+    _saved_by_keras(tmp_path, _compiled(_named(saved)))
+    model = _compiled(_named(restored))
+    before = [np.asarray(v.value) for v in model.weights]
+    with pytest.raises(keras_orbax.errors.CheckpointMismatchError) as caught:
+        keras_orbax.restore_sharded(model, tmp_path)
+    for name in (*saved, *restored):
+        assert any(f"{name}/kernel" in problem for problem in caught.value.problems), name
+    keras_orbax.restore_sharded(model, tmp_path, strict=False)  # restores what matches: not these
+    for got, expected in zip(model.weights, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), expected, err_msg=got.path)
