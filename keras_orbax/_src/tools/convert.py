@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
 import keras
-import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.format.step_record import FORMAT_NAME, StepRecord, VariableRecord, versions
-from keras_orbax._src.model import state_keys
+from keras_orbax._src.format.step_record import StepRecord, VariableRecord, versions
 from keras_orbax._src.read import sharded_read
 from keras_orbax._src.restore import restore
-from keras_orbax._src.runtime import quiet
 from keras_orbax._src.sources import keras_weights
 from keras_orbax._src.sources.resolve import open_source, split_step
-from keras_orbax._src.write import step_writer
+from keras_orbax._src.write import array_writer, step_writer
 from keras_orbax.errors import StepExistsError
 
 
@@ -62,44 +58,54 @@ def convert(
         The step's directory.
 
     Raises:
+        ValueError: `destination` names a Keras weights file (`.weights.h5`, `.keras`, ...).
         StepExistsError: `destination` already holds `step`.
+        StepLockedError: another writer is saving `step` to `destination` right now.
         CheckpointMismatchError: `model` does not fit `source`.
+        SaveFailedError: the write failed (e.g. a full disk).
+        In every case nothing was committed and the committed steps are intact. The step is
+        written as `save` writes one (`array_writer.save_arrays`): shard files with checksums,
+        under the writer lock, durable before this returns.
     """
-    if step in step_dirs.committed_steps(destination):
-        raise StepExistsError(f"Step {step} is already committed in '{destination}'.")
+    _refuse_keras_file(destination)
+    if step in step_dirs.committed_steps(destination):  # before reading the source
+        raise StepExistsError(
+            f"Step {step} is already committed in '{destination}'; nothing was written. "
+            f"Received: step={step}"
+        )
     if model is None:
         record, reads = _by_structure(source)
     else:
         record, reads = _by_model(source, model)
     total = sum(v.nbytes for v in record.variables.values())
     record = dataclasses.replace(record, step=step, versions=versions())
-    step_dir = Path(destination) / str(step)
-    try:
-        with quiet.skipped_merge_notices(destination), _fast_context():
-            first = True
-            for key, plan in reads:
-                arrays, _ = sharded_read.read_arrays(plan)
-                metadata = {FORMAT_NAME: record.to_json()} if first else None
-                ocp.partial.save(
-                    step_dir, state_keys.nest({key: arrays[key]}), custom_metadata=metadata
-                )
-                del arrays
-                first = False
-                if on_write is not None:
-                    on_write(record.variables[key].nbytes, total)
-            ocp.partial.finalize(step_dir)
-    except BaseException:
-        for unfinished in Path(destination).glob(f"{step}.partial_save*"):
-            shutil.rmtree(unfinished, ignore_errors=True)
-        raise
-    return step_dir
+
+    def read_each() -> Iterator[tuple[str, jax.Array]]:
+        for key, plan in reads:
+            arrays, _ = sharded_read.read_arrays(plan)
+            yield key, arrays.pop(key)  # the writer holds the only reference
+
+    def written(key: str) -> None:
+        if on_write is not None:
+            on_write(record.variables[key].nbytes, total)
+
+    return array_writer.save_arrays(destination, step, record, read_each(), on_written=written)
 
 
-def _fast_context() -> ocp.Context:
-    context = ocp.Context()
-    for option, value in step_writer._FORMATS["fast"].items():
-        setattr(context.array.saving, option, value)
-    return context
+_KERAS_FILES = (".weights.h5", ".h5", ".keras", ".weights.json")
+
+
+def _refuse_keras_file(destination: str | os.PathLike) -> None:
+    """Raises ValueError if `destination` names a Keras weights file, before anything is written."""
+    name = os.fspath(destination).rstrip("/")
+    suffix = next((s for s in _KERAS_FILES if name.lower().endswith(s)), None)
+    if suffix is not None:
+        raise ValueError(
+            f"convert writes a keras-orbax checkpoint directory, not a Keras '{suffix}' file. "
+            "To get a Keras weights file, convert to a directory, restore it with "
+            "`keras_orbax.restore_sharded(model, directory)` and call "
+            f"`model.save_weights(...)`. Received: destination={os.fspath(destination)!r}"
+        )
 
 
 def _one_device() -> jax.sharding.Sharding:

@@ -39,9 +39,22 @@ class SavedArray:
 
 def metadata_files(arrays: list[SavedArray]) -> list[tuple[str, bytes]]:
     """(relative name, content) of the array metadata files this process writes."""
+    return [*array_files(arrays), *step_files(arrays)]
+
+
+def array_files(arrays: list[SavedArray]) -> list[tuple[str, bytes]]:
+    """The metadata files of each of `arrays` alone (its `zarr.json`), which this process writes:
+    written as each array is, when a step's arrays come one at a time."""
+    if not multihost.is_primary():
+        return []
+    return [(f"{a.name}/zarr.json", _zarr_json(a)) for a in arrays]
+
+
+def step_files(arrays: list[SavedArray]) -> list[tuple[str, bytes]]:
+    """The metadata files that list all of a step's `arrays` (`_sharding`, this process's
+    `array_metadatas`), which this process writes: written once every array is known."""
     files: list[tuple[str, bytes]] = []
     if multihost.is_primary():
-        files += [(f"{a.name}/zarr.json", _zarr_json(a)) for a in arrays]
         files.append(("_sharding", _sharding_json(arrays)))
     files.append((f"array_metadatas/process_{jax.process_index()}", _array_metadatas(arrays)))
     return files

@@ -20,6 +20,7 @@ temporary step directory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -28,7 +29,7 @@ import json
 import os
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +40,7 @@ from keras_orbax._src.format import checksum
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.write import staging
-from keras_orbax._src.write.shard_metadata import SavedArray, metadata_files
+from keras_orbax._src.write.shard_metadata import SavedArray, array_files, step_files
 
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
 # ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
@@ -134,6 +135,22 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         return write()
 
 
+def shards_of(name: str, value: jax.Array) -> tuple[list[SavedArray], list[_Shard]]:
+    """What `ArrayFiles.add` takes to write `value` under the Orbax parameter name `name`: its
+    description and the shards this process writes (on CPU, views of its device buffers: `value`
+    must not change until they are written).
+
+    Raises:
+        ValueError: `value` is empty or holds PRNG keys (written by Orbax's own serializer).
+    """
+    if not _writable(value):
+        raise ValueError(
+            f"Array '{name}' cannot be written as shard files: it is empty or holds PRNG keys. "
+            f"Received: shape={value.shape}, dtype={value.dtype}"
+        )
+    return [_describe(name, value)], _host_shards([_Param(name, value)], copy=False)
+
+
 def _writable(value: Any) -> bool:
     return (
         isinstance(value, jax.Array)
@@ -216,41 +233,124 @@ def write_arrays(directory: Any, arrays: list[SavedArray], shards: list[_Shard])
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
     durably: each file and each directory is fsync-ed (an object is durable once written)
     before this returns."""
-    files = metadata_files(arrays)
-    if locations.is_remote(directory):
-        _write_objects(directory, files, shards)
-        return
-    # Each file's write by its directory (relative to `directory`, "" for itself), shard files by
-    # name for their checksums; the directories to make are those and every one above them.
-    # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
-    root = os.fspath(directory)
-    writes: dict[str, list[tuple[str, Callable[[], Any]]]] = defaultdict(list)
-    for shard in shards:
-        relative = shard.relative
-        write = functools.partial(_write_shard, f"{root}/{relative}", shard.data)
-        writes[_parent(relative)].append((relative, write))
-    metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
-    for name, content in files:
-        metadata[_parent(name)].append((f"{root}/{name}", content))
-    names = [*(s.relative for s in shards), *(name for name, _ in files), _checksums_name()]
-    dirs = sorted({parent for name in names for parent in _ancestors(name)})  # parents first
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
-    with ThreadPoolExecutor(_WORKERS_SMALL if small else _WORKERS) as pool:
+    local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
+    with ArrayFiles(directory, workers=_WORKERS_SMALL if local_small else _WORKERS) as files:
+        files.add(arrays, shards)
+        files.finish()
+
+
+class ArrayFiles:
+    """The files of a step's arrays under `directory` (its `state/`), written a few arrays at a
+    time (`add`), then, in `finish`, the files that list them all (`_sharding`,
+    `array_metadatas/process_<i>`, this process's checksums): durable when `finish` returns.
+
+    With `in_flight_bytes`, `add` returns only once at most that many bytes of shards are still
+    being written, so a caller that hands over one array at a time and lets it go holds about
+    that much beyond the array it is reading (`convert`). Without it, every shard is written
+    concurrently and waited for in `finish` (`save`: all the arrays exist already).
+
+    ```python
+    with ArrayFiles(state_dir, in_flight_bytes=64 << 20) as files:
+        for name, value in arrays:
+            files.add([describe(name, value)], host_shards([Param(name, value)], copy=False))
+        files.finish()
+    ```
+    """
+
+    def __init__(
+        self, directory: Any, *, workers: int = _WORKERS, in_flight_bytes: int | None = None
+    ) -> None:
+        self._remote = locations.is_remote(directory)
+        # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
+        self._root = os.fspath(directory)
+        self._store = locations.kvstore(directory) if self._remote else None
+        self._pool = ThreadPoolExecutor(workers)
+        self._once = _Once()
+        self._made: dict[str, None] = {}  # directories made (relative), parents first
+        self._arrays: list[SavedArray] = []
+        self._checksums: dict[str, dict[str, int]] = {}
+        self._pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
+        self._in_flight, self._limit = 0, in_flight_bytes
+
+    def __enter__(self) -> ArrayFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def add(self, arrays: list[SavedArray], shards: list[_Shard]) -> None:
+        """Writes the shard files and `zarr.json` of `arrays` (`shards`: this process's)."""
+        self._arrays += arrays
+        nbytes = sum(s.data.nbytes for s in shards)
+        self._pending.append((self._write(array_files(arrays), shards), nbytes))
+        self._in_flight += nbytes
+        while self._limit is not None and self._in_flight > self._limit and self._pending:
+            self._collect_oldest()
+
+    def finish(self) -> None:
+        """Writes the files that list every array added, waits for all, and makes them durable.
+
+        Raises:
+            OSError: a file could not be written (the first such error).
+        """
+        self._pending.append((self._write(step_files(self._arrays), []), 0))
+        while self._pending:
+            self._collect_oldest()
+        name, content = _checksums_name(), _checksums_json(self._checksums)
+        if self._store is not None:
+            self._store.write(name, content).result()
+            return
+        for relative in _ancestors(name):
+            self._make_dir(relative)
+        _write_file(f"{self._root}/{name}", content)
+        written = [*self._once.written, *(f"{self._root}/{relative}" for relative in self._made)]
+        list(self._pool.map(durable.fsync_path, written))
+
+    def _collect_oldest(self) -> None:
+        futures, nbytes = self._pending.popleft()
+        for future in futures:
+            written = future.result()
+            if written is not None:
+                self._checksums[written[0]] = written[1]
+        self._in_flight -= nbytes
+
+    def _write(self, files: list[tuple[str, bytes]], shards: list[_Shard]) -> list[Future[Any]]:
+        """Starts writing `shards` (each future gives its name and checksum) and writes or starts
+        writing `files`."""
+        if self._store is not None:
+            store = self._store
+            started = [self._pool.submit(_put_shard, store, shard) for shard in shards]
+            return started + [self._pool.submit(_put_file, store, *file) for file in files]
+        # Each file's write by its directory (relative to `directory`, "" for itself); the
+        # directories to make are those and every one above them.
+        writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
+        for shard in shards:
+            writes[_parent(shard.relative)].append(
+                functools.partial(_write_shard, self._root, shard)
+            )
+        metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
+        for name, content in files:
+            metadata[_parent(name)].append((f"{self._root}/{name}", content))
+        names = [*(s.relative for s in shards), *(name for name, _ in files)]
+        dirs = sorted({parent for name in names for parent in _ancestors(name)})  # parents first
         # Directories are made here one by one (a parent's lock orders them anyway; 5000 arrays:
         # 0.1-1 ms of kernel CPU each), and the shard files of each written by the pool as soon
         # as it exists, overlapping the two (5000 Dense(64): 9.7 -> 6.8 s, medians of 10
         # alternating); the metadata files here, each content once (`_Once`).
-        started, once = [], _Once()
+        started = []
         for relative in dirs:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(f"{root}/{relative}")
-            started += [(name, pool.submit(write)) for name, write in writes[relative]]
+            self._make_dir(relative)
+            started += [self._pool.submit(write) for write in writes[relative]]
             for path, content in metadata[relative]:
-                once.write(path, content)
-        checksums = {name: future.result() for name, future in started}
-        _write_file(f"{root}/{_checksums_name()}", _checksums_json(checksums))
-        written = [*once.written, *(f"{root}/{relative}" for relative in dirs)]
-        list(pool.map(durable.fsync_path, written))
+                self._once.write(path, content)
+        return started
+
+    def _make_dir(self, relative: str) -> None:
+        if relative not in self._made:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(f"{self._root}/{relative}")
+            self._made[relative] = None
 
 
 class _Once:
@@ -295,27 +395,24 @@ def _checksums_json(checksums: dict[str, dict[str, int]]) -> bytes:
     return json.dumps({"algorithm": checksum.ALGORITHM, "files": checksums}).encode()
 
 
-def _write_objects(directory: Any, files: list[tuple[str, bytes]], shards: list[_Shard]) -> None:
-    """The same files as objects under an object-store prefix, a few in flight at a time (each
-    shard is copied once into the request body)."""
-    store = locations.kvstore(directory)
-
-    def put_shard(shard: _Shard) -> tuple[str, dict[str, int]]:
-        view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
-        index = checksum.shard_index(len(view))
-        crc = checksum.update(checksum.update(0, view), index)
-        store.write(shard.relative, b"".join((view, index))).result()
-        return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
-
-    with ThreadPoolExecutor(_WORKERS) as pool:
-        checksums = dict(pool.map(put_shard, shards))
-        list(pool.map(lambda f: store.write(f[0], f[1]).result(), files))
-    store.write(_checksums_name(), _checksums_json(checksums)).result()
+def _put_shard(store: Any, shard: _Shard) -> tuple[str, dict[str, int]]:
+    """Writes one shard as an object (copied once into the request body); its name and checksum."""
+    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
+    index = checksum.shard_index(len(view))
+    crc = checksum.update(checksum.update(0, view), index)
+    store.write(shard.relative, b"".join((view, index))).result()
+    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
 
 
-def _write_shard(path: str, data: np.ndarray) -> dict[str, int]:
-    """Writes one shard file (bytes, then the zarr index) and fsyncs it; returns its checksum."""
-    view = memoryview(data.reshape(-1).view(np.uint8).data)
+def _put_file(store: Any, name: str, content: bytes) -> None:
+    store.write(name, content).result()
+
+
+def _write_shard(root: str, shard: _Shard) -> tuple[str, dict[str, int]]:
+    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
+    name and checksum."""
+    path = f"{root}/{shard.relative}"
+    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
     crc = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
@@ -329,7 +426,7 @@ def _write_shard(path: str, data: np.ndarray) -> dict[str, int]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
 
 
 def _write_file(path: str, content: bytes, sync: bool = True) -> None:

@@ -123,14 +123,23 @@ def open_checkpointer(
     directory: str | os.PathLike,
     format: SaveFormat = "fast",
     preservation_policy: Any = None,
+    *,
+    leaf_handler: type = shard_writer.FastArrayLeafHandler,
+    commit_timeout_s: int | None = None,
 ) -> ocp.training.Checkpointer:
-    """An Orbax `training.Checkpointer` that writes keras-orbax's array format."""
+    """An Orbax `training.Checkpointer` that writes keras-orbax's array format.
+
+    `leaf_handler` writes the fast format's arrays (`array_writer` holds the step open instead);
+    `commit_timeout_s` replaces Orbax's limit on the time from a save's start to its commit.
+    """
     _check_format(format, directory)
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
     if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
-        context.checkpointables_options.registry = _fast_registry()
+        context.checkpointables_options.registry = _fast_registry(leaf_handler)
+    if commit_timeout_s is not None:
+        context.async_options.timeout_secs = commit_timeout_s
     if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
         context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
     return ocp.training.Checkpointer(
@@ -138,9 +147,10 @@ def open_checkpointer(
     )
 
 
-def _fast_registry() -> Any:
-    """Orbax's handlers, with `state` saved by a PyTreeHandler that writes arrays via `shard_writer`."""
-    handler = orbax_compat.pytree_handler_with_array_writer(shard_writer.FastArrayLeafHandler)
+def _fast_registry(leaf_handler: type = shard_writer.FastArrayLeafHandler) -> Any:
+    """Orbax's handlers, with `state` saved by a PyTreeHandler whose `jax.Array` leaves go to
+    `leaf_handler` (by default written via `shard_writer`)."""
+    handler = orbax_compat.pytree_handler_with_array_writer(leaf_handler)
     registry = ocp.handlers.local_registry(include_global_registry=False)
     registry.add(handler, checkpointable_name=STATE)
     default = ocp.handlers.local_registry()
