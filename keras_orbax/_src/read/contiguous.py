@@ -34,7 +34,12 @@ from keras_orbax.errors import CorruptCheckpointError
 
 @dataclasses.dataclass(frozen=True)
 class ContiguousArray:
-    """`shape` elements of `dtype` (little-endian), in C order, at byte `offset` of `file`."""
+    """`shape` elements of `dtype`, in C order, at byte `offset` of `file`.
+
+    `dtype` is the stored one, byte order included: a region is viewed in it, then cast (a
+    conversion, not a reinterpretation) to the dtype asked for. A source lists such an array in
+    its native dtype through `ByteSwappedArray`.
+    """
 
     name: str  # what the source calls it, for errors: an h5 dataset path, a tensor name
     file: Path
@@ -99,8 +104,46 @@ class H5SliceArray:
         import h5py
 
         with h5py.File(self.file, "r") as file:
-            region = np.asarray(file[self.dataset][tuple(index)])
-        return cast(region.view(self.dtype) if region.dtype != self.dtype else region, dtype)
+            region = np.asarray(file[self.dataset][tuple(index)])  # in the stored byte order
+        return cast(as_listed(region, self.dtype), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteSwappedArray:
+    """A contiguous array stored in the other byte order (h5py writes `>f4` when asked to), listed
+    in its native dtype: each region is read in the stored order and converted, never
+    reinterpreted (Keras's own loader gets the values through h5py, which converts too)."""
+
+    stored: ContiguousArray  # its dtype is the stored one: `>f4`
+    dtype: np.dtype  # native: `float32`, or bfloat16 for 2-byte data Keras marks so
+
+    @property
+    def name(self) -> str:
+        return self.stored.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stored.shape
+
+    def check(self, indices: list[Index]) -> None:
+        self.stored.check(indices)
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        native = self.stored.read(index, self.stored.dtype.newbyteorder("="))
+        return cast(as_listed(native, self.dtype), dtype)
+
+
+def as_listed(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Stored `data` as the `dtype` its source lists it in: non-native byte orders converted to
+    native (`astype`), then, where the bytes are another type of one size (bfloat16, which Keras
+    stores as 2-byte data with a `dtype` attribute), viewed as `dtype`."""
+    if not data.dtype.isnative:
+        data = data.astype(data.dtype.newbyteorder("="))
+    if data.dtype == dtype:
+        return data
+    if data.dtype.itemsize == np.dtype(dtype).itemsize and data.dtype.kind in "uV":
+        return data.view(dtype)
+    return cast(data, dtype)
 
 
 class ComputedArray:

@@ -18,13 +18,13 @@ import h5py
 import numpy as np
 
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.read.contiguous import ContiguousArray, H5SliceArray
+from keras_orbax._src.read.contiguous import ByteSwappedArray, ContiguousArray, H5SliceArray
 from keras_orbax.errors import CorruptCheckpointError
 
 WEIGHTS_IN_ARCHIVE = "model.weights.h5"
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip local file header, 30 bytes
 
-H5Array = ContiguousArray | H5SliceArray
+H5Array = ContiguousArray | ByteSwappedArray | H5SliceArray
 
 
 def h5_datasets(path: Path) -> dict[str, H5Array]:
@@ -61,22 +61,25 @@ def _file_datasets(h5: Any, file: Path, base: int) -> dict[str, H5Array]:
 
 
 def _array(name: str, dataset: h5py.Dataset, file: Path, base: int) -> H5Array:
-    # Keras stores bfloat16 as 2-byte data with a `dtype` attribute (H5IOStore.__setitem__).
-    if dataset.attrs.get("dtype") == "bfloat16":
-        dtype = np_dtype("bfloat16")
-    else:
-        dtype = dataset.dtype.newbyteorder("<") if dataset.dtype.byteorder == ">" else dataset.dtype
+    """A reader of `dataset`, listed in its native dtype (`float32` for data stored `>f4`)."""
+    stored, dtype = dataset.dtype, _listed_dtype(dataset)
     shape = tuple(int(n) for n in dataset.shape)
     offset = dataset.id.get_offset()
-    plain = (
-        dataset.chunks is None
-        and dataset.compression is None
-        and dataset.dtype.byteorder in "<=|"
-        and offset is not None
-    )
-    if plain or int(np.prod(shape)) == 0:
-        return ContiguousArray(name, file, base + (offset or 0), shape, np.dtype(dtype))
-    return H5SliceArray(name, file, name, shape, np.dtype(dtype))
+    if int(np.prod(shape)) == 0:
+        return ContiguousArray(name, file, base + (offset or 0), shape, dtype)
+    if dataset.chunks is not None or dataset.compression is not None or offset is None:
+        return H5SliceArray(name, file, name, shape, dtype)
+    if stored.isnative:  # bfloat16's opaque 2-byte data is read as bfloat16 directly
+        return ContiguousArray(name, file, base + offset, shape, dtype)
+    return ByteSwappedArray(ContiguousArray(name, file, base + offset, shape, stored), dtype)
+
+
+def _listed_dtype(dataset: h5py.Dataset) -> np.dtype:
+    """The dtype Keras's loader gives `dataset`: native byte order (h5py reads `>f4` into
+    float32 values), bfloat16 where Keras marked 2-byte data so (`H5IOStore.__setitem__`)."""
+    if dataset.attrs.get("dtype") == "bfloat16":
+        return np_dtype("bfloat16")
+    return dataset.dtype.newbyteorder("=")
 
 
 def _sharded_datasets(index: Path) -> dict[str, H5Array]:
