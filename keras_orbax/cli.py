@@ -5,15 +5,20 @@
     keras-orbax plan DIR --model MODULE:FUNCTION [--mesh 2x4] [--axes batch,model]
                          [--layout-map MODULE:FUNCTION] [--processes P] [--step N] [--json]
     keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N]
+    keras-orbax verify SRC [--step N] [--json]
 
-Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`).
-Errors print one line, naming the path, and exit 2; `diff` exits 1 when the sources differ.
+Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
+`verify`). Every SRC is any location `restore_sharded` takes: DIR, DIR/STEP, DIR@STEP, a
+`.weights.h5`, `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face directory.
+Errors print one line, naming the path, and exit 2; `diff` exits 1 when the sources differ,
+`verify` when something could not be checked against recorded checksums.
 `--quiet` prints only errors. Progress (bytes and rate) shows on a terminal only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -88,16 +93,19 @@ def _parser() -> argparse.ArgumentParser:
 
     write = commands.add_parser("convert", parents=[common], help="write a keras-orbax checkpoint")
     write.add_argument(
-        "source", help=".weights.h5, .weights.json, .keras, preset or OrbaxCheckpoint DIR"
+        "source", help="DIR, DIR@STEP, .weights.h5, .weights.json, .keras or a preset"
     )
     write.add_argument("destination")
     write.add_argument("--model", default=None, help="MODULE:FUNCTION building the architecture")
     write.add_argument("--step", type=int, default=0)
     write.set_defaults(run=_convert)
 
-    check = commands.add_parser("verify", parents=[common], help="check a step's checksums")
+    check = commands.add_parser(
+        "verify", parents=[common], help="read saved state back and check its checksums"
+    )
     check.add_argument("directory")
     check.add_argument("--step", type=int, default=None)
+    check.add_argument("--json", action="store_true", help="print one JSON document")
     check.set_defaults(run=_verify)
     return parser
 
@@ -181,17 +189,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Exit 0 when intact; a damaged step raises `CorruptCheckpointError`, printed as one line."""
+    """Exit 0 when every array matched a recorded checksum, 1 when something could not be checked
+    (no checksums recorded); a damaged step raises `CorruptCheckpointError`, printed as one line."""
     from keras_orbax import verify
 
     result = verify(args.directory, step=args.step, verbose=0 if args.quiet else 1)
     if not args.quiet:
-        unchecked = f", {len(result.unchecked)} arrays not checksummed" if result.unchecked else ""
-        print(
-            f"step {result.step} intact: {result.files} files, {result.bytes} bytes, "
-            f"{result.checksummed} checksums{unchecked}"
-        )
-    return 0
+        if args.json:
+            print(json.dumps({**dataclasses.asdict(result), "intact": result.intact}))
+        else:
+            print(result)
+    return 0 if result.intact else EXIT_DIFFERENT
 
 
 def _load_function(spec: str) -> Callable[..., Any]:

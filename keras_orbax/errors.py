@@ -20,6 +20,10 @@ class CheckpointNotFoundError(KerasOrbaxError, FileNotFoundError):
     """A directory holds no checkpoint, no committed step, or not the step asked for."""
 
 
+class UnsupportedSourceError(KerasOrbaxError, ValueError):
+    """A verb was given a kind of saved state it cannot use; the message names what can."""
+
+
 class StepExistsError(KerasOrbaxError, FileExistsError):
     """`save` was asked to write a step that is already committed."""
 

@@ -154,8 +154,8 @@ def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsy
     callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path / "keras"), save_on_background=False)
     x, y = np.ones((8, 16), "float32"), np.ones((8, 8), "float32")
     trained.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
-    refused = _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "ckpt"), check=2)
-    assert "--model" in refused.stderr
+    # The step holds its model config: no --model needed (as load_model of it needs none).
+    _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "by_config"))
     _main(
         capsys,
         "convert",
@@ -164,10 +164,11 @@ def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsy
         "--model",
         "tests.cli_models:mlp",
     )
-    restored = cli_models.mlp()
-    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
-    for got, want in zip(restored.weights, trained.weights, strict=True):
-        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+    for converted in ("by_config", "ckpt"):
+        restored = cli_models.mlp()
+        keras_orbax.restore_sharded(restored, tmp_path / converted)
+        for got, want in zip(restored.weights, trained.weights, strict=True):
+            np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
 
 
 def _wide_weights(tmp_path: Path) -> Path:
@@ -284,7 +285,7 @@ def test_verify_catches_a_flipped_byte_and_needs_no_backend_setting(tmp_path):
     command = [sys.executable, "-m", "keras_orbax", "verify", str(tmp_path / "ckpt")]
     intact = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert intact.returncode == 0, intact.stderr
-    assert intact.stdout.startswith("step 3 intact:")
+    assert intact.stdout.startswith(f"step 3 of '{tmp_path / 'ckpt'}' intact:")
     state = tmp_path / "ckpt" / "3" / "state"
     shard = next(
         p for p in state.glob("layers.*.vars.0/**/*") if p.is_file() and p.name != "zarr.json"

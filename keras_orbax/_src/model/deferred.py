@@ -109,6 +109,20 @@ def deferred_copy(
     return copy
 
 
+def optimizer_stand_in(model: keras.Model, saved: int) -> keras.optimizers.Optimizer | None:
+    """A deferred copy of `model.optimizer`, built, if it is not built yet and the saved state
+    holds `saved` optimizer variables, more than it has before `build` (its step counter...): the
+    copy's variables have the shapes, layouts and keys the real ones will get, and allocate
+    nothing. Keras's `load_model` likewise builds the optimizer before loading, so that it takes
+    the saved state."""
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
+        return None
+    if saved <= len(optimizer.variables):
+        return None
+    return deferred_copy(optimizer, model.trainable_variables)
+
+
 def _defers(optimizer: keras.optimizers.Optimizer, variables: list[keras.Variable]) -> bool:
     """Whether `optimizer.build` can run inside `deferred_init()` (tried on a copy: a failed build
     would leave the real optimizer half-built)."""

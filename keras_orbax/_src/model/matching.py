@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import keras
@@ -13,6 +14,7 @@ from keras_orbax._src.format.step_record import StepRecord, VariableRecord
 from keras_orbax._src.model import shardings
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER, KeyedState
 from keras_orbax._src.storage.byte_runs import Index
+from keras_orbax.errors import CheckpointMismatchError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,3 +107,25 @@ def _one_side(
     if key in variables:
         return f"{key} (model: {variables[key].path}): in the model, not in the checkpoint"
     return f"{key} (checkpoint: {saved[key].path}): in the checkpoint, not in the model"
+
+
+def mismatch_error(
+    model: keras.Model, location: object, problems: Sequence[str], *, hint: str = ""
+) -> CheckpointMismatchError:
+    """The one error a restore raises when the saved state does not fit the model: every
+    problem on its line, what was left untouched, and `hint` where it applies."""
+    lines = "\n".join(f"  {p}" for p in problems)
+    count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    return CheckpointMismatchError(
+        f"Cannot restore model '{model.name}' from '{location}': {count}.\n{lines}\n"
+        f"No variable was modified.{' ' + hint if hint else ''}",
+        problems,
+    )
+
+
+STRICT_HINT = "If the model changed on purpose, pass strict=False to restore only what matches."
+
+
+def strict_hint(plan: Plan, strict: bool) -> str:
+    """The advice for a strict restore whose keys or shapes differ (not for layouts it cannot fix)."""
+    return STRICT_HINT if strict and (plan.missing or plan.unexpected or plan.mismatched) else ""

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import keras
 
-from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.sources import h5_files, keras_checkpoint, keras_weights
-from keras_orbax.errors import CheckpointMismatchError
+from keras_orbax._src.sources import resolve
+from keras_orbax._src.sources.base import Source
 
 
 def load_model(
@@ -30,8 +30,11 @@ def load_model(
     allocated before its shards are read onto their devices. Call on every process.
 
     Args:
-        directory: The root given to `save` or to the `ModelCheckpoint` callback, or a `.keras`
-            archive written by `model.save` (its weights read in place, region by region).
+        directory: The root given to `save` or to the `ModelCheckpoint` callback (or one of its
+            steps, `ckpt/8`), a directory written by `keras.callbacks.OrbaxCheckpoint`, or a
+            `.keras` archive written by `model.save` (its weights read in place, region by
+            region). Weights files, presets and Hugging Face directories hold no Keras model
+            config: the error names what to call instead.
         step: The step to load; `None` means the latest committed one.
         custom_objects: Classes and functions the config names, as for `keras.models.load_model`.
         compile: Compile the model as it was when saved, and restore its optimizer state.
@@ -43,7 +46,8 @@ def load_model(
         The restored model, ready to predict, evaluate, fit and save.
 
     Raises:
-        CheckpointMismatchError: the step holds no model config (the model was not serializable).
+        UnsupportedSourceError: the location holds no model config (a weights file, a preset, a
+            model that was not serializable); the message names what to call instead.
 
     Example:
     ```python
@@ -51,24 +55,11 @@ def load_model(
     model = keras_orbax.load_model("/ckpt")
     ```
     """
-    config: dict[str, Any] | None
-    archive = keras_weights.weights_file(directory)
-    if archive is not None and archive.name.endswith(".keras"):
-        path, config = archive, h5_files.archive_json(archive, "config.json")
-    else:
-        step = multihost.primary_value("load_model/step", step_dirs.resolve_step, directory, step)
-        _, path = step_dirs.step_path(directory, step)
-        config = (
-            keras_checkpoint.model_config(path)
-            if keras_checkpoint.is_keras_step(path)
-            else step_dirs.read_record(path).model_config
-        )
+    located = multihost.primary_value("load_model/locate", _locate, os.fspath(directory), step)
+    source = resolve.open_located(resolve.Located(**located))
+    config = source.model_config
     if config is None:
-        raise CheckpointMismatchError(
-            f"Checkpoint step '{path}' holds no model config: the model that saved it could not be "
-            "serialized (e.g. a subclassed model without get_config). Build the model in code and "
-            "call keras_orbax.restore_sharded(model, directory)."
-        )
+        raise resolve.unsupported(source, "load_model", _without_config(source))
     config = dict(config)
     compile_config = config.pop("compile_config", None)
     with deferred_init():
@@ -77,8 +68,24 @@ def load_model(
         )
     if compile and compile_config:  # {} for a model that was never compiled
         compile_deferred(model, compile_config, custom_objects, safe_mode)
-    restore_sharded(model, directory, step, strict=strict)
+    restore_sharded(model, source.label, strict=strict)
     return model
+
+
+def _locate(location: str, step: int | None) -> dict[str, Any]:
+    return dataclasses.asdict(resolve.locate(location, step))
+
+
+def _without_config(source: Source) -> str:
+    """What to call instead for a source that holds no Keras model config."""
+    if source.kind in ("keras-preset", "transformers"):
+        return "build it with keras_orbax.from_preset(keras_hub.models.<Class>, location)."
+    if source.kind == "keras-weights":
+        return "a weights file holds no architecture: build the model and call restore_sharded."
+    return (
+        "the step holds no model config (the model that saved it could not be serialized, e.g. "
+        "a subclassed model without get_config): build the model and call restore_sharded."
+    )
 
 
 def compile_deferred(

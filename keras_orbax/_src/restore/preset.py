@@ -10,6 +10,7 @@ import keras
 
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.restore.restore import restore_sharded
+from keras_orbax._src.sources import resolve
 
 
 def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
@@ -40,11 +41,13 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     gemma = keras_orbax.from_preset(keras_hub.models.GemmaCausalLM, "/presets/gemma2_9b_en")
     ```
     """
+    directory = _local_directory(preset)
+    preset = os.fspath(directory)  # keras-hub reads the same resolved directory
     backbone_cls = getattr(cls, "backbone_cls", None)
     if backbone_cls is None:  # a backbone
         with deferred_init():
             model = cls.from_preset(preset, load_weights=False, **kwargs)
-        restore_sharded(model, _local_directory(preset))
+        restore_sharded(model, directory)
         return model
     # A task compiles itself when it is made (its optimizer's counters come from numbers, which
     # cannot be deferred): only its backbone, which holds the weights, is built deferred.
@@ -52,15 +55,27 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     with deferred_init():
         backbone = backbone_cls.from_preset(preset, load_weights=False, **backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
-    restore_sharded(backbone, _local_directory(preset))
+    restore_sharded(backbone, directory)
     return task
 
 
 def _local_directory(preset: str | os.PathLike) -> Path:
-    """The preset's local directory: as given, or where keras-hub downloaded a handle to."""
-    path = Path(os.fspath(preset))
-    if path.is_dir():
-        return path
-    from keras_orbax._src.compat import hub_compat
+    """The preset's local directory (as given, or where keras-hub downloaded a handle to),
+    checked to be a preset or a Hugging Face directory.
 
-    return hub_compat.downloaded_preset(os.fspath(preset))
+    Raises:
+        UnsupportedSourceError: it names another kind of saved state; the message says what to
+            call instead.
+    """
+    text = os.fspath(preset)
+    if text.startswith(("kaggle://", "hf://", "modelscope://")):
+        from keras_orbax._src.compat import hub_compat
+
+        text = os.fspath(hub_compat.downloaded_preset(text))
+    located = resolve.locate(text)
+    if located.kind not in ("keras-preset", "transformers"):
+        source = resolve.open_located(located)
+        raise resolve.unsupported(
+            source, "from_preset", "build the model and call keras_orbax.restore_sharded."
+        )
+    return Path(located.location)

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
+import warnings
+from typing import Any
 
 import jax
 import keras
 
 from keras_orbax._src.compat import keras_compat
-from keras_orbax._src.format import checksum, step_dirs
 from keras_orbax._src.format.step_record import StepRecord
-from keras_orbax._src.format.zarr_shards import FastArray
-from keras_orbax._src.model import deferred, matching, state_keys, state_keys_v1
+from keras_orbax._src.model import deferred, matching, state_keys
 from keras_orbax._src.model.state_keys import OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
 from keras_orbax._src.runtime import gc_pause, multihost
-from keras_orbax._src.sources import hf_directory, keras_checkpoint, keras_weights
+from keras_orbax._src.sources import resolve
+from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.storage import locations
-from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +77,19 @@ def restore_sharded(
     Args:
         model: A model built normally or under `keras_orbax.deferred_init()`. If it has an optimizer
             that is not built yet, it is built so that its state can be restored.
-        directory: The root given to `save` or to the `ModelCheckpoint` callback.
-        step: The step to restore; `None` means the latest committed one.
+        directory: Where the state is: the root given to `save` or to the `ModelCheckpoint`
+            callback, or one of its steps (`ckpt/8`, `ckpt@8`); a directory written by
+            `keras.callbacks.OrbaxCheckpoint`; a `.weights.h5`, `.weights.json` or `.keras` file;
+            a keras-hub preset or a Hugging Face model directory. Relative, `~`, `gs://`, `s3://`.
+        step: The step to restore; `None` means the latest committed one (or the one named by
+            `directory`).
         strict: If False, restore what matches: variables the checkpoint lacks or holds with another
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
             entries the model lacks are ignored. `RestoreResult.skipped` lists them.
         verify: Before reading, check every shard file this process reads against the checksum
             written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
+            A source that records no checksums (Keras and Hugging Face files, Keras's
+            `OrbaxCheckpoint` steps) is read as it is, with a `KerasOrbaxWarning` saying so.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
         single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
@@ -113,28 +119,19 @@ def restore_sharded(
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
-    # Collective: process 0 picks the step; every process checks what it will read, then reads its
-    # shards; all raise if any fails, and only then does any process change anything.
-    local = not locations.is_remote(directory)  # Keras and Hugging Face files: local only
-    share = replicas.enabled(single_replica_reads, object_storage=not local)
-    file = keras_weights.weights_file(directory) if local else None
-    if local and hf_directory.is_transformers_directory(Path(directory)):
-        record, state, plan, reads = multihost.run_collectively(
-            "restore_sharded/plan", hf_directory.prepare, model, Path(directory), strict
-        )
-        reads = replicas.share(reads) if share else reads
-    elif file is not None:
-        record, state, plan, reads = multihost.run_collectively(
-            "restore_sharded/plan", keras_weights.prepare, model, file, strict
-        )
-        reads = replicas.share(reads) if share else reads
-    else:
-        step = multihost.primary_value(
-            "restore_sharded/step", step_dirs.resolve_step, directory, step
-        )
-        record, state, plan, reads = multihost.run_collectively(
-            "restore_sharded/plan", _prepare, model, directory, step, strict, verify, share
-        )
+    # Collective: process 0 decides what the location names and which step; every process checks
+    # what it will read, then reads its shards; all raise if any fails, and only then does any
+    # process change anything.
+    located = multihost.primary_value("restore_sharded/locate", _locate, os.fspath(directory), step)
+    source = resolve.open_located(resolve.Located(**located))
+    share = replicas.enabled(
+        single_replica_reads, object_storage=locations.is_remote(source.location)
+    )
+    prepared = multihost.run_collectively(
+        "restore_sharded/plan", _prepare, model, source, strict, verify, share
+    )
+    plan, reads = prepared.plan, prepared.reads
+    assert reads is not None  # `_prepare` raised otherwise
     arrays, bytes_read = multihost.run_collectively(
         "restore_sharded/read",
         _read_checked,
@@ -144,7 +141,7 @@ def restore_sharded(
         bool(verbose) and multihost.is_primary(),
     )
     # Every array is read: from here on nothing can fail halfway.
-    variables = _attach_optimizer(model, record, state)
+    variables = _attach_optimizer(model, source, prepared.state)
     for key, array in arrays.items():
         keras_compat.set_value(variables[key], array)
     not_read = [*plan.missing, *plan.mismatched]
@@ -152,50 +149,44 @@ def restore_sharded(
     for key in initialized:
         deferred.initialize(variables[key])
     return RestoreResult(
-        step=step,
-        epoch=record.epoch,
+        step=source.step,
+        epoch=prepared.record.epoch,
         restored=tuple(arrays),
         initialized=tuple(initialized),
         skipped=tuple(k for k in (*not_read, *plan.unexpected) if k not in initialized),
         bytes_read=bytes_read,
-        record=record,
+        record=prepared.record,
         bytes_received=reads.received_bytes,
     )
 
 
+def _locate(location: str, step: int | None) -> dict[str, Any]:
+    return dataclasses.asdict(resolve.locate(location, step))
+
+
 def _prepare(
-    model: keras.Model,
-    directory: str | os.PathLike,
-    step: int,
-    strict: bool,
-    verify: bool = False,
-    share: bool = False,
-) -> tuple[StepRecord, state_keys.KeyedState, matching.Plan, sharded_read.ReadPlan]:
+    model: keras.Model, source: Source, strict: bool, verify: bool, share: bool
+) -> Prepared:
     """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
     an optimizer that is not built yet is planned through a deferred copy of it. `share`: read
-    each region replicated across processes on one of them only (`replicas`)."""
-    path, record, state, plan = plan_restore(model, directory, step, strict)
-    if plan.problems:
-        raise CheckpointMismatchError(_mismatch_message(model, path, plan, strict), plan.problems)
-    reads = sharded_read.plan_reads(path, list(plan.reads.values()))
-    if share:
-        reads = replicas.share(reads)
-    if verify:
-        fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
+    each region replicated across processes on one of them only (`replicas`).
 
-        def read_files(array: FastArray) -> list[tuple[int, ...]]:
-            indices = fast[array.key][1]
-            return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
-
-        arrays = {key: array for key, (array, _) in fast.items() if isinstance(array, FastArray)}
-        checksum.check_files(path, f"Checkpoint step '{path}'", arrays, read_files)
-    if keras_checkpoint.is_keras_step(path):
-        reads = dataclasses.replace(
-            reads,
-            checkpointable=keras_checkpoint.PYTREE,
-            tree_paths=keras_checkpoint.tree_keys(record),
+    Raises:
+        CheckpointMismatchError: the saved state does not fit the model; every problem listed.
+    """
+    prepared = source.prepare(model, strict=strict)
+    if prepared.problems or prepared.reads is None:
+        hint = matching.strict_hint(prepared.plan, strict)
+        raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
+    reads = replicas.share(prepared.reads) if share else prepared.reads
+    if verify and source.check_reads(reads) is None:
+        warnings.warn(
+            f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
+            "nothing was verified. Its arrays are read as they are.",
+            KerasOrbaxWarning,
+            stacklevel=4,
         )
-    return record, state, plan, reads
+    return dataclasses.replace(prepared, reads=reads)
 
 
 def _read_checked(
@@ -232,51 +223,8 @@ def _read_checked(
     return arrays, bytes_read
 
 
-def plan_restore(
-    model: keras.Model, directory: str | os.PathLike, step: int | None, strict: bool
-) -> tuple[Path, StepRecord, state_keys.KeyedState, matching.Plan]:
-    """The step's directory and record, the model's keyed state and the plan; reads no array
-    and raises nothing for a plan with problems. A step of Keras's own `OrbaxCheckpoint` is
-    keyed by the model's variables (`keras_checkpoint`)."""
-    step, path = step_dirs.step_path(directory, step)
-    if keras_checkpoint.is_keras_step(path):
-        saved = keras_checkpoint.tree_record(step, path)
-        state = _key_state(model, saved, _unbuilt_optimizer_stand_in(model, saved))
-        record = keras_checkpoint.model_record(saved, state, model)
-        optional = keras_checkpoint.optional_keys(saved, state)
-    else:
-        record = step_dirs.read_record(path)
-        state = _key_state(model, record, _unbuilt_optimizer_stand_in(model, record))
-        optional = frozenset()
-    return path, record, state, matching.make_plan(record, state, strict=strict, optional=optional)
-
-
-def _key_state(
-    model: keras.Model, record: StepRecord, optimizer: keras.optimizers.Optimizer | None = None
-) -> state_keys.KeyedState:
-    """The model's state keyed by the scheme the step was written with."""
-    if record.format_version == 1:
-        return state_keys_v1.keyed_state(model, optimizer=optimizer)
-    return state_keys.keyed_state(model, optimizer=optimizer)
-
-
-def _unbuilt_optimizer_stand_in(
-    model: keras.Model, record: StepRecord
-) -> keras.optimizers.Optimizer | None:
-    """A deferred copy of `model.optimizer`, built, if the optimizer is not built yet and the step
-    holds optimizer slots: its variables have the shapes, layouts and keys the real ones will get,
-    and allocate nothing."""
-    optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
-        return None
-    saved = sum(v.role == OPTIMIZER for v in record.variables.values())
-    if saved <= len(optimizer.variables):  # only what exists before build (the step counter...)
-        return None
-    return deferred.deferred_copy(optimizer, model.trainable_variables)
-
-
 def _attach_optimizer(
-    model: keras.Model, record: StepRecord, planned: state_keys.KeyedState
+    model: keras.Model, source: Source, planned: state_keys.KeyedState
 ) -> dict[str, keras.Variable]:
     """Builds the model's optimizer if the plan went through a stand-in of it; the variables by key."""
     optimizer = getattr(model, "optimizer", None)
@@ -285,25 +233,10 @@ def _attach_optimizer(
     if sum(role == OPTIMIZER for role in planned.roles.values()) <= len(optimizer.variables):
         return planned.variables  # planned without a stand-in: nothing of the optimizer is read
     deferred.build_optimizer(model)
-    variables = _key_state(model, record).variables
+    variables = source.keyed_state(model).variables
     if list(variables) != list(planned.variables):  # a stand-in that differs is a bug of ours
         raise RuntimeError(
             f"keras-orbax: optimizer '{optimizer.name}' built with other variables than planned "
             "for; no variable was modified."
         )
     return variables
-
-
-def _mismatch_message(
-    model: keras.Model, path: os.PathLike, plan: matching.Plan, strict: bool
-) -> str:
-    lines = "\n".join(f"  {p}" for p in plan.problems)
-    hint = (
-        " If the model changed on purpose, pass strict=False to restore only what matches."
-        if strict and (plan.missing or plan.unexpected or plan.mismatched)
-        else ""
-    )
-    return (
-        f"Cannot restore model '{model.name}' from '{path}': {len(plan.problems)} problems.\n"
-        f"{lines}\nNo variable was modified.{hint}"
-    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,15 @@ import numpy as np
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model import matching, state_keys
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.model.matching import ReadRequest, make_plan
 from keras_orbax._src.model.state_keys import METRIC
 from keras_orbax._src.read import sharded_read
 from keras_orbax._src.read.contiguous import ComputedArray, ContiguousArray
+from keras_orbax._src.read.sharded_read import ReadPlan
+from keras_orbax._src.sources import safetensors_files
+from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty
-from keras_orbax.errors import CheckpointMismatchError
 
 
 def is_transformers_directory(path: Path) -> bool:
@@ -65,38 +69,63 @@ class TransposedArray:
         return out
 
 
-def prepare(
-    model: keras.Model, directory: Path, strict: bool
-) -> tuple[StepRecord, state_keys.KeyedState, matching.Plan, sharded_read.ReadPlan]:
-    """Plans a restore of a keras-hub backbone from a Hugging Face directory; changes nothing.
+class TransformersSource(Source):
+    """A Hugging Face model directory, listed by safetensors tensor name; restored into a keras-hub
+    backbone as keras-hub's own converter assigns it."""
 
-    Raises:
-        CheckpointMismatchError: a variable keras-hub's converter does not fill, or a shape differs.
-    """
-    from keras_orbax._src.sources import hub_convert
+    kind = "transformers"
+    description = "Hugging Face model directory"
+    no_checksums = "is a Hugging Face directory, whose safetensors files record no checksums"
 
-    state = state_keys.keyed_state(model)
-    key_of = {id(v): k for k, v in state.variables.items()}
-    record = StepRecord(step=0, variables={}, format_version=0)
-    readers: dict[str, Any] = {}
-    for ported in hub_convert.port_tensors(model, directory):
-        key = key_of[id(ported.variable)]
-        shape = tuple(int(n) for n in ported.variable.shape)
-        readers[key] = _reader(ported, hub_convert.classify_hook(ported), shape)
-        dtype = str(readers[key].dtype)
-        name = ported.tensor.name
-        record.variables[key] = VariableRecord(key, name, shape, dtype, name, role=state.roles[key])
-    optional = {k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC}
-    plan = matching.make_plan(record, state, strict=strict, optional=frozenset(optional))
-    if plan.problems:
-        lines = "\n".join(f"  {p}" for p in plan.problems)
-        raise CheckpointMismatchError(
-            f"Cannot restore model '{model.name}' from '{directory}': {len(plan.problems)} "
-            f"problems.\n{lines}\nNo variable was modified.",
-            plan.problems,
-        )
-    reads = sharded_read.plan_reads(directory, list(plan.reads.values()), lambda r: readers[r.key])
-    return record, state, plan, reads
+    def __init__(self, directory: Path) -> None:
+        self.tensors = safetensors_files.read_directory(directory)
+        variables = {
+            name: VariableRecord(name, name, tuple(t.shape), str(np.dtype(t.dtype)), name)
+            for name, t in self.tensors.items()
+        }
+        super().__init__(directory, StepRecord(step=0, variables=variables, format_version=0))
+
+    @property
+    def model_config(self) -> None:
+        """Its `config.json` is Hugging Face's: keras-hub's `from_preset` builds the model."""
+        return None
+
+    def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        def stored(saved: VariableRecord) -> ContiguousArray:
+            t = self.tensors[saved.key]
+            return ContiguousArray(t.name, t.file, t.offset, t.shape, t.dtype)
+
+        return sharded_read.plan_reads(self.location, requests, stored)
+
+    def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        """keras-hub's converter decides which tensor goes to which variable, through which hook.
+
+        Raises:
+            CheckpointMismatchError: keras-hub cannot convert this directory for `model`.
+        """
+        from keras_orbax._src.sources import hub_convert  # keras-hub is an optional extra
+
+        state = state_keys.keyed_state(model)
+        key_of = {id(v): k for k, v in state.variables.items()}
+        record = StepRecord(step=0, variables={}, format_version=0)
+        readers: dict[str, Any] = {}
+        for ported in hub_convert.port_tensors(model, self.location):
+            key = key_of[id(ported.variable)]
+            shape = tuple(int(n) for n in ported.variable.shape)
+            readers[key] = _reader(ported, hub_convert.classify_hook(ported), shape)
+            name = ported.tensor.name
+            record.variables[key] = VariableRecord(
+                key, name, shape, str(readers[key].dtype), name, role=state.roles[key]
+            )
+        optional = {
+            k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC
+        }
+        plan = make_plan(record, state, strict=strict, optional=frozenset(optional))
+        reads = None
+        if not plan.problems:
+            requests = list(plan.reads.values())
+            reads = sharded_read.plan_reads(self.location, requests, lambda r: readers[r.key])
+        return Prepared(record, state, plan, reads, tuple(plan.problems))
 
 
 def _reader(ported: Any, hook: Any, shape: tuple[int, ...]) -> Any:

@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,18 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model.state_keys import METRIC, MODEL, OPTIMIZER, KeyedState, Role
+from keras_orbax._src.model.deferred import optimizer_stand_in
+from keras_orbax._src.model.matching import ReadRequest, make_plan
+from keras_orbax._src.model.state_keys import (
+    METRIC,
+    MODEL,
+    OPTIMIZER,
+    KeyedState,
+    Role,
+    keyed_state,
+)
+from keras_orbax._src.read.sharded_read import ReadPlan
+from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax.errors import CorruptCheckpointError
 
 PYTREE = "pytree"  # Keras's checkpointable of the state tree
@@ -231,3 +243,29 @@ def optional_keys(saved: StepRecord, state: KeyedState) -> frozenset[str]:
     if not any("seed_generator" in path for path in saved.variables):
         optional |= {k for k in state.variables if "/seed_generators/" in k}
     return frozenset(optional)
+
+
+class KerasCheckpointSource(Source):
+    """One step of a directory written by `keras.callbacks.OrbaxCheckpoint`, listed by tree path
+    (`trainable_variables/dense/kernel`) and restored by pairing leaves with the model's variables."""
+
+    kind = "keras-checkpoint"
+    description = "step written by keras.callbacks.OrbaxCheckpoint"
+    no_checksums = "was written by keras.callbacks.OrbaxCheckpoint, which records no checksums"
+
+    def __init__(self, root: Any, step: int, steps: Sequence[int] = ()) -> None:
+        self.step_dir = root / str(step)
+        super().__init__(root, tree_record(step, self.step_dir), step, steps)
+
+    def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        paths = {request.record.key: request.record.array for request in requests}
+        return ReadPlan(self.step_dir, [], list(requests), PYTREE, paths)
+
+    def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
+        state = keyed_state(model, optimizer=optimizer_stand_in(model, saved))
+        record = model_record(self.record, state, model)
+        optional = optional_keys(self.record, state)
+        plan = make_plan(record, state, strict=strict, optional=optional)
+        reads = None if plan.problems else self.plan_reads(list(plan.reads.values()))
+        return Prepared(record, state, plan, reads, tuple(plan.problems))

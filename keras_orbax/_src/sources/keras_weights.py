@@ -1,94 +1,118 @@
-"""Restoring from the weight files people already have: `.weights.h5`, a sharded `.weights.json`,
-a `.keras` archive, a keras-hub preset directory (Keras format).
+"""The weight files people already have: `.weights.h5`, a sharded `.weights.json`, a `.keras`
+archive, a keras-hub preset directory (Keras format).
 
-Which stored array goes to which variable is decided by Keras's own loader (`_keras_loader`); the
+Which stored array goes to which variable is decided by Keras's own loader (`keras_loader`); the
 plan, the all-or-nothing checks and the region reads are the same as for keras-orbax's own steps.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import keras
 
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model import matching, state_keys
-from keras_orbax._src.model.deferred import deferred_copy
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.model.deferred import optimizer_stand_in
+from keras_orbax._src.model.matching import ReadRequest, make_plan
 from keras_orbax._src.model.state_keys import METRIC, MODEL, OPTIMIZER
 from keras_orbax._src.read import sharded_read
+from keras_orbax._src.read.sharded_read import ReadPlan
 from keras_orbax._src.sources import h5_files
+from keras_orbax._src.sources.base import Prepared, Source, SourceKind
 from keras_orbax._src.sources.keras_loader import trace_load
-from keras_orbax.errors import CheckpointMismatchError, CheckpointNotFoundError
 
-_PRESET_WEIGHTS = ("model.weights.json", "model.weights.h5")
-
-
-def weights_file(path: str | os.PathLike) -> Path | None:
-    """The Keras weights file `path` names or holds (a keras-hub preset directory's), or None if
-    it is not one (a keras-orbax checkpoint directory)."""
-    path = Path(path)
-    if path.is_file() or path.name.endswith((".h5", ".keras", ".weights.json")):
-        return path
-    if (path / "config.json").is_file():
-        for name in _PRESET_WEIGHTS:
-            if (path / name).is_file():
-                return path / name
-    return None
+WEIGHTS_SUFFIXES = (".h5", ".keras", ".weights.json")
+PRESET_WEIGHTS = ("model.weights.json", "model.weights.h5")
 
 
-def prepare(
-    model: keras.Model, file: Path, strict: bool
-) -> tuple[StepRecord, state_keys.KeyedState, matching.Plan, sharded_read.ReadPlan]:
-    """Plans a restore of `model` from a Keras weights file; changes nothing.
+def is_weights_file(path: Path) -> bool:
+    """Whether `path` is named as a Keras weights file (it may not exist)."""
+    return path.name.endswith(WEIGHTS_SUFFIXES)
 
-    Raises:
-        CheckpointNotFoundError: the file does not exist.
-        CheckpointMismatchError: Keras's loader refuses a layer, or the plan finds problems.
-        CorruptCheckpointError: a file is unreadable or truncated.
-    """
-    if not file.exists():
-        raise CheckpointNotFoundError(f"Weights file does not exist: '{file}'")
-    arrays = h5_files.h5_datasets(file)
-    saved_optimizer = [name for name in arrays if name.startswith("optimizer/")]
-    stand_in = _optimizer_stand_in(model, len(saved_optimizer))
-    state = state_keys.keyed_state(model, optimizer=stand_in)
-    traced = trace_load(model, arrays, state, stand_in)
-    record = StepRecord(step=0, variables={}, format_version=0)
-    for key, feed in traced.feeds.items():
-        record.variables[key] = VariableRecord(
-            key, feed.source, feed.shape, feed.dtype, feed.source, role=state.roles[key]
-        )
-    for name, array in arrays.items():
-        if name not in traced.consumed and name not in record.variables:
-            role = OPTIMIZER if name.startswith("optimizer/") else MODEL
-            record.variables[name] = VariableRecord(
-                name, name, tuple(array.shape), str(array.dtype), name, role=role
+
+def preset_weights(directory: Path) -> Path | None:
+    """The weights file of a keras-hub preset directory (Keras format), or None if it is not one."""
+    if not (directory / "config.json").is_file():
+        return None
+    return next((directory / n for n in PRESET_WEIGHTS if (directory / n).is_file()), None)
+
+
+class KerasWeightsSource(Source):
+    """A Keras weights file, listed by h5 dataset path (`layers/dense/vars/0`, the keras-orbax key
+    of ordinary layers), restored as Keras's own `load_weights` assigns it."""
+
+    kind: ClassVar[SourceKind] = "keras-weights"
+    description = "Keras weights file"
+    no_checksums = "is a Keras weights file, which records no checksums"
+
+    def __init__(self, file: Path, location: Path | None = None) -> None:
+        self.file = file
+        self.arrays = h5_files.h5_datasets(file)
+        variables = {
+            name: VariableRecord(
+                name,
+                name,
+                tuple(int(n) for n in a.shape),
+                str(a.dtype),
+                name,
+                role=OPTIMIZER if name.startswith("optimizer/") else MODEL,
             )
-    optional = {k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC}
-    if not saved_optimizer:  # a file saved without optimizer state: Keras keeps the optimizer's
-        optional |= {k for k, role in state.roles.items() if role == OPTIMIZER}
-    plan = matching.make_plan(record, state, strict=strict, optional=frozenset(optional))
-    problems = [*traced.problems, *plan.problems] if strict else plan.problems
-    if problems:
-        lines = "\n".join(f"  {p}" for p in problems)
-        raise CheckpointMismatchError(
-            f"Cannot restore model '{model.name}' from '{file}': {len(problems)} problems.\n"
-            f"{lines}\nNo variable was modified."
-            + (" Pass strict=False to restore only what matches." if strict else ""),
-            problems,
-        )
-    feeds = traced.feeds
-    reads = sharded_read.plan_reads(file, list(plan.reads.values()), lambda r: feeds[r.key].reader)
-    return record, state, plan, reads
+            for name, a in self.arrays.items()
+        }
+        config = None
+        if file.name.endswith(".keras"):
+            config = h5_files.archive_json(file, "config.json")
+        record = StepRecord(step=0, variables=variables, model_config=config, format_version=0)
+        super().__init__(location or file, record)
+
+    def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        return sharded_read.plan_reads(self.file, requests, lambda r: self.arrays[r.key])
+
+    def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        """Keras's own loader decides which stored array goes to which variable (`keras_loader`);
+        the plan, the all-or-nothing checks and the region reads are those of every source."""
+        arrays = self.arrays
+        saved_optimizer = [name for name in arrays if name.startswith("optimizer/")]
+        stand_in = optimizer_stand_in(model, len(saved_optimizer))
+        state = state_keys.keyed_state(model, optimizer=stand_in)
+        traced = trace_load(model, arrays, state, stand_in)
+        record = StepRecord(step=0, variables={}, format_version=0)
+        for key, feed in traced.feeds.items():
+            record.variables[key] = VariableRecord(
+                key, feed.source, feed.shape, feed.dtype, feed.source, role=state.roles[key]
+            )
+        for name, array in arrays.items():
+            if name not in traced.consumed and name not in record.variables:
+                role = OPTIMIZER if name.startswith("optimizer/") else MODEL
+                record.variables[name] = VariableRecord(
+                    name, name, tuple(array.shape), str(array.dtype), name, role=role
+                )
+        optional = {
+            k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC
+        }
+        if not saved_optimizer:  # a file saved without optimizer state: Keras keeps the optimizer's
+            optional |= {k for k, role in state.roles.items() if role == OPTIMIZER}
+        plan = make_plan(record, state, strict=strict, optional=frozenset(optional))
+        problems = [*traced.problems, *plan.problems] if strict else plan.problems
+        feeds = traced.feeds
+        reads = None
+        if not problems:
+            requests = list(plan.reads.values())
+            reads = sharded_read.plan_reads(self.file, requests, lambda r: feeds[r.key].reader)
+        return Prepared(record, state, plan, reads, tuple(problems))
 
 
-def _optimizer_stand_in(model: keras.Model, saved: int) -> keras.optimizers.Optimizer | None:
-    """A deferred copy of an unbuilt optimizer if the file holds more optimizer state than it has:
-    as Keras's `load_model` builds the optimizer before loading, so that it takes the file's."""
-    optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer.built:
+class KerasPresetSource(KerasWeightsSource):
+    """A keras-hub preset directory (Keras format): its `model.weights.h5` or `.json`."""
+
+    kind: ClassVar[SourceKind] = "keras-preset"
+    description = "keras-hub preset"
+    no_checksums = "is a keras-hub preset, whose weights files record no checksums"
+
+    @property
+    def model_config(self) -> None:
+        """A preset's config is keras-hub's, built by `from_preset`, not by `load_model`."""
         return None
-    if saved <= len(optimizer.variables):
-        return None
-    return deferred_copy(optimizer, model.trainable_variables)

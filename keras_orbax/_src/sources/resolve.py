@@ -1,13 +1,17 @@
-"""Any saved state the command line reads, as one listing of arrays by key, each readable alone.
+"""The one place that decides what a location names; every verb opens its sources here.
 
-A source is a keras-orbax checkpoint directory (its latest step, or `DIR@STEP`), a directory
-written by Keras's `OrbaxCheckpoint` (keyed by tree path, `trainable_variables/dense/kernel`), or a
-Keras weights file (`.weights.h5`, `.weights.json`, `.keras`, a keras-hub preset directory: keyed
-by h5 dataset path, `layers/dense/vars/0`, which is the keras-orbax key of ordinary layers).
+A location is spelled as users spell it (relative, `~`, a trailing slash, `gs://`, `s3://`) and
+resolved once (`locations.as_path`). It names:
+- a keras-orbax checkpoint root, or one of its steps (`ckpt/8`, as Orbax users pass it, or
+  `ckpt@8`): a `keras-orbax` step, or a `keras-checkpoint` step where Keras's own
+  `OrbaxCheckpoint` wrote it;
+- a Keras weights file (`.weights.h5`, `.weights.json`, `.keras`), a keras-hub preset directory,
+  or a Hugging Face model directory (`config.json` with a `model_type`, and safetensors).
+Anything at another level (a step's `state/` folder, one array's directory) gets an error that
+says what to pass instead.
 
 ```python
-source = open_source("/ckpt@100")
-kernel = source.read("layers/dense/vars/0")  # a numpy array, read alone
+source = open_source("~/runs/ckpt/8")   # OrbaxStepSource(location=/home/me/runs/ckpt, step=8)
 ```
 """
 
@@ -16,111 +20,147 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model.state_keys import MODEL, OPTIMIZER
-from keras_orbax._src.read import sharded_read
-from keras_orbax._src.sources import h5_files, keras_checkpoint, keras_weights
+from keras_orbax._src.sources import keras_checkpoint
+from keras_orbax._src.sources.base import Source, SourceKind
+from keras_orbax._src.sources.hf_directory import TransformersSource, is_transformers_directory
+from keras_orbax._src.sources.keras_checkpoint import KerasCheckpointSource
+from keras_orbax._src.sources.keras_weights import (
+    KerasPresetSource,
+    KerasWeightsSource,
+    is_weights_file,
+    preset_weights,
+)
+from keras_orbax._src.sources.orbax_step import OrbaxStepSource
 from keras_orbax._src.storage import locations
+from keras_orbax.errors import CheckpointNotFoundError, UnsupportedSourceError
 
 _AT_STEP = re.compile(r"^(.*)@(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
-    """Arrays by key; `reads(requests)` plans reading them onto the requests' targets."""
+class Located:
+    """What a location names, decided without reading any array or record (JSON-safe, so that
+    process 0 can decide it for every process)."""
 
-    label: str
-    kind: str  # "keras-orbax", "keras" (OrbaxCheckpoint) or "weights" (a Keras weights file)
-    record: StepRecord
-    plan_reads: Callable[[list[sharded_read.ReadRequest]], sharded_read.ReadPlan]
-
-    @property
-    def variables(self) -> dict[str, VariableRecord]:
-        return self.record.variables
-
-    def read_array(self, key: str, sharding: Any = None) -> jax.Array:
-        """One array, whole, on one device (or on `sharding`)."""
-        saved = self.variables[key]
-        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=sharding)
-        arrays, _ = sharded_read.read_arrays(
-            self.plan_reads([sharded_read.ReadRequest(saved, target)])
-        )
-        return arrays[key]
-
-    def read(self, key: str) -> np.ndarray:
-        return np.asarray(self.read_array(key))
+    kind: SourceKind
+    location: str  # resolved: absolute, or an object-store URL
+    step: int | None = None
 
 
-def split_step(spec: str | os.PathLike) -> tuple[Any, int | None]:
-    """`"/ckpt@100"` -> `(Path("/ckpt"), 100)`; a path that exists as given is taken whole.
-
-    An object-store URL (`gs://`, `s3://`) gives an `etils.epath.Path`.
-    """
-    text = os.fspath(spec)
-    match = _AT_STEP.match(text)
-    if match and not locations.as_path(text).exists():
-        return locations.as_path(match.group(1)), int(match.group(2))
-    return locations.as_path(text), None
-
-
-def open_source(spec: str | os.PathLike, step: int | None = None) -> Source:
-    """The source `spec` names (`DIR`, `DIR@STEP`, a weights file); `step` as `@STEP`.
+def open_source(location: str | os.PathLike, step: int | None = None) -> Source:
+    """The source `location` names (see the module's doc); `step` as `@STEP` does.
 
     Raises:
-        CheckpointNotFoundError: no such path, or no such step.
+        CheckpointNotFoundError: nothing there, no committed step, not the step asked for, or a
+            location at a wrong level (the message says what to pass).
         CorruptCheckpointError: its metadata cannot be read.
+        ValueError: `step` given twice with different values.
     """
-    path, at = split_step(spec)
-    step = at if at is not None else step
-    file = None if locations.is_remote(path) else keras_weights.weights_file(path)
-    if file is not None:
-        return _weights_source(file)
-    step, step_dir = step_dirs.step_path(path, step)
-    label = f"{path}@{step}"
-    if keras_checkpoint.is_keras_step(step_dir):
-        record = keras_checkpoint.tree_record(step, step_dir)
-        paths = keras_checkpoint.tree_keys(record)
-
-        def keras_reads(requests: list[sharded_read.ReadRequest]) -> sharded_read.ReadPlan:
-            return sharded_read.ReadPlan(step_dir, [], requests, keras_checkpoint.PYTREE, paths)
-
-        return Source(label, "keras", record, keras_reads)
-    record = step_dirs.read_record(step_dir)
-    return Source(label, "keras-orbax", record, lambda r: sharded_read.plan_reads(step_dir, r))
+    return open_located(locate(location, step))
 
 
-def _weights_source(file: Path) -> Source:
-    from keras_orbax.errors import CheckpointNotFoundError
+def open_located(located: Located) -> Source:
+    """The source of a `locate` decision."""
+    path = locations.as_path(located.location)
+    if located.kind == "keras-weights":
+        return KerasWeightsSource(path)
+    if located.kind == "keras-preset":
+        weights = preset_weights(path)
+        if weights is None:
+            raise CheckpointNotFoundError(f"Preset directory '{path}' has no model.weights.h5.")
+        return KerasPresetSource(weights, location=path)
+    if located.kind == "transformers":
+        return TransformersSource(path)
+    assert located.step is not None  # a step kind
+    steps = step_dirs.committed_steps(path)
+    if located.kind == "keras-checkpoint":
+        return KerasCheckpointSource(path, located.step, steps)
+    return OrbaxStepSource(path, located.step, steps)
 
-    if not file.exists():
-        raise CheckpointNotFoundError(f"Weights file does not exist: '{file}'")
-    arrays = h5_files.h5_datasets(file)
-    variables = {
-        name: VariableRecord(
-            name,
-            name,
-            tuple(int(n) for n in a.shape),
-            str(a.dtype),
-            name,
-            role=OPTIMIZER if name.startswith("optimizer/") else MODEL,
+
+def locate(location: str | os.PathLike, step: int | None = None) -> Located:
+    """Decides what `location` names, and for a checkpoint which committed step (the latest if
+    none is given by `step`, `@STEP` or a step directory)."""
+    text = os.fspath(location)
+    path = locations.as_path(text)
+    at = _AT_STEP.match(text)
+    if at and not path.exists():
+        path = locations.as_path(at.group(1))
+        step = _same_step(step, int(at.group(2)), text)
+    if not locations.is_remote(path):
+        kind = _weights_kind(path)
+        if kind is not None:
+            if step is not None:
+                raise ValueError(
+                    f"'{path}' is a {kind.replace('-', ' ')} source, which has no steps. "
+                    f"Received: step={step}"
+                )
+            return Located(kind, str(path))
+    root, step = _root_and_step(path, step)
+    step, step_dir = step_dirs.step_path(root, step)
+    kind = "keras-checkpoint" if keras_checkpoint.is_keras_step(step_dir) else "keras-orbax"
+    return Located(kind, str(root), step)
+
+
+def _weights_kind(path: Path) -> SourceKind | None:
+    """The kind of a local weights file or directory, or None for a checkpoint directory."""
+    if is_weights_file(path) or path.is_file():
+        if not path.exists():
+            raise CheckpointNotFoundError(f"Weights file does not exist: '{path}'")
+        if not is_weights_file(path):
+            raise CheckpointNotFoundError(
+                f"'{path}' is a file, but not a Keras weights file (.weights.h5, .weights.json, "
+                ".keras). Pass a checkpoint directory, a weights file, a keras-hub preset or a "
+                "Hugging Face model directory."
+            )
+        return "keras-weights"
+    if path.is_dir() and is_transformers_directory(path):
+        return "transformers"
+    if path.is_dir() and preset_weights(path) is not None:
+        return "keras-preset"
+    return None
+
+
+def _root_and_step(path: Any, step: int | None) -> tuple[Any, int | None]:
+    """A checkpoint root and step from a root, or from one of its step directories (`ckpt/8`).
+
+    Raises:
+        CheckpointNotFoundError: `path` is inside a step (its `state/` folder, an array's
+            directory): the message names the root and step to pass.
+    """
+    if step_dirs.committed_steps(path) or not path.exists():
+        return path, step
+    name, parent = path.name, path.parent
+    if name.isdecimal() and int(name) in step_dirs.committed_steps(parent):
+        return parent, _same_step(step, int(name), os.fspath(path))
+    for inside, level in ((parent, "folder"), (parent.parent, "array directory")):
+        if inside.name.isdecimal() and int(inside.name) in step_dirs.committed_steps(inside.parent):
+            root = inside.parent
+            raise CheckpointNotFoundError(
+                f"'{path}' is a {level} inside step {inside.name} of the checkpoint '{root}', "
+                f"not a checkpoint. Pass '{root}' (its latest step) or '{root}@{inside.name}'."
+            )
+    return path, step
+
+
+def _same_step(given: int | None, named: int, text: str) -> int:
+    if given is not None and given != named:
+        raise ValueError(
+            f"'{text}' names step {named}, but step={given} was passed too. Pass one of them. "
+            f"Received: step={given}"
         )
-        for name, a in arrays.items()
-    }
-    config = None
-    if file.name.endswith(".keras"):
-        config = h5_files.archive_json(file, "config.json")
-    record = StepRecord(step=0, variables=variables, model_config=config, format_version=0)
+    return named
 
-    def reads(requests: list[sharded_read.ReadRequest]) -> sharded_read.ReadPlan:
-        return sharded_read.plan_reads(file, requests, lambda r: arrays[r.key])
 
-    return Source(str(file), "weights", record, reads)
+def describe(source: Source) -> str:
+    """`'<location>' (a keras-orbax checkpoint step)` for messages."""
+    return f"'{source.label}' ({source.description})"
+
+
+def unsupported(source: Source, verb: str, use: str) -> UnsupportedSourceError:
+    """The one-line error of a verb that cannot serve this kind of source, naming what can."""
+    return UnsupportedSourceError(f"{verb} cannot use {describe(source)}: {use}")

@@ -38,16 +38,24 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 
 def as_path(path: str | os.PathLike) -> Any:
-    """`path` as a `pathlib.Path`, or an `etils.epath.Path` for an object-store URL.
+    """The one spelling of a location that every verb and dependency gets.
 
-    A `pathlib.Path` would turn `s3://b/x` into `s3:/b/x`, a local folder.
+    A local path becomes an absolute `pathlib.Path` with `~` expanded (Orbax needs absolute
+    paths); an object-store URL becomes an `etils.epath.Path` without its trailing slash (a
+    `pathlib.Path` would turn `s3://b/x` into `s3:/b/x`, a local folder).
+
+    ```python
+    as_path("~/ckpt/")  # PosixPath('/home/me/ckpt')
+    ```
     """
-    if isinstance(path, pathlib.Path) or not is_remote(path):
-        return pathlib.Path(path)
+    text = os.fspath(path)
+    if not is_remote(text):
+        return pathlib.Path(os.path.abspath(os.path.expanduser(text)))
     from etils import epath
 
     configure_environment()
-    return epath.Path(os.fspath(path))
+    scheme, _, rest = text.partition("://")
+    return epath.Path(f"{scheme}://{rest.rstrip('/') or rest}")
 
 
 def configure_environment() -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import keras
@@ -26,10 +27,12 @@ import keras
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord, versions
+from keras_orbax._src.model import matching
+from keras_orbax._src.model.deferred import deferred_init
+from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
-from keras_orbax._src.restore import restore
-from keras_orbax._src.sources import keras_weights
-from keras_orbax._src.sources.resolve import open_source, split_step
+from keras_orbax._src.sources import resolve
+from keras_orbax._src.sources.base import Source
 from keras_orbax._src.write import array_writer, step_writer
 from keras_orbax.errors import StepExistsError
 
@@ -115,35 +118,59 @@ def _one_device() -> jax.sharding.Sharding:
 def _by_structure(
     source: str | os.PathLike,
 ) -> tuple[StepRecord, list[tuple[str, sharded_read.ReadPlan]]]:
-    opened = open_source(source)
-    if opened.kind == "keras":
-        raise ValueError(
-            f"'{source}' was written by keras.callbacks.OrbaxCheckpoint, whose arrays are keyed by "
-            "variable paths: pass the architecture (--model module:function) to convert it."
+    """Every array of `source` under its own key; a Keras `OrbaxCheckpoint` step that holds its
+    model config is converted by that model (its keys are variable paths, not structure)."""
+    opened = resolve.open_source(source)
+    if opened.kind == "keras-checkpoint":
+        if opened.model_config is None:
+            raise resolve.unsupported(
+                opened,
+                "convert",
+                "its arrays are keyed by variable paths and it holds no model config: pass the "
+                "architecture (model=..., or --model MODULE:FUNCTION).",
+            )
+        return _by_model(opened, _deferred_model(opened.model_config))
+    if opened.kind == "transformers":
+        raise resolve.unsupported(
+            opened,
+            "convert",
+            "its tensors are named by Hugging Face, not by Keras: pass the keras-hub backbone "
+            "(model=..., or --model MODULE:FUNCTION).",
         )
     variables = {
         key: dataclasses.replace(v, array=key.replace("/", "."), layout=None)
-        for key, v in opened.variables.items()
+        for key, v in opened.record.variables.items()
     }
     reads = []
-    for key, saved in opened.variables.items():
+    for key, saved in opened.record.variables.items():
         target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=_one_device())
-        reads.append((key, opened.plan_reads([sharded_read.ReadRequest(saved, target)])))
+        reads.append((key, opened.plan_reads([ReadRequest(saved, target)])))
     return dataclasses.replace(opened.record, variables=variables, format_version=2), reads
 
 
+def _deferred_model(config: dict[str, Any]) -> keras.Model:
+    """The model a step's config describes, built without allocating (as `load_model` builds it)."""
+    config = {k: v for k, v in config.items() if k != "compile_config"}
+    with deferred_init():
+        return keras.saving.deserialize_keras_object(config)
+
+
 def _by_model(
-    source: str | os.PathLike, model: keras.Model
+    source: str | os.PathLike | Source, model: keras.Model
 ) -> tuple[StepRecord, list[tuple[str, sharded_read.ReadPlan]]]:
-    path, at = split_step(source)
-    file = keras_weights.weights_file(path)
-    if file is not None:
-        saved, state, plan, reads = keras_weights.prepare(model, file, strict=True)
-    else:
-        step = step_dirs.resolve_step(path, at)
-        saved, state, plan, reads = restore._prepare(model, path, step, strict=True)
+    """`model`'s variables as `restore_sharded(model, source)` fills them, one read each.
+
+    Raises:
+        CheckpointMismatchError: `model` does not fit `source`; every problem listed.
+    """
+    opened = source if isinstance(source, Source) else resolve.open_source(source)
+    prepared = opened.prepare(model, strict=True)
+    if prepared.problems or prepared.reads is None:
+        hint = matching.strict_hint(prepared.plan, True)
+        raise matching.mismatch_error(model, opened.label, prepared.problems, hint=hint)
+    state, reads = prepared.state, prepared.reads
     variables = {}
-    for key in plan.reads:
+    for key in prepared.plan.reads:
         variable = state.variables[key]
         variables[key] = VariableRecord(
             key=key,
@@ -161,5 +188,4 @@ def _by_model(
         for request in reads.via_orbax
     ]
     record = StepRecord(step=0, variables=variables, model_config=step_writer._model_config(model))
-    del saved
     return record, one

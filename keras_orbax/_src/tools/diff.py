@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from keras_orbax._src.sources.resolve import Source, open_source
+from keras_orbax._src.sources.base import Source
+from keras_orbax._src.sources.resolve import open_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ def diff(
     as equal; NaN against a number as `inf`). `on_read(nbytes, total)` follows each read.
     """
     first, second = open_source(a), open_source(b)
-    left, right = first.variables, second.variables
+    left, right = first.record.variables, second.record.variables
     common = [key for key in left if key in right]
     changed = {}
     for key in common:

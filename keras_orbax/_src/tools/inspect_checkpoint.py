@@ -1,4 +1,4 @@
-"""`inspect`: what a checkpoint holds, read from its metadata alone (no arrays, no Keras model)."""
+"""`inspect`: what saved state holds, read from its metadata alone (no arrays, no Keras model)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from keras_orbax._src.compat import orbax_compat
-from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
-from keras_orbax._src.sources import keras_checkpoint
+from keras_orbax._src.sources import resolve
 from keras_orbax._src.storage import locations
 
 
@@ -28,24 +27,29 @@ class StepSummary:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
-    """A checkpoint step as recorded on disk.
+    """Saved state as recorded on disk: a checkpoint step, a weights file or a model directory.
 
     Attributes:
-        directory: The checkpoint root.
-        steps: Every committed step, ascending.
-        step: The step described.
-        record: Its record: epoch, versions, model config and one entry per variable. For a
-            directory written by Keras's `OrbaxCheckpoint`, keyed by tree path.
+        directory: The resolved location: a checkpoint root, a file or a directory.
+        steps: Every committed step, ascending (empty for weights files and model directories).
+        step: The step described (None for weights files and model directories).
+        record: Its record: epoch, versions, model config and one entry per array, keyed as that
+            kind keys them (Keras's `OrbaxCheckpoint`: tree paths; Keras weights files: h5
+            dataset paths; Hugging Face directories: tensor names).
         summaries: Epoch, metrics and sizes of every committed step.
-        writer: `"keras-orbax"` or `"keras"` (Keras's own `OrbaxCheckpoint`).
+        writer: `"keras-orbax"`, `"keras"` (Keras's `OrbaxCheckpoint`, `save_weights`,
+            `model.save`), `"keras-hub"` (a preset) or `"transformers"`.
+        kind: Which kind of source (`"keras-orbax"`, `"keras-checkpoint"`, `"keras-weights"`,
+            `"keras-preset"`, `"transformers"`).
     """
 
     directory: Path
     steps: tuple[int, ...]
-    step: int
+    step: int | None
     record: StepRecord
     summaries: tuple[StepSummary, ...] = ()
     writer: str = "keras-orbax"
+    kind: str = "keras-orbax"
 
     @property
     def nbytes(self) -> int:
@@ -54,15 +58,17 @@ class CheckpointInfo:
 
     def __str__(self) -> str:
         record = self.record
+        where = f"steps {list(self.steps)}; step {self.step}, " if self.step is not None else ""
+        count = len(record.variables)
         lines = [
-            f"{self.directory}: steps {list(self.steps)}; step {self.step}"
-            + (f", epoch {record.epoch}" if record.epoch is not None else "")
-            + f", {len(record.variables)} variables, {human_bytes(self.nbytes)}",
+            f"{self.directory}: {where}"
+            + (f"epoch {record.epoch}, " if record.epoch is not None else "")
+            + f"{count} {'variable' if count == 1 else 'variables'}, {human_bytes(self.nbytes)}",
         ]
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
-        elif self.writer == "keras":
-            lines.append("written by keras.callbacks.OrbaxCheckpoint")
+        else:
+            lines.append(f"written by {_WRITTEN_BY[self.kind]}")
         if self.summaries:
             lines.append(f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  metrics")
             for s in self.summaries:
@@ -72,7 +78,7 @@ class CheckpointInfo:
                     f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
                     f"{human_bytes(s.disk_bytes):>10}  {metrics}".rstrip()
                 )
-        lines.append(f"step {self.step}:")
+        lines.append(f"step {self.step}:" if self.step is not None else "arrays:")
         rows = [
             (key, v.path, str(v.shape), v.dtype, human_bytes(v.nbytes), _where(v.layout))
             for key, v in record.variables.items()
@@ -92,6 +98,7 @@ class CheckpointInfo:
         return {
             "directory": str(self.directory),
             "writer": self.writer,
+            "kind": self.kind,
             "steps": [dataclasses.asdict(s) for s in self.summaries],
             "step": self.step,
             "epoch": self.record.epoch,
@@ -105,14 +112,17 @@ class CheckpointInfo:
 
 
 def inspect(directory: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
-    """Describes a checkpoint: its committed steps (epoch, metrics, sizes), and for one step its
-    variables' keys, Keras paths, shapes, dtypes, bytes and layouts.
+    """Describes saved state: a checkpoint's committed steps (epoch, metrics, sizes), and for one
+    step, or for a weights file, preset or Hugging Face directory, its arrays' keys, Keras paths,
+    shapes, dtypes, bytes and layouts.
 
-    Reads only metadata: no array is loaded and no model is needed. Reads directories written by
-    keras-orbax and by Keras's own `keras.callbacks.OrbaxCheckpoint`.
+    Reads only metadata: no array is loaded and no model is needed.
 
     Args:
-        directory: The checkpoint root.
+        directory: Any location `restore_sharded` takes: a checkpoint root or one of its steps
+            (`ckpt/8`, `ckpt@8`), a directory written by `keras.callbacks.OrbaxCheckpoint`, a
+            `.weights.h5`, `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face
+            model directory.
         step: The step to describe; `None` means the latest committed one.
 
     Example:
@@ -120,35 +130,45 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     print(keras_orbax.inspect("/ckpt"))
     ```
     """
-    step, path = step_dirs.step_path(directory, step)
-    steps = tuple(step_dirs.committed_steps(directory))
+    source = resolve.open_source(directory, step)
     summaries = []
-    for each in steps:
-        each_path = path if each == step else step_dirs.step_path(directory, each)[1]
-        each_record = _record(each, each_path)
+    for each in source.steps:
+        opened = source if each == source.step else resolve.open_source(source.location, each)
+        step_dir = source.location / str(each)
         summaries.append(
             StepSummary(
                 each,
-                each_record.epoch,
-                orbax_compat.step_metrics(each_path),
-                sum(v.nbytes for v in each_record.variables.values()),
-                _disk_bytes(each_path),
+                opened.record.epoch,
+                orbax_compat.step_metrics(step_dir),
+                sum(v.nbytes for v in opened.record.variables.values()),
+                _disk_bytes(step_dir),
             )
         )
     return CheckpointInfo(
-        directory=locations.as_path(directory),
-        steps=steps,
-        step=step,
-        record=_record(step, path),
+        directory=source.location,
+        steps=source.steps,
+        step=source.step,
+        record=source.record,
         summaries=tuple(summaries),
-        writer="keras" if keras_checkpoint.is_keras_step(path) else "keras-orbax",
+        writer=_WRITERS[source.kind],
+        kind=source.kind,
     )
 
 
-def _record(step: int, path: Path) -> StepRecord:
-    if keras_checkpoint.is_keras_step(path):
-        return keras_checkpoint.tree_record(step, path)
-    return step_dirs.read_record(path)
+_WRITTEN_BY = {
+    "keras-orbax": "keras-orbax",
+    "keras-checkpoint": "keras.callbacks.OrbaxCheckpoint",
+    "keras-weights": "Keras (a weights file)",
+    "keras-preset": "keras-hub (a preset)",
+    "transformers": "Hugging Face transformers (safetensors)",
+}
+_WRITERS = {
+    "keras-orbax": "keras-orbax",
+    "keras-checkpoint": "keras",
+    "keras-weights": "keras",
+    "keras-preset": "keras-hub",
+    "transformers": "transformers",
+}
 
 
 def _disk_bytes(path: Any) -> int:

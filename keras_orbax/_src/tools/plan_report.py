@@ -20,9 +20,8 @@ from typing import Any
 import keras
 
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.restore import restore
 from keras_orbax._src.runtime.progress import human_bytes
-from keras_orbax._src.sources import keras_weights
+from keras_orbax._src.sources import resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +72,16 @@ def plan_restore_report(
 
     Args:
         model: The model, built normally or under `deferred_init()`, under the target distribution.
-        source: A checkpoint directory (keras-orbax's or Keras's `OrbaxCheckpoint`'s) or a Keras
-            weights file.
+        source: Any location `restore_sharded` takes (a checkpoint root or step, a directory of
+            Keras's `OrbaxCheckpoint`, a weights file, a preset or a Hugging Face directory).
         step: The step; `None` means the latest.
         processes: Count the devices as split over this many processes, in device order, as
             `jax.distributed` would (to plan a multi-host restore from one machine). `None`: each
             device's own `process_index`.
     """
-    file = keras_weights.weights_file(source)
-    if file is not None:  # non-strict: Keras's loader's refusals are reported as the plan's
-        _, _, plan, _ = keras_weights.prepare(model, file, strict=False)
-        problems = [*plan.problems]
-        step = None
-    else:
-        _, record, _, plan = restore.plan_restore(model, source, step, strict=True)
-        problems = plan.problems
-        step = record.step
+    opened = resolve.open_source(source, step)
+    prepared = opened.prepare(model, strict=True)
+    plan, problems = prepared.plan, list(prepared.problems)
     devices: dict[Any, int] = {}
     regions: dict[int, set[tuple[str, str]]] = {}
     process_bytes: dict[int, int] = {}
@@ -109,8 +102,8 @@ def plan_restore_report(
                 process_bytes[process] = process_bytes.get(process, 0) + size * itemsize
     ordered = sorted(devices, key=lambda d: order.get(d, 0))
     return RestorePlanReport(
-        source=os.fspath(source),
-        step=step,
+        source=str(opened.location),
+        step=opened.step,
         missing=list(plan.missing),
         unexpected=list(plan.unexpected),
         mismatched=list(plan.mismatched),

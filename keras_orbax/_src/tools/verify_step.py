@@ -1,15 +1,16 @@
-"""`verify`: read every array file of a step back and check its size, zarr index and checksum."""
+"""`verify`: read saved state back and check it against the checksums recorded when it was written,
+or say that nothing was recorded to check against."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 
-from keras_orbax._src.format import checksum, step_dirs
-from keras_orbax._src.format.zarr_shards import FastArray
-from keras_orbax._src.runtime.progress import Progress
+from keras_orbax._src.runtime.progress import Progress, human_bytes
+from keras_orbax._src.sources import resolve
+from keras_orbax._src.sources.base import FileCheck, Source
+from keras_orbax.errors import CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,64 +18,125 @@ class VerifyResult:
     """What `verify` checked.
 
     Attributes:
-        step: The step checked.
-        files: Shard files read back whole.
+        step: The step checked (None for a weights file or model directory).
+        files: Files read back whole.
         bytes: Bytes read.
-        checksummed: Files whose checksum was compared (steps saved before checksums: 0).
-        unchecked: Keys of arrays not in the fast format (e.g. `"compact"`), which Orbax and
-            tensorstore check (zstd, crc32c) only when they read them.
+        checksummed: Files whose recorded checksum matched.
+        unchecked: Keys of arrays that no recorded checksum covers: read back and found readable,
+            but not compared with what was written (arrays of the `"compact"` format, which
+            Orbax and tensorstore check only when they read them; every array of a step saved
+            before checksums, and of sources that record none).
+        location: The resolved location checked.
+        kind: Which kind of source (`"keras-orbax"`, `"keras-weights"`, ...).
+        why_unchecked: Why some arrays are unchecked, in words; empty if none is.
     """
 
-    step: int
+    step: int | None
     files: int
     bytes: int
     checksummed: int
     unchecked: tuple[str, ...]
+    location: str = ""
+    kind: str = "keras-orbax"
+    why_unchecked: str = ""
+
+    @property
+    def intact(self) -> bool:
+        """Every array was compared with the checksums recorded when it was written."""
+        return self.checksummed > 0 and not self.unchecked
+
+    def __str__(self) -> str:
+        what = (
+            f"step {self.step} of '{self.location}'"
+            if self.step is not None
+            else (f"'{self.location}'")
+        )
+        read = f"{self.files} {'file' if self.files == 1 else 'files'}, {human_bytes(self.bytes)}"
+        if self.intact:
+            return f"{what} intact: {read} read, each matched its recorded checksum."
+        count = len(self.unchecked)
+        arrays = f"{count} {'array' if count == 1 else 'arrays'}"
+        return (
+            f"{what} not verified: {arrays} read back and readable, but not checked against "
+            f"checksums ({self.why_unchecked}); {read} read, {self.checksummed} checksums matched."
+        )
 
 
 def verify(
     directory: str | os.PathLike, step: int | None = None, *, verbose: int = 0
 ) -> VerifyResult:
-    """Reads every array file of a committed step and checks it against what was written.
+    """Reads every array file of saved state back and checks it against what was written.
 
-    Each shard file of a fast-format array must be there, have the expected size and a valid zarr
-    shard index, and, for steps saved with checksums, match the CRC-32 recorded when it was
-    written. Reads every byte of the step once; changes nothing.
+    For a keras-orbax step, each shard file of a fast-format array must be there, have the
+    expected size and a valid zarr shard index, and match the CRC-32 recorded when it was written.
+    Sources that record no checksums (Keras weights files, presets, Hugging Face directories,
+    Keras's `OrbaxCheckpoint` steps, keras-orbax steps saved before checksums) are read back whole,
+    array by array, and reported as not verified: `VerifyResult.intact` is then False and
+    `unchecked` lists them. Changes nothing.
 
     Args:
-        directory: The checkpoint root given to `save` or `ModelCheckpoint`.
+        directory: Any location `restore_sharded` takes (a checkpoint root or step, a weights
+            file, a preset or a Hugging Face directory).
         step: The step to check; `None` means the latest committed one.
         verbose: 1 shows the bytes checked and the rate on a terminal.
 
     Returns:
-        What was checked.
+        What was checked; `intact` says whether every array was compared with its checksum.
 
     Raises:
-        CheckpointNotFoundError: no such committed step.
-        CorruptCheckpointError: a file is missing, truncated, has a bad index or checksum; the
-            message names each variable key and file.
+        CheckpointNotFoundError: no such location or committed step.
+        CorruptCheckpointError: a file is missing, truncated, has a bad index or checksum, or
+            cannot be read; the message names each variable key and file.
 
     Example:
     ```python
-    keras_orbax.verify("/ckpt")          # the latest step
+    result = keras_orbax.verify("/ckpt")          # the latest step
+    assert result.intact
     ```
     """
-    step, path = step_dirs.step_path(directory, step)
-    record = step_dirs.read_record(path)
-
-    def every_file(array: FastArray) -> Iterable[tuple[int, ...]]:
-        grid = [n // c for n, c in zip(array.shape, array.chunk_shape, strict=True)]
-        return itertools.product(*map(range, grid))
-
-    arrays = {v.key: FastArray.open(path, v) for v in record.variables.values()}
-    total = sum(
-        (a.chunk_bytes + checksum.INDEX_BYTES) * len(list(every_file(a)))
-        for a in arrays.values()
-        if a is not None
-    )
+    source = resolve.open_source(directory, step)
+    total = sum(v.nbytes for v in source.record.variables.values())
     with Progress("verify", total, enabled=bool(verbose)) as progress:
-        files, nbytes, compared = checksum.check_files(
-            path, f"Step {step} of '{directory}'", arrays, every_file, progress.advance
-        )
-    unchecked = tuple(key for key, array in arrays.items() if array is None)
-    return VerifyResult(step, files, nbytes, compared, unchecked)
+        found = source.check_files(on_file=progress.advance)
+        read_back = found.unchecked if found is not None else tuple(source.record.variables)
+        nbytes = _read_back(source, read_back, progress.advance)
+    files = (found.files if found else 0) + (0 if found else len(read_back))
+    why = "" if not read_back else (source.no_checksums if found is None else _why_unchecked(found))
+    return VerifyResult(
+        step=source.step,
+        files=files,
+        bytes=(found.nbytes if found else 0) + (0 if found else nbytes),
+        checksummed=found.checksummed if found else 0,
+        unchecked=read_back,
+        location=str(source.location),
+        kind=source.kind,
+        why_unchecked=why,
+    )
+
+
+def _read_back(source: Source, keys: Sequence[str], on_read: Callable[[int], None]) -> int:
+    """Reads each array whole, one at a time; returns the bytes read.
+
+    Raises:
+        CorruptCheckpointError: an array cannot be read.
+    """
+    nbytes = 0
+    for key in keys:
+        try:
+            source.read_array(key)
+        except CorruptCheckpointError:
+            raise
+        except Exception as error:  # a reader's own error (h5py, tensorstore): named here
+            raise CorruptCheckpointError(
+                f"{resolve.describe(source)} is damaged: {key} cannot be read: {error}"
+            ) from error
+        size = source.record.variables[key].nbytes
+        nbytes += size
+        on_read(size)
+    return nbytes
+
+
+def _why_unchecked(found: FileCheck) -> str:
+    if found.checksummed == 0:
+        return "the step was saved without checksums"
+    return "arrays of the compact format: Orbax checks them (crc32c) only as it reads them"

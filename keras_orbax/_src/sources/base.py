@@ -1,0 +1,134 @@
+"""What every kind of saved state offers: its arrays, their reads, and its match against a model.
+
+A `Source` is opened by `resolve.open_source`, the one place that decides what a location names.
+Every verb asks it the same questions, so a location means the same thing to every verb:
+
+```python
+source = open_source("ckpt/8")                 # step 8 of ckpt, however it is spelled
+source.record.variables["dense/kernel"]         # key -> shape, dtype, Keras path, layout
+prepared = source.prepare(model, strict=True)   # the reads onto the model's shardings, or problems
+```
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
+
+import jax
+import keras
+import numpy as np
+
+from keras_orbax._src.format.step_record import StepRecord
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.model.matching import Plan, ReadRequest
+from keras_orbax._src.read.sharded_read import ReadPlan, read_arrays
+
+SourceKind = Literal[
+    "keras-orbax", "keras-checkpoint", "keras-weights", "keras-preset", "transformers"
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A restore planned against one model: nothing is read or changed yet.
+
+    Attributes:
+        record: The saved arrays, keyed by the model's keys where they pair with a variable.
+        state: The model's keyed state (through a deferred stand-in of an unbuilt optimizer).
+        plan: What to read onto which sharding; what is missing, unexpected or mismatched.
+        reads: How this process reads each planned array; None where there are problems (no
+            file is checked for a restore that cannot go ahead).
+        problems: Why a restore with this strictness cannot go ahead (empty: it can).
+    """
+
+    record: StepRecord
+    state: state_keys.KeyedState
+    plan: Plan
+    reads: ReadPlan | None
+    problems: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileCheck:
+    """What checking a source's array files found: all of it passed, or it raised."""
+
+    files: int  # files read back whole
+    nbytes: int
+    checksummed: int  # files whose recorded checksum matched
+    unchecked: tuple[str, ...]  # keys of arrays no recorded checksum covers
+
+
+class Source(abc.ABC):
+    """Arrays saved somewhere, each readable region by region onto target shardings.
+
+    Attributes:
+        kind: Which kind of saved state.
+        description: The kind in the words a message uses.
+        location: The resolved location: absolute, `~` expanded, or a `gs://`/`s3://` URL.
+        record: The arrays by this source's own keys, with the step's epoch and model config.
+        step: The step of a step-based kind; None for files and directories of weights.
+        steps: Every committed step of the checkpoint root (empty for other kinds).
+    """
+
+    kind: ClassVar[SourceKind]
+    description: ClassVar[str]
+    no_checksums: ClassVar[str] = "records no checksums"
+
+    def __init__(
+        self, location: Any, record: StepRecord, step: int | None = None, steps: Sequence[int] = ()
+    ) -> None:
+        self.location, self.record, self.step, self.steps = location, record, step, tuple(steps)
+
+    @property
+    def label(self) -> str:
+        """The location as messages name it: the step's directory (`DIR/STEP`) for a step."""
+        return str(self.location) if self.step is None else f"{self.location}/{self.step}"
+
+    @property
+    def model_config(self) -> dict[str, Any] | None:
+        """The Keras model config saved with the arrays, if any."""
+        return self.record.model_config
+
+    def keyed_state(
+        self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+    ) -> state_keys.KeyedState:
+        """`model`'s state by the keys this source pairs with its arrays."""
+        return state_keys.keyed_state(model, optimizer=optimizer)
+
+    @abc.abstractmethod
+    def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        """How to read `requests` (by this source's own keys) onto their targets."""
+
+    @abc.abstractmethod
+    def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        """Pairs the saved arrays with `model`'s variables and plans the reads; changes nothing."""
+
+    def check_files(
+        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
+    ) -> FileCheck | None:
+        """Reads back the files of `keys` (by this source's keys; None: all) and checks them
+        against what was recorded when they were written; None where nothing is recorded.
+
+        Raises:
+            CorruptCheckpointError: a file is missing, truncated, or fails its checksum.
+        """
+        return None
+
+    def check_reads(self, reads: ReadPlan) -> FileCheck | None:
+        """`check_files` of only the files `reads` will read (a restore with `verify=True`)."""
+        return None
+
+    def read_array(self, key: str, sharding: Any = None) -> jax.Array:
+        """One array by this source's own key, whole, on one device (or on `sharding`)."""
+        saved = self.record.variables[key]
+        sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=sharding)
+        arrays, _ = read_arrays(self.plan_reads([ReadRequest(saved, target)]))
+        return arrays[key]
+
+    def read(self, key: str) -> np.ndarray:
+        """One array by this source's own key, as a host array."""
+        return np.asarray(self.read_array(key))

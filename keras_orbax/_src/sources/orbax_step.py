@@ -1,0 +1,92 @@
+"""A step keras-orbax wrote (`save`, `ModelCheckpoint`, `convert`): arrays keyed by Keras's saving
+structure, a record of each, and a checksum per shard file of the fast format.
+
+```python
+source = OrbaxStepSource(Path("/ckpt"), 100, steps=(90, 100))
+prepared = source.prepare(model, strict=True)
+```
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import keras
+
+from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format.zarr_shards import FastArray
+from keras_orbax._src.model import deferred, matching, state_keys, state_keys_v1
+from keras_orbax._src.model.matching import ReadRequest
+from keras_orbax._src.model.state_keys import OPTIMIZER
+from keras_orbax._src.read import sharded_read
+from keras_orbax._src.read.sharded_read import ReadPlan
+from keras_orbax._src.sources.base import FileCheck, Prepared, Source
+
+
+class OrbaxStepSource(Source):
+    """One committed step of a keras-orbax checkpoint root."""
+
+    kind = "keras-orbax"
+    description = "keras-orbax checkpoint step"
+
+    def __init__(self, root: Any, step: int, steps: Sequence[int] = ()) -> None:
+        self.step_dir = root / str(step)
+        super().__init__(root, step_dirs.read_record(self.step_dir), step, steps)
+
+    def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        return sharded_read.plan_reads(self.step_dir, requests)
+
+    def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
+        state = self.keyed_state(model, deferred.optimizer_stand_in(model, saved))
+        plan = matching.make_plan(self.record, state, strict=strict)
+        reads = None if plan.problems else self.plan_reads(list(plan.reads.values()))
+        return Prepared(self.record, state, plan, reads, tuple(plan.problems))
+
+    def keyed_state(
+        self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+    ) -> state_keys.KeyedState:
+        """The model's state keyed by the scheme the step was written with."""
+        if self.record.format_version == 1:
+            return state_keys_v1.keyed_state(model, optimizer=optimizer)
+        return state_keys.keyed_state(model, optimizer=optimizer)
+
+    def check_files(
+        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
+    ) -> FileCheck:
+        records = self.record.variables
+        arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
+        files, nbytes, compared = checksum.check_files(
+            self.step_dir, f"Step {self.step} of '{self.location}'", arrays, _every_file, on_file
+        )
+        return FileCheck(files, nbytes, compared, self._unchecked(arrays, compared))
+
+    def check_reads(self, reads: ReadPlan) -> FileCheck:
+        fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
+
+        def read_files(array: FastArray) -> list[tuple[int, ...]]:
+            indices = fast[array.key][1]
+            return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
+
+        arrays = {k: a if isinstance(a, FastArray) else None for k, (a, _) in fast.items()}
+        arrays.update({request.record.key: None for request in reads.via_orbax})
+        files, nbytes, compared = checksum.check_files(
+            self.step_dir, f"Checkpoint step '{self.step_dir}'", arrays, read_files
+        )
+        return FileCheck(files, nbytes, compared, self._unchecked(arrays, compared))
+
+    @staticmethod
+    def _unchecked(arrays: dict[str, FastArray | None], compared: int) -> tuple[str, ...]:
+        """Keys no checksum covers: arrays not in the fast format (Orbax and tensorstore check
+        those, crc32c, only as they read them), and every array of a step saved before
+        checksums."""
+        if compared == 0:
+            return tuple(arrays)
+        return tuple(key for key, array in arrays.items() if array is None)
+
+
+def _every_file(array: FastArray) -> Iterable[tuple[int, ...]]:
+    grid = [n // c for n, c in zip(array.shape, array.chunk_shape, strict=True)]
+    return itertools.product(*map(range, grid))
