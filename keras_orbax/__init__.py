@@ -24,6 +24,8 @@ from keras_orbax._src.restore.load_model import load_model
 from keras_orbax._src.restore.preset import from_preset
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.storage import locations
+from keras_orbax._src.tools.convert import convert
+from keras_orbax._src.tools.diff import DiffResult, diff
 from keras_orbax._src.tools.inspect_checkpoint import CheckpointInfo, inspect
 from keras_orbax._src.tools.verify_step import VerifyResult, verify
 from keras_orbax._src.training.callback import ModelCheckpoint
@@ -37,10 +39,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointInfo",
+    "DiffResult",
     "ModelCheckpoint",
     "RestoreResult",
     "VerifyResult",
+    "convert",
     "deferred_init",
+    "diff",
     "errors",
     "from_preset",
     "inspect",

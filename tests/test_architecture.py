@@ -41,10 +41,13 @@ LEAVES = {f"{PACKAGE}.errors", SRC}
 
 PUBLIC_NAMES = [
     "CheckpointInfo",
+    "DiffResult",
     "ModelCheckpoint",
     "RestoreResult",
     "VerifyResult",
+    "convert",
     "deferred_init",
+    "diff",
     "errors",
     "from_preset",
     "inspect",

@@ -339,6 +339,20 @@ def _read_small(directory: Any, name: str) -> bytes:
         return f.read()
 
 
+def fast_codec(chunk: tuple[int, ...], one_byte_dtype: bool) -> dict[str, Any]:
+    """The one codec of a fast-format array's `zarr.json`: a shard per chunk, uncompressed, its
+    index checksummed (what tensorstore writes for Orbax's fast options, and all this reader reads
+    directly). Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool)."""
+    return {
+        "name": "sharding_indexed",
+        "configuration": {
+            "chunk_shape": list(chunk),
+            "codecs": [{"name": "bytes"} if one_byte_dtype else _RAW],
+            "index_codecs": [_RAW, {"name": "crc32c"}],
+        },
+    }
+
+
 @functools.lru_cache(maxsize=256)
 def _plain_layout(
     raw: bytes, one_byte_dtype: bool
@@ -352,18 +366,9 @@ def _plain_layout(
         shape = tuple(spec["shape"])
     except (ValueError, TypeError, KeyError):
         return None
-    # Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool).
-    plain = {
-        "name": "sharding_indexed",
-        "configuration": {
-            "chunk_shape": list(chunk),
-            "codecs": [{"name": "bytes"} if one_byte_dtype else _RAW],
-            "index_codecs": [_RAW, {"name": "crc32c"}],
-        },
-    }
     fits = (
         spec.get("zarr_format") == 3
-        and spec.get("codecs") == [plain]
+        and spec.get("codecs") == [fast_codec(chunk, one_byte_dtype)]
         and spec.get("chunk_key_encoding") in _KEY_ENCODINGS
         and isinstance(spec.get("data_type"), str)
         and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)

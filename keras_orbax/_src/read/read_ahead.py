@@ -71,7 +71,10 @@ class Unit:
     @property
     def _local(self) -> bool:
         """Read from local files, not object storage (whose requests want many in flight)."""
-        return not any(locations.is_remote(getattr(a, "directory", "")) for _, a, _ in self.tasks)
+        return not any(
+            isinstance(a, FastArray | WholeFileReader) and locations.is_remote(a.directory)
+            for _, a, _ in self.tasks
+        )
 
     def start(self, pool: ThreadPoolExecutor, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
         """Submits the reads to `pool`, or has `files` read small arrays' files (then the regions

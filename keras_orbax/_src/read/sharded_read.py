@@ -34,6 +34,7 @@ from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import replicas
+from keras_orbax._src.read.contiguous import ComputedArray
 from keras_orbax._src.read.read_ahead import (
     BATCH_BYTES,
     batched,
@@ -43,7 +44,7 @@ from keras_orbax._src.read.read_ahead import (
 )
 from keras_orbax._src.runtime.progress import Progress
 from keras_orbax._src.storage import locations
-from keras_orbax._src.storage.byte_runs import Index, bounds
+from keras_orbax._src.storage.byte_runs import ArrayReader, Index, bounds
 from keras_orbax._src.storage.small_files import SmallFiles
 from keras_orbax.errors import CorruptCheckpointError
 
@@ -57,7 +58,7 @@ class ReadPlan:
     """How this process will read each array of one step; the files it needs checked already."""
 
     step_dir: Path
-    fast: list[tuple[ReadRequest, Any, list[Index]]]  # with the regions this process reads
+    fast: list[tuple[ReadRequest, ArrayReader, list[Index]]]  # with the regions this process reads
     via_orbax: list[ReadRequest]
     checkpointable: str = STATE  # the Orbax checkpointable holding the arrays read via Orbax
     tree_paths: dict[str, str] | None = None  # key -> path in that tree, where it is not the key
@@ -72,18 +73,19 @@ class ReadPlan:
 def plan_reads(
     step_dir: Path,
     requests: Sequence[ReadRequest],
-    opener: Callable[[VariableRecord], Any] | None = None,
+    opener: Callable[[VariableRecord], ArrayReader] | None = None,
 ) -> ReadPlan:
     """Chooses the read path of each array and checks the files this process will read.
 
-    `opener` gives the reader of each array of another source (`.weights.h5`, ...): anything with
-    `check(indices)` and `read(index, dtype)`, as `FastArray`. Without it, arrays are read from the
-    keras-orbax step at `step_dir`.
+    `opener` gives the `ArrayReader` of each array of another source (`.weights.h5`, ...). Without
+    it, arrays are read from the keras-orbax step at `step_dir` (`FastArray`, or through Orbax
+    where the fast format does not apply).
 
     Raises:
         CorruptCheckpointError: a shard file this process needs is missing or truncated.
     """
-    fast, via_orbax = [], []
+    fast: list[tuple[ReadRequest, ArrayReader, list[Index]]] = []
+    via_orbax: list[ReadRequest] = []
     regions: dict[tuple[Any, tuple[int, ...]], list[Index]] = {}  # many arrays share both
     state = step_dir / STATE
     base = os.fspath(state)
@@ -94,7 +96,7 @@ def plan_reads(
             specs.start(path)
     for request, spec_path in zip(requests, spec_paths, strict=True):
         if request.record.nbytes == 0:  # a zero-size variable: nothing is stored, nothing to read
-            array: Any = EmptyArray(request.record.shape)
+            array: ArrayReader | None = EmptyArray(request.record.shape)
         elif opener:
             array = opener(request.record)
         elif specs is not None:
@@ -208,9 +210,9 @@ def _place(
     regions = {repr(index): data for (_, _, index), data in read}
     if not shared:
         arrays[request.record.key] = _on_devices(request, regions)
-    release = getattr(read[0][0][1], "release", None)
-    if release is not None:  # a value computed on the host: every region is read
-        release()
+    reader = read[0][0][1]
+    if isinstance(reader, ComputedArray):  # a value computed on the host: every region is read
+        reader.release()
     return sum(data.size for data in regions.values()) * np_dtype(request.record.dtype).itemsize
 
 

@@ -75,7 +75,10 @@ def _local_directory(preset: str | os.PathLike) -> Path:
     located = resolve.locate(text)
     if located.kind not in ("keras-preset", "transformers"):
         source = resolve.open_located(located)
-        raise resolve.unsupported(
-            source, "from_preset", "build the model and call keras_orbax.restore_sharded."
+        use = (
+            "build the model and call keras_orbax.restore_sharded."
+            if source.model_config is None
+            else "it holds its model config: call keras_orbax.load_model."
         )
+        raise resolve.unsupported(source, "from_preset", use)
     return Path(located.location)

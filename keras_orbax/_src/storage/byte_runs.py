@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,6 +24,21 @@ from keras_orbax.errors import CorruptCheckpointError
 
 Index = tuple[slice, ...]
 Fetch = Callable[[list[tuple[memoryview, int]]], None]  # fills each view from its byte offset
+
+
+class ArrayReader(Protocol):
+    """Reads regions of one stored array: what every source gives the sharded read for each array
+    (a fast-format shard set, a contiguous dataset, an h5 slice, a value computed on the host...)."""
+
+    def check(self, indices: list[Index]) -> None:
+        """Raises `CorruptCheckpointError` (naming the file) if any of `indices` cannot be read;
+        called for every array before any is read, so a bad source changes nothing."""
+
+    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
+        """The region `index`, in `dtype` (converted, never reinterpreted), ideally in a 64-byte
+        aligned buffer that the CPU backend adopts without a copy."""
+        ...
+
 
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
 _OWN_MAPPING_BYTES = 1 << 20

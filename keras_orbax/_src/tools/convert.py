@@ -1,16 +1,12 @@
-"""`convert`: Keras weight files, keras-hub presets and Keras `OrbaxCheckpoint` directories to a
-keras-orbax checkpoint, one array at a time (peak memory near the largest variable, not the model).
+"""`convert`: any source `restore_sharded` reads, written as a keras-orbax checkpoint step, one array
+at a time (peak memory near the largest variable, not the model).
 
 Without a model, a weights file's arrays keep their h5 dataset paths as keys (`layers/dense/vars/0`),
 which are the keras-orbax keys of ordinary layers: the result restores into the same architecture
 by Keras's structure and position. Layers whose `save_own_variables` stores derived values (LoRA
 stores merged kernels; quantized layers their own set) need `model`: Keras's own loader then decides
 what each variable gets, exactly as `load_weights` would, and the checkpoint holds the variables.
-
-```python
-keras_orbax.convert("model.weights.h5", "/ckpt")                   # by structure
-keras_orbax.convert("/keras_ckpt", "/ckpt", model=build_model())  # an OrbaxCheckpoint directory
-```
+A Keras `OrbaxCheckpoint` step is converted by the model its saved config describes.
 """
 
 from __future__ import annotations
@@ -47,28 +43,37 @@ def convert(
 ) -> Path:
     """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`.
 
+    The step is written as `save` writes one: shard files with checksums, under the writer lock,
+    durable before this returns.
+
     Args:
-        source: A `.weights.h5`, `.weights.json`, `.keras`, a keras-hub preset directory, or a
-            directory written by `keras.callbacks.OrbaxCheckpoint` (`DIR@STEP` for one step).
-        destination: The keras-orbax checkpoint root.
+        source: Any location `restore_sharded` reads: a checkpoint (`DIR`, `DIR/STEP`,
+            `DIR@STEP`, also one written by `keras.callbacks.OrbaxCheckpoint`), a `.weights.h5`,
+            `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face directory.
+        destination: The keras-orbax checkpoint root (local, `gs://` or `s3://`).
         model: The architecture (built, or under `deferred_init()`): keys and values are then what
-            `restore_sharded(model, source)` gives, i.e. Keras's own `load_weights`. Required for an
-            `OrbaxCheckpoint` directory.
+            `restore_sharded(model, source)` gives, i.e. Keras's own `load_weights`. Required for a
+            Hugging Face directory, and for an `OrbaxCheckpoint` step saved without a model config.
         step: The step written.
         on_write: Called with `(nbytes, total)` after each array is written.
 
     Returns:
         The step's directory.
 
+    Example:
+    ```python
+    keras_orbax.convert("model.weights.h5", "/ckpt")                  # by structure
+    keras_orbax.convert("/hf/llama", "/ckpt", model=llama_backbone)   # by the model
+    ```
+
     Raises:
         ValueError: `destination` names a Keras weights file (`.weights.h5`, `.keras`, ...).
+        UnsupportedSourceError: `source` needs `model` (the message says why).
         StepExistsError: `destination` already holds `step`.
         StepLockedError: another writer is saving `step` to `destination` right now.
         CheckpointMismatchError: `model` does not fit `source`.
-        SaveFailedError: the write failed (e.g. a full disk).
-        In every case nothing was committed and the committed steps are intact. The step is
-        written as `save` writes one (`array_writer.save_arrays`): shard files with checksums,
-        under the writer lock, durable before this returns.
+        SaveFailedError: the write failed (e.g. a full disk). In every case nothing was
+            committed and the committed steps are intact.
     """
     _refuse_keras_file(destination)
     if step in step_dirs.committed_steps(destination):  # before reading the source

@@ -73,6 +73,12 @@ def diff(
     With `values`, each common variable of equal shape is read from both sides, one at a time, and
     its max absolute difference computed in float64 (NaN against NaN and equal infinities count
     as equal; NaN against a number as `inf`). `on_read(nbytes, total)` follows each read.
+
+    Example:
+    ```python
+    result = keras_orbax.diff("/ckpt@100", "model.weights.h5", values=True)
+    print(result)  # keys in one side only, shape or dtype changes, max |a - b|
+    ```
     """
     first, second = open_source(a), open_source(b)
     left, right = first.record.variables, second.record.variables

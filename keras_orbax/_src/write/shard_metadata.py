@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
-from keras_orbax._src.format.zarr_shards import ONE_FILE_KEYS
+from keras_orbax._src.format.zarr_shards import ONE_FILE_KEYS, fast_codec
 from keras_orbax._src.runtime import multihost
 
 
@@ -70,21 +70,10 @@ def _zarr_json(array: SavedArray) -> bytes:
 def _zarr_json_of(
     shape: tuple[int, ...], chunk: tuple[int, ...], dtype: np.dtype, packed: bool
 ) -> bytes:
-    raw = {"configuration": {"endian": "little"}, "name": "bytes"}
-    inner = raw if dtype.itemsize > 1 else {"name": "bytes"}  # no byte order for 1 byte
     spec = {
         "chunk_grid": {"configuration": {"chunk_shape": list(chunk)}, "name": "regular"},
         "chunk_key_encoding": ONE_FILE_KEYS if packed else {"name": "default"},
-        "codecs": [
-            {
-                "configuration": {
-                    "chunk_shape": list(chunk),
-                    "codecs": [inner],
-                    "index_codecs": [raw, {"name": "crc32c"}],
-                },
-                "name": "sharding_indexed",
-            }
-        ],
+        "codecs": [fast_codec(chunk, dtype.itemsize == 1)],
         "data_type": dtype.name,
         "fill_value": _fill_value(dtype),
         "node_type": "array",
