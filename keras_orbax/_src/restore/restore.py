@@ -104,7 +104,7 @@ def restore_sharded(
 
     Returns:
         A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read and
-        received.
+            received.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
