@@ -1,6 +1,7 @@
-"""Large saved shards restored onto the saved layout become mappings of their files (`mapped`):
-the device's buffer is the file's pages, all in memory when the restore returns; training goes on
-from it, the checkpoint stays as written, and deleting it loses nothing."""
+"""Opted in (`KERAS_ORBAX_MAP_SHARDS=1`), large saved shards restored onto the saved layout become
+mappings of their files (`mapped`): the device's buffer is the file's pages, all in memory when the
+restore returns; training goes on from it, the checkpoint stays as written, and deleting it loses
+nothing. The default, copying, is tested in test_mapped_safety.py."""
 
 import os
 import re
@@ -23,7 +24,9 @@ KERNEL_DIR = "1/state/layers.dense.vars.0"
 
 @pytest.fixture(autouse=True)
 def small_mappings(monkeypatch):
-    """Maps shards of 64 KiB and more (4 MiB by default), to keep the model small."""
+    """Opts in to mapping, of shards of 64 KiB and more (4 MiB by default), to keep the model
+    small."""
+    monkeypatch.setenv(mapped.ENVIRONMENT_VARIABLE, "1")
     monkeypatch.setattr(mapped, "MIN_BYTES", 64 << 10)
 
 
@@ -146,6 +149,15 @@ def test_a_mappable_shard_whose_index_fails_its_check_is_refused(tmp_path, distr
     np.testing.assert_array_equal(np.asarray(model.layers[1].kernel.value), before)
 
 
-def test_filesystems_told_apart():
+def test_only_files_on_local_filesystems_are_mapped(tmp_path, monkeypatch):
     assert mapped._is_local(os.stat("/proc/self").st_dev) is False  # procfs
-    assert mapped.map_file("/proc/self/status", 1 << 20) is None
+    if not mapped._is_local(os.stat(tmp_path).st_dev):
+        pytest.skip(f"{tmp_path} is not on a local filesystem")
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    data = mapped.map_file(str(path), 1 << 20)
+    assert data is not None and data[:256].tolist() == list(range(256))
+    assert mapped.map_file(str(path), (1 << 20) + 1) is None  # not the size expected
+    # The same file, its filesystem taken for a network one: read, not mapped.
+    monkeypatch.setattr(mapped, "_LOCAL_FILESYSTEMS", frozenset({"nfs4"}))
+    assert mapped.map_file(str(path), 1 << 20) is None

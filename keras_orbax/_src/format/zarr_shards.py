@@ -191,8 +191,12 @@ class FastArray:
 
     def _map_whole(self, region: list[tuple[int, int]]) -> np.ndarray | None:
         """The data of a region that is exactly one large saved shard of a local file, mapped
-        (`mapped`); None where it is not (then it is read)."""
-        if self.chunk_bytes < mapped.MIN_BYTES or locations.is_remote(self.directory):
+        (`mapped`) where the user opted in; None where it is not (then it is read)."""
+        if (
+            self.chunk_bytes < mapped.MIN_BYTES
+            or locations.is_remote(self.directory)
+            or not mapped.enabled()
+        ):
             return None
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         data = mapped.map_file(self.local_file(coords), self.chunk_bytes + _INDEX_BYTES)

@@ -1,18 +1,20 @@
-"""Shard files mapped as the memory of the arrays read from them.
+"""Shard files mapped as the memory of the arrays read from them, where the user opts in.
 
-A region that is exactly one large saved shard of a file on a local filesystem is not read into
-fresh memory: the file is mapped privately (copy-on-write) and every page is brought in before the
-restore returns (`MADV_POPULATE_READ`), so the page cache's copy of the shard *is* the host buffer.
-That saves faulting in, zeroing and filling as much fresh memory as the model holds: from a cold
-page cache, the restore reads at the speed of the disk instead of adding the memory's cost on top
+The contract (docs/loading.md): by default every restored buffer is memory of its own, read from
+the files with `preadv`, so nothing done to the checkpoint afterwards reaches a model that was
+restored from it. A private mapping (`MAP_PRIVATE`) is copy-on-write for the process's writes
+only: a page not yet written is the page cache's page, so an in-place write to the file (`cp -r`
+over the checkpoint, `rsync --inplace`) shows in the model's weights, and a truncation turns the
+next read of the buffer into SIGBUS, which kills the process. A serving process holds its buffers
+for its whole life; keras-orbax cannot know that no one writes the files meanwhile.
+
+`KERAS_ORBAX_MAP_SHARDS=1` (read at each restore) opts in, for files the user keeps as written
+(a read-only volume, a checkpoint nothing copies over): a region that is exactly one large saved
+shard of a file on a local filesystem is then mapped privately and every page brought in before
+the restore returns (`MADV_POPULATE_READ`), so the page cache's copy of the shard *is* the host
+buffer. That saves faulting in, zeroing and filling as much fresh memory as the model holds
 (docs/benchmarks.md). The CPU backend adopts the buffer as the device's memory; an accelerator
-copies it and the mapping goes with the host array.
-
-What a mapping means for the process, and why it is safe here: a checkpoint's files are never
-written again once committed (a save writes a new step directory and renames it into place), so
-the mapping sees fixed bytes; deleting the checkpoint (`max_to_keep`) unlinks the files, whose
-blocks stay until the last mapping goes; writes (none by XLA: a donated input it did not allocate
-is not reused) would go to private copies, never to the file. Network filesystems are not mapped
+copies it and the mapping goes with the host array. Even then, network filesystems are not mapped
 (a page dropped under memory pressure would be fetched again from a file that another host may
 have deleted), nor object storage, nor shards under `MIN_BYTES` (one mapping each: the kernel
 limits a process to `vm.max_map_count`, 65530 by default).
@@ -27,10 +29,15 @@ import ctypes
 import functools
 import mmap
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 
+from keras_orbax.errors import KerasOrbaxWarning
+
+ENVIRONMENT_VARIABLE = "KERAS_ORBAX_MAP_SHARDS"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 MIN_BYTES = 4 << 20
 # Filesystems whose files live on this machine: what the kernel reads back from them is what
 # was written.
@@ -39,6 +46,30 @@ _LOCAL_FILESYSTEMS = frozenset(
 )
 _POPULATE_READ = 22  # MADV_POPULATE_READ, Linux 5.14; Python 3.11's mmap does not name it
 _POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux 5.14
+
+
+def enabled() -> bool:
+    """Whether the user opted in to mapping shard files (`KERAS_ORBAX_MAP_SHARDS`), read now, so
+    that setting `os.environ` in the process before a restore is enough."""
+    return _setting(os.environ.get(ENVIRONMENT_VARIABLE, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _setting(raw: str) -> bool:
+    """`raw`, the environment variable's value, as a switch; an unknown one warns once and copies
+    (the safe side: a typo must not map files the user meant to keep apart from the model)."""
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        warnings.warn(
+            f"{ENVIRONMENT_VARIABLE}={raw!r} is neither on (1, true, yes, on: map large saved "
+            "shards) nor off (0, false, no, off, or unset: copy them, the default); restored "
+            "weights are copied.",
+            KerasOrbaxWarning,
+            stacklevel=2,
+        )
+    return False
 
 
 def map_file(path: str, nbytes: int) -> np.ndarray | None:
