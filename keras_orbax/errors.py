@@ -59,6 +59,11 @@ class DeferredVariableError(KerasOrbaxError, RuntimeError):
     """A variable built under `deferred_init()` was used before `restore_sharded` filled it."""
 
 
+class NotDeferrableError(KerasOrbaxError, ValueError):
+    """Keras cannot create a variable without allocating it: it is made from a number, not an
+    initializer (an optimizer's step counter, a model compiled while it is built)."""
+
+
 class SaveFailedError(KerasOrbaxError, RuntimeError):
     """An asynchronous save failed; the previous committed step is intact."""
 

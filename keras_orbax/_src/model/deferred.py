@@ -10,7 +10,7 @@ from typing import Any
 import keras
 
 from keras_orbax._src.compat import keras_compat
-from keras_orbax.errors import DeferredVariableError
+from keras_orbax.errors import DeferredVariableError, NotDeferrableError
 
 _state = threading.local()
 
@@ -29,6 +29,9 @@ def deferred_init() -> Iterator[None]:
     step counter from a number, which it cannot defer. The optimizer's slots are built, deferred and
     sharded like their variables, by `restore_sharded`. For a subclassed model, build it inside with a
     symbolic call, `model(keras.Input(shape))`.
+
+    Raises:
+        NotDeferrableError: a variable made from a number was created inside (e.g. by `compile`).
 
     Example:
     ```python
@@ -59,10 +62,6 @@ def deferred_init() -> Iterator[None]:
         ) from error
     finally:
         _state.depth = depth
-
-
-class NotDeferrableError(ValueError):
-    """Keras cannot create a variable inside `deferred_init()`: it is made from a number."""
 
 
 def is_deferred(variable: keras.Variable) -> bool:

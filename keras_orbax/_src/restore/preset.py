@@ -11,6 +11,7 @@ import keras
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.sources import resolve
+from keras_orbax.errors import NotDeferrableError
 
 
 def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
@@ -24,39 +25,92 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     are downloaded by keras-hub's own code (not tested offline); local directories work as they are.
 
     Args:
-        cls: A keras-hub class: a backbone (`keras_hub.models.GemmaBackbone`) or a task
-            (`keras_hub.models.GemmaCausalLM`): its backbone is built deferred and gets the
-            preset's weights; task-only weights (`task.weights.h5`) are not read yet.
+        cls: A keras-hub model class: a backbone (`keras_hub.models.GemmaBackbone`) or a task
+            (`keras_hub.models.GemmaCausalLM`), or a generic one (`keras_hub.models.Backbone`,
+            `keras_hub.models.CausalLM`), which keras-hub resolves from the preset's config. A
+            task's backbone is built deferred and gets the preset's weights; task-only weights
+            (`task.weights.h5`) are not read yet.
         preset: A preset handle or a local preset directory.
-        **kwargs: Passed to `cls.from_preset`, as with keras-hub.
+        **kwargs: Passed to `cls.from_preset`, as with keras-hub: `dtype` (given to the backbone,
+            the weights cast to it as keras-hub casts them), `preprocessor`, `num_classes`...
+            `load_weights=False` returns keras-hub's own model, initialized, with no weights read;
+            with `backbone=`, keras-hub's `from_preset` is called as it is.
 
     Returns:
         What `cls.from_preset(preset, **kwargs)` returns, restored.
+
+    Raises:
+        TypeError: `cls` is not a keras-hub backbone or task class (or the arguments are swapped).
+        NotDeferrableError: keras-hub's code for `cls` makes a variable Keras cannot defer; the
+            message says how to read the weights sharded into a model keras-hub builds.
 
     Example:
     ```python
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"))
     layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    gemma = keras_orbax.from_preset(keras_hub.models.GemmaCausalLM, "/presets/gemma2_9b_en")
+    gemma = keras_orbax.from_preset(keras_hub.models.CausalLM, "/presets/gemma2_9b_en")
     ```
     """
+    hub = _hub_models(cls, preset)
+    if not kwargs.get("load_weights", True) or "backbone" in kwargs:
+        return cls.from_preset(preset, **kwargs)  # nothing for keras-orbax to read
+    kwargs.pop("load_weights", None)
     directory = _local_directory(preset)
     preset = os.fspath(directory)  # keras-hub reads the same resolved directory
-    backbone_cls = getattr(cls, "backbone_cls", None)
-    if backbone_cls is None:  # a backbone
-        with deferred_init():
-            model = cls.from_preset(preset, load_weights=False, **kwargs)
+    if not issubclass(cls, hub.Task):
+        model = _deferred(cls, preset, kwargs)
         restore_sharded(model, directory)
         return model
     # A task compiles itself when it is made (its optimizer's counters come from numbers, which
-    # cannot be deferred): only its backbone, which holds the weights, is built deferred.
-    backbone_kwargs = {k: kwargs[k] for k in ("dtype",) if k in kwargs}
-    with deferred_init():
-        backbone = backbone_cls.from_preset(preset, load_weights=False, **backbone_kwargs)
+    # cannot be deferred): only its backbone, which holds the weights, is built deferred. keras-hub
+    # gives a task's backbone these arguments (`get_backbone_kwargs`), and resolves a generic
+    # backbone or task class from the preset's config, as here.
+    backbone_kwargs: dict[str, Any] = {
+        k: kwargs.pop(k) for k in ("dtype", "image_shape") if k in kwargs
+    }
+    backbone = _deferred(hub.Backbone, preset, backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
     restore_sharded(backbone, directory)
     return task
+
+
+def _hub_models(cls: Any, preset: Any) -> Any:
+    """`keras_hub.models`, once `cls` is known to be one of its backbone or task classes.
+
+    Raises:
+        TypeError: it is not (in one line; with the call to write where the two are swapped).
+    """
+    if isinstance(cls, str | os.PathLike) and hasattr(preset, "from_preset"):
+        name = getattr(preset, "__name__", type(preset).__name__)
+        raise TypeError(
+            f"from_preset takes the class first, then the preset: keras_orbax.from_preset("
+            f"{name}, {os.fspath(cls)!r}). Received: cls={cls!r}, preset={name}"
+        )
+    import keras_hub
+
+    hub = keras_hub.models
+    if not (isinstance(cls, type) and issubclass(cls, hub.Backbone | hub.Task)):
+        raise TypeError(
+            "cls must be a keras-hub backbone or task class, such as keras_hub.models.CausalLM "
+            f"or keras_hub.models.GemmaBackbone. Received: cls={cls!r}"
+        )
+    return hub
+
+
+def _deferred(cls: Any, preset: str, kwargs: dict[str, Any]) -> keras.Model:
+    """`cls.from_preset(preset, load_weights=False, **kwargs)` built under `deferred_init()`."""
+    try:
+        with deferred_init():
+            return cls.from_preset(preset, load_weights=False, **kwargs)
+    except NotDeferrableError as error:
+        raise NotDeferrableError(
+            f"keras_orbax.from_preset cannot build {cls.__name__} without allocating it: "
+            "building it makes a variable from a number (not an initializer), which Keras cannot "
+            "defer. Let keras-hub build it, then read the weights sharded: model = "
+            f"{cls.__name__}.from_preset({preset!r}, load_weights=False); "
+            f"keras_orbax.restore_sharded(model, {preset!r})."
+        ) from error.__cause__
 
 
 def _local_directory(preset: str | os.PathLike) -> Path:

@@ -44,7 +44,10 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     of `keep_every`. See docs/callback.md.
 
     Args:
-        directory: Where checkpoints go. Use one directory per training run.
+        directory: Where checkpoints go: a directory, one subdirectory per step, not a Keras
+            `filepath` (a `{epoch}` template or a `.weights.h5`/`.keras` name is refused). Use one
+            directory per training run. The other arguments are keyword-only (Keras's
+            `ModelCheckpoint` and `OrbaxCheckpoint` order them differently).
         monitor: The metric that `save_best_only` and `keep_best` rank by, e.g. `"val_loss"`.
         verbose: 1 prints one line per save (on process 0 only).
         save_best_only: Save only when `monitor` improves on the best value so far (read back
@@ -68,6 +71,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             process save at the same step.
 
     Raises:
+        ValueError: an argument is out of range, or `directory` is a Keras file name or template.
         SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
 
     Example:
@@ -85,6 +89,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     def __init__(
         self,
         directory: str | os.PathLike,
+        *,
         monitor: str = "val_loss",
         verbose: int = 0,
         save_best_only: bool = False,
@@ -92,7 +97,6 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         mode: str = "auto",
         save_freq: str | int = "epoch",
         initial_value_threshold: float | None = None,
-        *,
         max_to_keep: int | None = 1,
         keep_best: int | None = None,
         keep_every: int | None = None,
