@@ -13,27 +13,30 @@ keras_orbax.restore_sharded(model, "/ckpt")
 ```
 """
 
+from __future__ import annotations
+
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
-# keras-orbax is for Keras's JAX backend: choose it unless the user chose one (Keras reads this when
-# it is first imported; the console script imports nothing else before).
+# keras-orbax is for Keras's JAX backend: choose it unless the user chose one. Keras reads this when
+# it is first imported, and every module of keras-orbax imports this package first.
+_CHOSEN_BACKEND = os.environ.get("KERAS_BACKEND")
 os.environ.setdefault("KERAS_BACKEND", "jax")
-from keras_orbax import errors
-from keras_orbax._src.model.deferred import deferred_init
-from keras_orbax._src.restore.load_model import load_model
-from keras_orbax._src.restore.preset import from_preset
-from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
-from keras_orbax._src.storage import locations
-from keras_orbax._src.tools.convert import convert
-from keras_orbax._src.tools.diff import DiffResult, diff
-from keras_orbax._src.tools.inspect_checkpoint import CheckpointInfo, inspect
-from keras_orbax._src.tools.verify_step import VerifyResult, verify
-from keras_orbax._src.training.callback import ModelCheckpoint
-from keras_orbax._src.write.step_writer import save
 
-# Object-store paths through gcsfs/s3fs, not TensorFlow's file system, and the variables the storage
-# layers read derived from the standard ones, before any of them is imported (see `locations`).
-locations.configure_environment()
+from keras_orbax import errors  # noqa: E402  (cheap: imports nothing of ours)
+
+if TYPE_CHECKING:
+    from keras_orbax._src.model.deferred import deferred_init
+    from keras_orbax._src.restore.load_model import load_model
+    from keras_orbax._src.restore.preset import from_preset
+    from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
+    from keras_orbax._src.tools.convert import convert
+    from keras_orbax._src.tools.diff import DiffResult, diff
+    from keras_orbax._src.tools.inspect_checkpoint import CheckpointInfo, inspect
+    from keras_orbax._src.tools.verify_step import VerifyResult, verify
+    from keras_orbax._src.training.callback import ModelCheckpoint
+    from keras_orbax._src.write.step_writer import save
 
 __version__ = "0.1.0"
 
@@ -54,3 +57,58 @@ __all__ = [
     "save",
     "verify",
 ]
+
+# The public names, imported on first use (PEP 562): `import keras_orbax` and the console script
+# stay cheap, and JAX, Keras and Orbax load only for a verb that needs them.
+_LAZY = {
+    "CheckpointInfo": "keras_orbax._src.tools.inspect_checkpoint",
+    "DiffResult": "keras_orbax._src.tools.diff",
+    "ModelCheckpoint": "keras_orbax._src.training.callback",
+    "RestoreResult": "keras_orbax._src.restore.restore",
+    "VerifyResult": "keras_orbax._src.tools.verify_step",
+    "convert": "keras_orbax._src.tools.convert",
+    "deferred_init": "keras_orbax._src.model.deferred",
+    "diff": "keras_orbax._src.tools.diff",
+    "from_preset": "keras_orbax._src.restore.preset",
+    "inspect": "keras_orbax._src.tools.inspect_checkpoint",
+    "load_model": "keras_orbax._src.restore.load_model",
+    "restore_sharded": "keras_orbax._src.restore.restore",
+    "save": "keras_orbax._src.write.step_writer",
+    "verify": "keras_orbax._src.tools.verify_step",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_orbax' has no attribute {name!r}")
+    _require_jax_backend()
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+def _require_jax_backend() -> None:
+    """Imports Keras (on JAX, unless the user chose another backend) and checks its backend.
+
+    Runs before the first module that needs Keras is imported: under another backend, Keras's
+    variables have no JAX shardings and a save would fail deep inside, naming neither.
+
+    Raises:
+        BackendError: Keras runs another backend (`KERAS_BACKEND` set to another, or Keras
+            imported before keras-orbax with the backend of `~/.keras/keras.json`).
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise errors.BackendError(
+            f"keras-orbax needs Keras's JAX backend, but Keras runs the '{backend}' backend. "
+            "Keras chooses its backend once, when it is first imported: set KERAS_BACKEND=jax "
+            f"in the environment before anything imports Keras. "
+            f"Received: KERAS_BACKEND={_CHOSEN_BACKEND!r}"
+        )

@@ -4,7 +4,7 @@
     keras-orbax diff A B [--values] [--json]          A, B: DIR, DIR@STEP, .weights.h5, .keras, ...
     keras-orbax plan DIR --model MODULE:FUNCTION [--mesh 2x4] [--axes batch,model]
                          [--layout-map MODULE:FUNCTION] [--processes P] [--step N] [--json]
-    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N]
+    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--json]
     keras-orbax verify SRC [--step N] [--json]
 
 Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
@@ -12,7 +12,12 @@ Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_repo
 `.weights.h5`, `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face directory.
 Errors print one line, naming the path, and exit 2; `diff` exits 1 when the sources differ,
 `verify` when something could not be checked against recorded checksums.
-`--quiet` prints only errors. Progress (bytes and rate) shows on a terminal only.
+`--quiet` prints only errors. Progress (bytes and rate) shows on a terminal only. A reader that
+stops early (`keras-orbax inspect DIR | head -1`) ends the output quietly, with the command's own
+exit code.
+
+Starting is cheap: this module imports only the standard library, and each subcommand imports what
+it needs (JAX, Keras and Orbax load only for the subcommands that read arrays or build models).
 """
 
 from __future__ import annotations
@@ -37,13 +42,18 @@ EXIT_ERROR = 2
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code."""
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except BrokenPipeError:  # `--help | head -1`, with more help than a pipe holds
+        _detach_stdout()
+        return 0
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))
     logging.getLogger("absl").setLevel(logging.ERROR)
     if args.quiet:
         warnings.simplefilter("ignore")
     try:
+        _check_backend()
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("keras-orbax: interrupted", file=sys.stderr)
@@ -58,28 +68,34 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     commands = parser.add_subparsers(dest="command", required=True)
+    source = (
+        "DIR, DIR/STEP, DIR@STEP, .weights.h5, .weights.json, .keras, a preset or an HF directory"
+    )
+    step = "the step of a checkpoint directory (default: the latest committed one)"
+    json_help = "print one JSON document"
+    model_help = "MODULE:FUNCTION (or path/file.py:FUNCTION) building the model"
 
     show = commands.add_parser(
         "inspect", parents=[common], help="steps and variables of a checkpoint"
     )
-    show.add_argument("directory")
-    show.add_argument("--step", type=int, default=None)
-    show.add_argument("--json", action="store_true", help="print one JSON document")
+    show.add_argument("directory", help=source)
+    show.add_argument("--step", type=int, default=None, help=step)
+    show.add_argument("--json", action="store_true", help=json_help)
     show.set_defaults(run=_inspect)
 
     compare = commands.add_parser(
         "diff", parents=[common], help="compare two checkpoints or weight files"
     )
-    compare.add_argument("a", help="DIR, DIR@STEP, .weights.h5, .weights.json, .keras or a preset")
-    compare.add_argument("b")
+    compare.add_argument("a", help=source)
+    compare.add_argument("b", help="the same kinds as A")
     compare.add_argument("--values", action="store_true", help="also compare values")
-    compare.add_argument("--json", action="store_true")
+    compare.add_argument("--json", action="store_true", help=json_help)
     compare.set_defaults(run=_diff)
 
     dry = commands.add_parser("plan", parents=[common], help="what restore_sharded would do")
-    dry.add_argument("directory")
-    dry.add_argument("--model", required=True, help="MODULE:FUNCTION (or path/file.py:FUNCTION)")
-    dry.add_argument("--step", type=int, default=None)
+    dry.add_argument("directory", help=source)
+    dry.add_argument("--model", required=True, help=model_help)
+    dry.add_argument("--step", type=int, default=None, help=step)
     dry.add_argument(
         "--mesh", default=None, help="device mesh shape, e.g. 2x4 (virtual CPU devices)"
     )
@@ -88,26 +104,57 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument(
         "--processes", type=int, default=None, help="split the devices over P processes"
     )
-    dry.add_argument("--json", action="store_true")
+    dry.add_argument("--json", action="store_true", help=json_help)
     dry.set_defaults(run=_plan)
 
     write = commands.add_parser("convert", parents=[common], help="write a keras-orbax checkpoint")
+    write.add_argument("source", help=source)
+    write.add_argument("destination", help="checkpoint directory to write (local, gs:// or s3://)")
     write.add_argument(
-        "source", help="DIR, DIR@STEP, .weights.h5, .weights.json, .keras or a preset"
+        "--model", default=None, help=f"{model_help}, whose loader maps SRC onto its variables"
     )
-    write.add_argument("destination")
-    write.add_argument("--model", default=None, help="MODULE:FUNCTION building the architecture")
-    write.add_argument("--step", type=int, default=0)
+    write.add_argument("--step", type=int, default=0, help="the step to write (default: 0)")
+    write.add_argument("--json", action="store_true", help=json_help)
     write.set_defaults(run=_convert)
 
     check = commands.add_parser(
         "verify", parents=[common], help="read saved state back and check its checksums"
     )
-    check.add_argument("directory")
-    check.add_argument("--step", type=int, default=None)
-    check.add_argument("--json", action="store_true", help="print one JSON document")
+    check.add_argument("directory", help=source)
+    check.add_argument("--step", type=int, default=None, help=step)
+    check.add_argument("--json", action="store_true", help=json_help)
     check.set_defaults(run=_verify)
     return parser
+
+
+def _emit(text: str) -> None:
+    """Prints `text` on stdout. A reader that stopped early (`| head -1`) is not an error: the rest
+    of the output is dropped, quietly, and the command keeps its exit code."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _detach_stdout()
+
+
+def _detach_stdout() -> None:
+    """Points stdout at /dev/null, so that Python's flush at exit finds no closed pipe (which it
+    would report as `Exception ignored ... BrokenPipeError`)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _check_backend() -> None:
+    """Fails in one line unless Keras runs (or, once imported, will run) on JAX.
+
+    Costs nothing in a fresh process where `KERAS_BACKEND` is `jax` (`keras_orbax` sets it unless
+    the user chose another): Keras is imported only where it already is, or where the variable
+    names another backend, to check what Keras chose.
+    """
+    if "keras" in sys.modules or os.environ.get("KERAS_BACKEND") != "jax":
+        from keras_orbax import _require_jax_backend
+
+        _require_jax_backend()
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -115,7 +162,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     info = inspect(args.directory, args.step)
     if not args.quiet:
-        print(json.dumps(info.to_json(), indent=1) if args.json else info)
+        _emit(json.dumps(info.to_json(), indent=1) if args.json else str(info))
     return 0
 
 
@@ -136,9 +183,8 @@ def _diff(args: argparse.Namespace) -> int:
         if progress:
             progress[0].__exit__(None, None, None)
     if not args.quiet:
-        print(
-            json.dumps({**result.__dict__, "identical": result.identical}) if args.json else result
-        )
+        document = {**result.__dict__, "identical": result.identical}
+        _emit(json.dumps(document) if args.json else str(result))
     return 0 if result.identical else EXIT_DIFFERENT
 
 
@@ -155,13 +201,13 @@ def _plan(args: argparse.Namespace) -> int:
         model = build()
     report = plan_restore_report(model, args.directory, args.step, processes=args.processes)
     if not args.quiet:
-        print(json.dumps(report.to_json(), indent=1) if args.json else report)
+        _emit(json.dumps(report.to_json(), indent=1) if args.json else str(report))
     return 0 if not report.problems else EXIT_DIFFERENT
 
 
 def _convert(args: argparse.Namespace) -> int:
     from keras_orbax._src.model.deferred import deferred_init
-    from keras_orbax._src.runtime.progress import Progress
+    from keras_orbax._src.runtime.progress import Progress, human_bytes
     from keras_orbax._src.tools.convert import convert
 
     model = None
@@ -170,11 +216,13 @@ def _convert(args: argparse.Namespace) -> int:
         with deferred_init():
             model = build()
     progress: list[Progress] = []
+    written = [0]
 
     def on_write(nbytes: int, total: int) -> None:
         if not progress:
             progress.append(Progress("convert", total, enabled=not args.quiet).__enter__())
         progress[0].advance(nbytes)
+        written[0] += nbytes
 
     try:
         step_dir = convert(
@@ -184,21 +232,25 @@ def _convert(args: argparse.Namespace) -> int:
         if progress:
             progress[0].__exit__(None, None, None)
     if not args.quiet:
-        print(f"wrote {step_dir}")
+        if args.json:
+            document = {"step_dir": str(step_dir), "step": args.step, "bytes": written[0]}
+            _emit(json.dumps(document))
+        else:
+            _emit(f"wrote {step_dir} ({human_bytes(written[0])})")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     """Exit 0 when every array matched a recorded checksum, 1 when something could not be checked
     (no checksums recorded); a damaged step raises `CorruptCheckpointError`, printed as one line."""
-    from keras_orbax import verify
+    from keras_orbax._src.tools.verify_step import verify
 
     result = verify(args.directory, step=args.step, verbose=0 if args.quiet else 1)
     if not args.quiet:
         if args.json:
-            print(json.dumps({**dataclasses.asdict(result), "intact": result.intact}))
+            _emit(json.dumps({**dataclasses.asdict(result), "intact": result.intact}))
         else:
-            print(result)
+            _emit(str(result))
     return 0 if result.intact else EXIT_DIFFERENT
 
 

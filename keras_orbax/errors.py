@@ -64,6 +64,10 @@ class NotDeferrableError(KerasOrbaxError, ValueError):
     initializer (an optimizer's step counter, a model compiled while it is built)."""
 
 
+class BackendError(KerasOrbaxError, RuntimeError):
+    """Keras runs a backend other than JAX (keras-orbax works on JAX arrays and shardings)."""
+
+
 class SaveFailedError(KerasOrbaxError, RuntimeError):
     """An asynchronous save failed; the previous committed step is intact."""
 

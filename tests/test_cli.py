@@ -297,3 +297,36 @@ def test_verify_catches_a_flipped_byte_and_needs_no_backend_setting(tmp_path):
     assert damaged.returncode != 0
     assert len(damaged.stderr.strip().splitlines()) == 1  # one line, no traceback
     assert "checksum" in damaged.stderr and str(shard) in damaged.stderr
+
+
+def test_inspect_shows_the_metrics_the_callback_stored_with_each_step(tmp_path, capsys):
+    model = _trained_mlp()
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    callback = keras_orbax.ModelCheckpoint(
+        tmp_path / "ckpt", max_to_keep=None, save_on_background=False
+    )
+    x, y = np.ones((8, 16), "float32"), np.zeros((8, 8), "float32")
+    history = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[callback])
+    shown = json.loads(_main(capsys, "inspect", str(tmp_path / "ckpt"), "--json").stdout)
+    assert [s["step"] for s in shown["steps"]] == [1, 2]
+    for summary, loss, mae in zip(
+        shown["steps"], history.history["loss"], history.history["mae"], strict=True
+    ):
+        assert summary["metrics"] == {"loss": pytest.approx(loss), "mae": pytest.approx(mae)}
+    table = _main(capsys, "inspect", str(tmp_path / "ckpt")).stdout
+    assert f"loss={history.history['loss'][1]:.6g}" in table
+
+
+def test_convert_json_names_the_step_and_its_bytes(tmp_path, capsys):
+    h5 = tmp_path / "m.weights.h5"
+    _trained_mlp().save_weights(h5)
+    nbytes = (16 * 32 + 32 + 32 * 8 + 8) * 4
+    done = _main(capsys, "convert", str(h5), str(tmp_path / "ckpt"), "--step", "3", "--json")
+    assert json.loads(done.stdout) == {
+        "step_dir": str(tmp_path / "ckpt" / "3"),
+        "step": 3,
+        "bytes": nbytes,
+    }
+    text = _main(capsys, "convert", str(h5), str(tmp_path / "other"))
+    assert text.stdout == f"wrote {tmp_path / 'other' / '0'} (3.2 KiB)\n"  # 3,232 B
+    assert keras_orbax.inspect(tmp_path / "ckpt").nbytes == nbytes

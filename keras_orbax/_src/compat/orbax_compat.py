@@ -50,13 +50,22 @@ def step_metadata_file(step_dir: Any) -> Any:
 
 
 def step_metrics(step_dir: Any) -> dict[str, Any]:
-    """The metrics Orbax stored with one step (`save(..., metrics=logs)`), from its metadata file.
+    """The metrics Orbax stored with one step (`save(..., metrics=logs)`).
 
-    Why private: as `step_custom_metadata`; the public `ocp.checkpointables_metadata` also loads
-    the tree metadata of every array, and `inspect` lists every step.
+    Why private: Orbax's v1 `training.Checkpointer` writes them as the step's `metrics` item, a JSON
+    file `metrics/metrics` (what its `CheckpointManager._get_metrics` reads back), and leaves the
+    `metrics` field of the step metadata file empty; the public way to read them
+    (`Checkpointer(root).checkpoints`) opens the root and loads the tree metadata of every step.
+    Steps that Orbax wrote the other way keep them in that field, read second.
     """
+    import json
+
+    from orbax.checkpoint import checkpoint_manager
     from orbax.checkpoint._src.metadata import checkpoint
 
+    item = step_dir / checkpoint_manager.METRIC_ITEM_NAME / checkpoint_manager.METRIC_ITEM_NAME
+    if item.is_file():
+        return dict(json.loads(item.read_text()) or {})
     store = checkpoint.metadata_store(enable_write=False)
     serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
     return dict((serialized or {}).get("metrics") or {})

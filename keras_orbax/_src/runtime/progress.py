@@ -74,21 +74,26 @@ class Progress:
 def _rich_progress(stream: TextIO, label: str, total: int) -> tuple[Any, Any] | None:
     try:
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            TransferSpeedColumn,
-        )
-        from rich.progress import (
-            Progress as RichProgress,
-        )
+        from rich.progress import BarColumn, DownloadColumn, ProgressColumn
+        from rich.progress import Progress as RichProgress
+        from rich.text import Text
     except ImportError:
         return None
+
+    class BinaryRateColumn(ProgressColumn):
+        """The rate in KiB/s, MiB/s, GiB/s: rich's `TransferSpeedColumn` says MB/s (powers of
+        1000) next to sizes in MiB."""
+
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            shown = "?" if speed is None else f"{human_bytes(speed)}/s"
+            return Text(shown, style="progress.data.speed")
+
     progress = RichProgress(
         "{task.description}",
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        BinaryRateColumn(),
         console=Console(file=stream),
     )
     progress.start()
@@ -96,11 +101,11 @@ def _rich_progress(stream: TextIO, label: str, total: int) -> tuple[Any, Any] | 
 
 
 def human_bytes(nbytes: float) -> str:
-    """`3.2 KiB`, `1.0 GiB`."""
+    """`512 B`, `3.2 KiB`, `1.0 GiB`: binary units, as everything keras-orbax prints."""
     if nbytes < 1024:
         return f"{int(nbytes)} B"
     for unit in ("KiB", "MiB", "GiB"):
         nbytes /= 1024
-        if nbytes < 1024:
+        if round(nbytes, 1) < 1024:  # 1023.96 KiB reads 1.0 MiB, not 1024.0 KiB
             return f"{nbytes:.1f} {unit}"
     return f"{nbytes / 1024:.1f} TiB"
