@@ -15,7 +15,8 @@ each writes (logs: <work>/logs/<component>.log):
   many_restore  many_restore_benchmark.py: restore of 5000 variables / reading the step's files with 8
                 threads (<= 1.2), and / Keras's `load_weights(.weights.h5)` (< 1)
   reshard       reshard_benchmark.py: restore onto another layout / onto the saved one with every
-                byte read (<= 1.5), and / onto the saved one as it runs, large shards mapped
+                byte read, as by default (<= 1.5), and / onto the saved one with large shards
+                mapped (`KERAS_ORBAX_MAP_SHARDS=1`)
   cold          cold_benchmark.py: cold-cache restore / cold read of the same files (<= 1.2), and /
                 that read plus first touch of as much fresh memory (no target)
   callback      callback_benchmark.py: time `fit` is blocked per save by the async callback / a sync
@@ -221,9 +222,10 @@ def many_restore_items(raw: dict) -> list[dict]:
 
 def reshard_items(raw: dict) -> list[dict]:
     """Per case, the restore onto another layout against the saved layout's restore doing the same
-    work, reading every byte into fresh memory (target); and against the saved layout's restore as
-    it runs, with its large shards mapped from their files instead of copied (no target: no other
-    layout can be mapped, since its regions are assembled from parts of several files)."""
+    work, reading every byte into fresh memory, as it runs by default (target); and against the
+    saved layout's restore opted in to mapping its large shards from their files instead of copying
+    them (`KERAS_ORBAX_MAP_SHARDS=1`; no target: no other layout can be mapped, since its regions
+    are assembled from parts of several files)."""
     out = []
     for case, m in raw["median_s"].items():
         mapped = "copied" in raw["seconds"].get(case, {})  # h5 and older results: no mapping
@@ -250,7 +252,7 @@ def reshard_items(raw: dict) -> list[dict]:
                     m["same"],
                     None,
                     names=("other layout", "same layout, mapped"),
-                    ref_name="restore onto the saved layout as it runs (large shards mapped)",
+                    ref_name="restore onto the saved layout, large shards mapped (opted in)",
                     n=raw["repeats"],
                 )
             )
