@@ -17,7 +17,7 @@ stops early (`keras-orbax inspect DIR | head -1`) ends the output quietly, with 
 exit code.
 
 Starting is cheap: this module imports only the standard library, and each subcommand imports what
-it needs (JAX, Keras and Orbax load only for the subcommands that read arrays or build models).
+it needs when it runs, so `--help` and a usage error load neither JAX, Keras nor Orbax.
 """
 
 from __future__ import annotations
