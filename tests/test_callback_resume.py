@@ -6,6 +6,9 @@ after `stop_after` batches (the callback saves that step and stops `fit`); one b
 seed and resumed from the directory by the same `fit` call. The resumed model's every variable
 (weights, optimizer slots and counters, gradient accumulators, metric accumulators, Dropout's seed
 state) must equal the uninterrupted one's exactly.
+
+Then: a latest step whose record cannot be read is passed over, with a warning, for the newest
+readable one; and what `verbose=1` prints when `fit` resumes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.format import step_dirs
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 from tests import _models
 
 BATCH = 8
@@ -221,3 +225,110 @@ def test_loss_scaling_resumes_exactly(tmp_path, mp, mixed_float16):
     build = _mlp()
     assert isinstance(build().optimizer, keras.optimizers.LossScaleOptimizer)
     _resume_exactly(tmp_path, build, _arrays(4), epochs=3, stop_after=6)
+
+
+# -- a damaged latest step ----------------------------------------------------------------------
+
+
+def _damage(step_dir, how: str) -> None:
+    """Damages the step's record as a power loss or a bad disk could."""
+    metadata = step_dir / "_CHECKPOINT_METADATA"
+    if how == "missing":
+        metadata.unlink()
+    elif how == "not_json":
+        metadata.write_text('{"custom_metadata": {"keras_orb')
+    else:  # valid JSON, with a keras-orbax record that is not one
+        metadata.write_text('{"custom_metadata": {"keras_orbax": {"format_version": "x"}}}')
+
+
+@pytest.mark.parametrize("how", ["missing", "not_json", "bad_record"])
+def test_an_unreadable_latest_step_is_passed_over_for_the_newest_readable(tmp_path, mp, how):
+    inputs = _arrays(2)  # 2 batches per epoch
+    keras.utils.set_random_seed(1)
+    uninterrupted = _mlp()()
+    saving = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    uninterrupted.fit(**inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[saving])
+    assert step_dirs.committed_steps(tmp_path) == [2, 4, 6]
+    _damage(tmp_path / "6", how)
+
+    keras.utils.set_random_seed(2)
+    resumed = _mlp()()
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    with pytest.warns(
+        KerasOrbaxWarning, match=r"Step 6 of .* cannot be read, so fit resumes from step 4"
+    ):
+        history = resumed.fit(
+            **inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
+        )
+    assert checkpoint.restored is not None and checkpoint.restored.step == 4
+    assert history.epoch == [2]  # the epoch that step 6 had ended, trained again
+    assert step_dirs.committed_steps(tmp_path) == [2, 4, 6]  # step 6 written anew, readable
+    assert keras_orbax.restore_sharded(_mlp()(), tmp_path).step == 6
+    for variable, got, want in zip(
+        _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
+    ):
+        np.testing.assert_array_equal(got, want, err_msg=variable.path)
+
+
+def test_no_readable_step_to_resume_from_is_an_error(tmp_path, mp):
+    model = _mlp()()
+    model.fit(
+        **_arrays(2)(), epochs=1, verbose=0, callbacks=[keras_orbax.ModelCheckpoint(tmp_path)]
+    )
+    _damage(tmp_path / "2", "not_json")
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, resume=True)
+    with pytest.raises(CorruptCheckpointError, match=r"(?s)No step of .* \(1 step\):.*step 2: "):
+        model.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[checkpoint])
+    assert (tmp_path / "2").is_dir()  # left as it was
+
+
+# -- what a resumed fit prints --------------------------------------------------------------------
+
+
+class _BatchesSeen(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.batches.append(batch)
+
+
+def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys):
+    inputs = _arrays(4)  # 4 batches per epoch
+
+    def fit(epochs: int, **kwargs: Any) -> tuple[list[str], list[int], list[int]]:
+        seen = _BatchesSeen()
+        checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, verbose=1, **kwargs)
+        history = _mlp()().fit(
+            **inputs(), epochs=epochs, shuffle=False, verbose=0, callbacks=[checkpoint, seen]
+        )
+        return capsys.readouterr().out.splitlines(), history.epoch, seen.batches
+
+    lines, _, _ = fit(1, save_freq=3)  # step 3 records epoch 0, batch 3
+    assert lines == [f"Epoch 1, batch 3: saving step 3 to '{tmp_path}'"]
+
+    lines, epochs, batches = fit(2, resume=True)
+    assert lines == [
+        f"Resuming from step 3 of '{tmp_path}' at epoch 1/2, batch 3: the first 3 batches of "
+        "that epoch, trained before the checkpoint, are read from the input and dropped; other "
+        "callbacks (the progress bar, loggers) still see their batch hooks run for them.",
+        f"Epoch 1: saving step 4 to '{tmp_path}'",
+        f"Epoch 2: saving step 8 to '{tmp_path}'",
+    ]
+    assert epochs == [0, 1]
+    assert batches == [0, 1, 2, 3, 0, 1, 2, 3]  # as documented: the dropped 0-2 are seen too
+
+    lines, epochs, _ = fit(3, resume=True)
+    assert lines == [
+        f"Resuming from step 8 of '{tmp_path}': 2 epochs done, fit goes on at epoch 3/3.",
+        f"Epoch 3: saving step 12 to '{tmp_path}'",
+    ]
+    assert epochs == [2]
+
+    lines, epochs, batches = fit(3, resume=True)
+    assert lines == [
+        f"Resuming from step 12 of '{tmp_path}' (3 epochs done): all 3 epochs are done, "
+        "nothing left to train."
+    ]
+    assert epochs == [] and batches == []

@@ -1,5 +1,9 @@
 """A save is durable when it returns: no page of its files is left for the kernel to write back,
-Orbax's own files included (`_durable`)."""
+Orbax's own files included (`storage/durable.py`), and every directory entry is fsynced.
+
+The page cache shows file data only: a directory's entries (a new file's name, the rename that
+commits the step) are metadata it cannot see, so written-back pages alone would pass with no
+directory fsynced at all. The fsyncs themselves are recorded too (`tests/_fs_journal.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.storage import mapped
-from tests import _models
+from tests import _fs_journal, _models
 from tests._page_cache import written_back
 
 
@@ -23,18 +27,31 @@ def _model() -> keras.Model:
     return keras.Model(inputs, outputs, name="many")
 
 
-def test_no_page_of_a_saved_step_is_left_to_write_back(tmp_path, distribution):
+def test_no_page_of_a_saved_step_is_left_to_write_back(tmp_path, distribution, monkeypatch):
     if mapped.filesystem_type(os.stat(tmp_path).st_dev) in {"tmpfs", "ramfs"}:
         pytest.skip("a filesystem in memory writes nothing back")
     distribution(_models.model_parallel((1, 8)))
     model = _model()
     _models.fill_arange(model, limit=1000)
+    journal = _fs_journal.record(monkeypatch, tmp_path)
     keras_orbax.save(model, tmp_path, step=1)
+    monkeypatch.undo()
 
     files = [path for path in (tmp_path / "1").rglob("*") if path.is_file()]
     assert len(files) > 50
     assert max(map(os.path.getsize, files)) > 1 << 20  # the large kernel's shards
     assert written_back(files) == []  # every page written: the cache could drop them all
+    # Every file and directory of the step fsynced (a hard-linked file through any of its names),
+    # and after the rename into place, the step's directory and the one holding it.
+    fsynced = journal.fsynced_before(len(journal.events))
+    entries = [tmp_path / "1", *(tmp_path / "1").rglob("*")]
+    assert sum(path.is_dir() for path in entries) > 25  # one per array, and Orbax's
+    unsynced = [str(p) for p in entries if (os.lstat(p).st_dev, os.lstat(p).st_ino) not in fsynced]
+    assert unsynced == []
+    renamed = journal.index("rename", tmp_path / "1")
+    assert renamed is not None
+    assert journal.index("fsync", tmp_path / "1", after=renamed) is not None
+    assert journal.index("fsync", tmp_path, after=renamed) is not None
 
     with keras_orbax.deferred_init():
         restored = _model()

@@ -5,7 +5,9 @@ its own files (the tree's `_METADATA`, `_CHECKPOINT_METADATA`, the `commit_succe
 and renames the temporary step directory into place, and fsyncs none of it: a power loss after
 `save` returned could leave a committed step without its metadata. `step_committed` fsyncs those
 files, their directories and the directory holding the step, so a save is durable when it
-returns (`tests/test_durable.py`: no page of a saved step is left to write back).
+returns (`tests/test_durable.py`: no page of a saved step is left to write back, and every
+directory entry is fsynced). Retention deletes older steps only after that
+(`tests/test_durability_order.py`): a step to resume from is always on the disk.
 
 ```python
 response.result()                       # Orbax has committed step 10
@@ -24,12 +26,10 @@ def step_committed(step_dir: Path) -> None:
     are durable already), the directories holding them and the one holding the step.
 
     Raises:
-        OSError: the data could not be written back.
+        OSError: the data could not be written back, or the step is gone (nothing deletes a
+            step before it is durable: something outside keras-orbax did).
     """
-    try:
-        below = [Path(entry.path) for entry in os.scandir(step_dir) if entry.is_dir()]
-    except FileNotFoundError:  # deleted already by a retention policy keeping fewer steps
-        return
+    below = [Path(entry.path) for entry in os.scandir(step_dir) if entry.is_dir()]
     for directory in (step_dir, *below):
         for entry in os.scandir(directory):
             if entry.is_file(follow_symlinks=False):

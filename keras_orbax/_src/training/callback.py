@@ -154,13 +154,33 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored, self._pending = False, None, None
         self._resume_point = None
+        self._notices.close()  # left open by a fit that raised before on_train_end
+        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
+        # No preservation policy: Orbax would delete old steps before the new one is durable;
+        # `_prune` deletes them once it is (retention.py).
+        self._checkpointer = step_writer.open_checkpointer(self.directory, self.format)
+        try:
+            self._begin_in_directory(self._checkpointer)
+        except BaseException:
+            self._close(failing=True)
+            raise
+        if self.save_on_background and self._saves is None:
+            self._saves = Collector()
+            unpacked = (v for v in self._state_values() if not shard_writer.is_packed(v))
+            self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
+            step_writer.warm_up()
+        if self.save_on_preemption:
+            self._watcher.start()
+
+    def _begin_in_directory(self, checkpointer: ocp.training.Checkpointer) -> None:
+        """Resumes if asked, and checks that this run's steps follow the directory's."""
+        if self.resume:
+            self._restore(checkpointer)
         steps = step_dirs.committed_steps(self.directory)
-        if self.resume and steps:
-            self._restore()
         # The step counts training batches, updates applied or not (see keras_compat.optimizer_steps);
         # a LossScaleOptimizer's counter also stops on skipped updates, the checkpoint's does not.
         self._step = keras_compat.optimizer_steps(self.model.optimizer)
-        if self.restored is not None:
+        if self.restored is not None and self.restored.step is not None:
             self._step = max(self._step, self.restored.step)
         if steps and steps[-1] > self._step:
             raise ValueError(
@@ -170,24 +190,12 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 f"directory='{self.directory}', resume={self.resume}"
             )
         self._last_saved_step = steps[-1] if steps else None
-        self._notices.close()  # left open by a fit that raised before on_train_end
-        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
-        self._checkpointer = step_writer.open_checkpointer(
-            self.directory, self.format, preservation_policy=self._retention.policy()
-        )
         self.best = self.initial_value_threshold
         self._candidates = [
             value
-            for checkpoint in self._checkpointer.checkpoints
+            for checkpoint in checkpointer.checkpoints
             if (value := metric(checkpoint.metrics, self.monitor)) is not None
         ]
-        if self.save_on_background and self._saves is None:
-            self._saves = Collector()
-            unpacked = (v for v in self._state_values() if not shard_writer.is_packed(v))
-            self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
-            step_writer.warm_up()
-        if self.save_on_preemption:
-            self._watcher.start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch, self._last_batch = epoch, None
@@ -237,6 +245,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if pending is None:
             return
         error = pending.join()
+        if isinstance(error, SaveFailedError):  # the step committed; retention's deletion failed
+            self._close(failing=True)
+            raise error
         if error is not None:
             self._fail(
                 f"Saving step {pending.step} to '{self.directory}' failed in the background", error
@@ -254,7 +265,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 self._warn_missing(current)
                 improved = False
             else:
-                improved = bool(self._is_improvement(current, self.best))
+                improved = keras_compat.is_improvement(self, current, self.best)
             if not multihost.primary_decision(improved):
                 return
             previous = "None" if self.best is None else f"{self.best:.5f}"
@@ -317,9 +328,19 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 raise
             except Exception as error:
                 self._fail(f"Saving step {step} to '{self.directory}' failed", error)
-            if not blocking:  # the lock is held until the background save commits or fails
+            # Older steps are deleted only once this one is durable, its Orbax metadata files and
+            # rename included (DurableResponse.result has returned).
+            if blocking:
+                try:
+                    self._prune(step)
+                except SaveFailedError:
+                    self._close(failing=True)
+                    raise
+            else:  # the lock is held until the background save commits or fails
                 assert self._saves is not None, "on_train_begin starts the collector"
-                self._pending = self._saves.submit(step, response, lock.pop_all().close)
+                self._pending = self._saves.submit(
+                    step, response, lock.pop_all().close, then=lambda: self._prune(step)
+                )
         self._last_saved_step = step
         self._report(step, epoch, batch, reason, note)
 
@@ -351,14 +372,35 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     # -- resume, retention, monitoring -----------------------------------------------------------
 
-    def _restore(self) -> None:
-        self.restored, self._resume_point = resume(self.model, self.directory)
-        self._set_epoch = self._resume_point is not None
+    def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
+        epochs = self.params.get("epochs") if self.params else None
+        resumed = resume(
+            self.model, self.directory, checkpointer, epochs=epochs, verbose=self.verbose
+        )
+        if resumed is not None:
+            self.restored, self._resume_point = resumed.restored, resumed.point
+            self._set_epoch = self._resume_point is not None
+
+    def _prune(self, step: int) -> None:
+        """Deletes the steps retention no longer keeps: call once `step`, the newest, is durable.
+
+        Raises:
+            SaveFailedError: a deletion failed; `step` is committed and durable.
+        """
+        if self._checkpointer is None:
+            return
+        try:
+            self._retention.prune(self._checkpointer)
+        except Exception as error:
+            raise SaveFailedError(
+                f"Step {step} of '{self.directory}' is committed and durable, but deleting the "
+                f"steps retention no longer keeps failed: {type(error).__name__}: {error}"
+            ) from error
 
     def _ensure_monitor_op(self) -> None:
         """Settles the monitor's direction, and folds in the best value stored in the directory."""
         if self.monitor_op is None:
-            self._set_monitor_op()
+            keras_compat.set_monitor_op(self)
         self._retention.higher_is_better = self.monitor_op is keras.ops.greater
         self.best = self._retention.best([self.best, *self._candidates])
         self._candidates = []

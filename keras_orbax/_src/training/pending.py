@@ -10,6 +10,10 @@ from typing import Any
 from keras_orbax._src.write.staging import HostStaging
 
 
+def _nothing() -> None:
+    pass
+
+
 class PendingSave:
     """A background save in flight; `join()` waits for it and returns its error, if any."""
 
@@ -23,7 +27,7 @@ class PendingSave:
         return self.error
 
 
-_Item = tuple[PendingSave, Any, Callable[[], None]]
+_Item = tuple[PendingSave, Any, Callable[[], None], Callable[[], None]]
 
 
 class Collector:
@@ -42,11 +46,17 @@ class Collector:
         self._thread.start()
 
     def submit(
-        self, step: int, response: Any, on_done: Callable[[], None] = lambda: None
+        self,
+        step: int,
+        response: Any,
+        on_done: Callable[[], None] = _nothing,
+        *,
+        then: Callable[[], None] = _nothing,
     ) -> PendingSave:
-        """Collects `response`; then calls `on_done` (e.g. releasing a lock), committed or not."""
+        """Collects `response`; calls `then` once it returned (the step is committed and durable,
+        e.g. deleting older steps), and `on_done` in any case (e.g. releasing a lock)."""
         pending = PendingSave(step)
-        self._queue.put((pending, response, on_done))
+        self._queue.put((pending, response, then, on_done))
         return pending
 
     def close(self) -> None:
@@ -56,9 +66,10 @@ class Collector:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            pending, response, on_done = item
+            pending, response, then, on_done = item
             try:
                 response.result()
+                then()
             except BaseException as error:  # handed to the training thread by join()
                 pending.error = error
             finally:

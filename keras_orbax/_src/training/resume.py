@@ -2,45 +2,147 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format import step_dirs
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
+from keras_orbax._src.runtime import multihost
+from keras_orbax._src.sources import resolve
+from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError, KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
 
 
-def resume(model: keras.Model, directory: Any) -> tuple[RestoreResult, ResumePoint | None]:
-    """Restores the latest step of `directory` into `model` and sets `fit` to start at the epoch
-    (and batch) it records; the `ResumePoint` is None where the step records no epoch."""
-    restored = restore_sharded(model, directory)
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What `resume` did: the restore, where `fit` goes on (None: the step records no epoch), and
+    the newer steps it passed over and deleted because their record could not be read."""
+
+    restored: RestoreResult
+    point: ResumePoint | None
+    unreadable: tuple[int, ...] = ()
+
+
+def resume(
+    model: keras.Model,
+    directory: str,
+    checkpointer: ocp.training.Checkpointer,
+    *,
+    epochs: int | None,
+    verbose: int,
+) -> Resumed | None:
+    """Restores the newest readable step of `directory` into `model` and sets `fit` to start at
+    the epoch (and batch) it records; None if the directory holds no step.
+
+    A newer step whose record cannot be read (its `_CHECKPOINT_METADATA` is missing or damaged,
+    or holds no valid keras-orbax record) cannot be resumed from, nor saved over: it is passed
+    over with a `KerasOrbaxWarning` and deleted once the older step is restored, so that this run
+    can write those steps again and retention does not rank it as the latest.
+
+    Raises:
+        CorruptCheckpointError: the directory holds steps, and none of them can be read.
+    """
+    steps = sorted(
+        set(step_dirs.committed_steps(directory)) | {c.step for c in checkpointer.checkpoints}
+    )
+    if not steps:
+        return None
+    step, unreadable = multihost.primary_value("resume", _newest_readable, directory, steps)
+    if step is None:
+        count = _count(len(unreadable), "step")
+        reasons = "\n".join(f"  step {s}: {why}" for s, why in unreadable)
+        raise CorruptCheckpointError(
+            f"No step of '{directory}' can be read to resume from ({count}):\n{reasons}\n"
+            "Delete the directory or pass another one to start afresh."
+        )
+    for skipped, why in unreadable:
+        warnings.warn(
+            f"Step {skipped} of '{directory}' cannot be read, so fit resumes from step {step} "
+            f"instead and step {skipped} is deleted (this run trains it again). {why}",
+            KerasOrbaxWarning,
+            stacklevel=2,
+        )
+    restored = restore_sharded(model, directory, step)
+    for skipped, _ in unreadable:
+        checkpointer.delete(skipped, missing_ok=True)
+    _announce(restored, directory, epochs, verbose)
     record = restored.record
-    where = f"epoch {record.epoch}" + (f", batch {record.batch}" if record.batch else "")
-    logger.info("Resuming from step %d of '%s' (%s).", restored.step, directory, where)
-    if record.batch:
-        logger.info(
-            "Step %d was saved mid-epoch: the first %d batches of epoch %d are read from the "
-            "input and dropped, untrained.",
-            restored.step,
-            record.batch,
-            record.epoch,
-        )
     if record.epoch is None:
-        logger.warning(
-            "Step %d of '%s' records no epoch (it was not written by ModelCheckpoint): fit "
-            "starts at its own initial_epoch.",
-            restored.step,
-            directory,
-        )
-        return restored, None
+        return Resumed(restored, None, tuple(s for s, _ in unreadable))
     keras_compat.set_initial_epoch(model, record.epoch)
-    return restored, ResumePoint(model, record.epoch, record.batch or 0)
+    point = ResumePoint(model, record.epoch, record.batch or 0)
+    return Resumed(restored, point, tuple(s for s, _ in unreadable))
+
+
+def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
+    """`[step, [[newer step, why], ...]]`: the newest of `steps` whose record reads, None if none
+    does, and the newer ones that do not (JSON-safe: process 0 decides for all)."""
+    unreadable: list[list[Any]] = []
+    for step in sorted(steps, reverse=True):
+        try:
+            resolve.open_source(directory, step)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as error:
+            unreadable.append([step, f"{type(error).__name__}: {error}"])
+            continue
+        return [step, unreadable]
+    return [None, unreadable]
+
+
+def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbose: int) -> None:
+    """Logs (and with `verbose`, prints) where `fit` resumes, on process 0. Epochs are numbered
+    from 1 and batches counted as done, as the save lines are (`Epoch 2, batch 3: saving ...`)."""
+    if not multihost.is_primary():
+        return
+    record, step = restored.record, restored.step
+    start = f"Resuming from step {step} of '{directory}'"
+    of = f"/{epochs}" if epochs is not None else ""
+    if record.epoch is None:
+        line = (
+            f"{start}: it records no epoch (it was not written by ModelCheckpoint), so fit "
+            "starts at its own initial_epoch."
+        )
+        logger.warning(line)
+    elif epochs is not None and record.epoch >= epochs:
+        done = _position(record.epoch, record.batch)
+        line = f"{start} ({done}): all {_count(epochs, 'epoch')} are done, nothing left to train."
+        logger.info(line)
+    elif record.batch:
+        line = (
+            f"{start} at epoch {record.epoch + 1}{of}, batch {record.batch}: the first "
+            f"{_count(record.batch, 'batch')} of that epoch, trained before the checkpoint, are "
+            "read from the input and dropped; other callbacks (the progress bar, loggers) still "
+            "see their batch hooks run for them."
+        )
+        logger.info(line)
+    else:
+        line = (
+            f"{start}: {_count(record.epoch, 'epoch')} done, fit goes on at epoch "
+            f"{record.epoch + 1}{of}."
+        )
+        logger.info(line)
+    if verbose > 0:
+        print(line, flush=True)
+
+
+def _position(epoch: int, batch: int | None) -> str:
+    return f"epoch {epoch + 1}, batch {batch}" if batch else f"{_count(epoch, 'epoch')} done"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun if n == 1 else _PLURALS[noun]}"
+
+
+_PLURALS = {"epoch": "epochs", "batch": "batches", "step": "steps"}
 
 
 class ResumePoint:
@@ -50,6 +152,11 @@ class ResumePoint:
     batches are read from the input and dropped, untrained, and the metrics' running values of the
     checkpoint (which `fit` resets when an epoch begins) are put back: the epoch ends exactly as
     it would have without the interruption, provided the input yields the same batches again.
+
+    Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
+    checkpoint's metric values: Keras builds the `CallbackList` inside `fit` and calls every
+    callback in it for every execution, and gives a callback no way to hide batches from the
+    others (docs/resuming.md).
     """
 
     def __init__(self, model: keras.Model, epoch: int, batches: int) -> None:

@@ -1,4 +1,11 @@
-"""Which steps a `ModelCheckpoint` keeps: Orbax preservation policies and the best-N ranking."""
+"""Which steps a `ModelCheckpoint` keeps, and deleting the others once a new step is durable.
+
+Orbax's `Checkpointer` given a preservation policy deletes old steps while it finalizes a save:
+after the new step's rename, before keras-orbax has fsynced Orbax's metadata files and that rename
+(`step_writer.DurableResponse`). A power loss in between could leave `max_to_keep=1` with no step
+to resume from. So the checkpointer gets no policy, and `Retention.prune` applies the same Orbax
+policies itself, called only once the new step is durable (`tests/test_durability_order.py`).
+"""
 
 from __future__ import annotations
 
@@ -47,6 +54,19 @@ class Retention:
         if self.keep_every:
             policies.append(_policies.EveryNSteps(self.keep_every))
         return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
+
+    def prune(self, checkpointer: ocp.training.Checkpointer) -> list[int]:
+        """Deletes the steps of `checkpointer` that no rule keeps; returns them.
+
+        Call on every process (Orbax's deletion is collective; process 0 deletes), and only once
+        the newest step is durable: nothing is deleted before a step to resume from is on disk.
+        """
+        checkpoints = list(checkpointer.checkpoints)
+        kept = self.policy().should_preserve(checkpoints, context=_policies.PreservationContext())
+        doomed = [c.step for c, keep in zip(checkpoints, kept, strict=True) if not keep]
+        for step in doomed:
+            checkpointer.delete(step, missing_ok=True)
+        return doomed
 
     def rank(self, metrics: Any) -> float:
         """Higher is better: `monitor`'s value, negated when lower is better; -inf where missing."""
