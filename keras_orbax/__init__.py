@@ -82,7 +82,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'keras_orbax' has no attribute {name!r}")
-    _require_jax_backend()
+    _prepare()
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
@@ -90,6 +90,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
+
+
+def _prepare() -> None:
+    """What must hold before the first module that needs Keras, JAX or the storage layers loads."""
+    _require_jax_backend()
+    from keras_orbax._src.storage import locations
+
+    # Object-store paths through gcsfs/s3fs, not TensorFlow's file system, and the variables the
+    # storage layers read derived from the standard ones (see `locations`).
+    locations.configure_environment()
 
 
 def _require_jax_backend() -> None:

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet:
         warnings.simplefilter("ignore")
     try:
-        _check_backend()
+        _prepare()
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         print("keras-orbax: interrupted", file=sys.stderr)
@@ -144,17 +144,21 @@ def _detach_stdout() -> None:
     os.close(devnull)
 
 
-def _check_backend() -> None:
-    """Fails in one line unless Keras runs (or, once imported, will run) on JAX.
+def _prepare() -> None:
+    """Fails in one line unless Keras runs (or, once imported, will run) on JAX; sets the storage
+    layers' environment.
 
-    Costs nothing in a fresh process where `KERAS_BACKEND` is `jax` (`keras_orbax` sets it unless
-    the user chose another): Keras is imported only where it already is, or where the variable
-    names another backend, to check what Keras chose.
+    In a fresh process where `KERAS_BACKEND` is `jax` (`keras_orbax` sets it unless the user chose
+    another) Keras is not imported here: only where it already is, or where the variable names
+    another backend, to check what Keras chose.
     """
     if "keras" in sys.modules or os.environ.get("KERAS_BACKEND") != "jax":
         from keras_orbax import _require_jax_backend
 
         _require_jax_backend()
+    from keras_orbax._src.storage import locations
+
+    locations.configure_environment()  # as `keras_orbax`'s verbs do, before the storage layers run
 
 
 def _inspect(args: argparse.Namespace) -> int:

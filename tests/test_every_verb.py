@@ -381,6 +381,7 @@ def test_restore_with_verify_warns_where_nothing_was_recorded(home, saved, kind)
         keras_orbax.restore_sharded(model, KINDS[kind][0], verify=True)
     _assert_values(model, references[architecture])
     said = [str(w.message) for w in caught if issubclass(w.category, KerasOrbaxWarning)]
+    said = [s for s in said if "verify=True" in s]  # not the one-device or optimizer warnings
     if kind == "keras-orbax":
         assert not said
     else:

@@ -129,7 +129,12 @@ def test_a_mismatch_names_the_h5_path_and_the_keras_path(tmp_path, distribution)
     with pytest.raises(CheckpointMismatchError, match="No variable was modified") as caught:
         keras_orbax.restore_sharded(model, path)
     message = str(caught.value)
-    assert "layers/dense/vars/0" in message and "hidden" in message
+    assert f"from '{path}'" in message
+    assert (
+        "checkpoint layers/dense/vars/0 (16, 32) float32, model hidden/kernel (16, 24)" in message
+    )
+    # One line per variable; not Keras's own errors, which print every value of the variable.
+    assert len(message.splitlines()) == 5 and "value=" not in message, message
     for variable, want in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
 

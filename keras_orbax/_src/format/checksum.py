@@ -96,10 +96,11 @@ def check_files(
             if problem is not None:
                 problems.append(f"  {key}: {file}: {problem}")
     if problems:
+        failed = f"{len(problems)} array {'file' if len(problems) == 1 else 'files'} failed"
         raise CorruptCheckpointError(
-            f"{what} is damaged; {len(problems)} array files failed:\n"
+            f"{what} is damaged; {failed}\n"
             + "\n".join(problems[:50])
-            + ("\n  ..." if len(problems) > 50 else "")
+            + (f"\n  and {len(problems) - 50} more" if len(problems) > 50 else "")
             + "\nNo variable was modified."
         )
     return files, nbytes, compared

@@ -39,6 +39,10 @@ class Plan:
     unexpected: list[str]  # checkpoint keys the model lacks
     mismatched: list[str]  # keys on both sides whose shape or dtype differ (or skipped with them)
     problems: list[str]  # one line per offending variable, naming both sides' Keras paths
+    # Keys a strict restore refuses and `strict=False` skips (the model's keep their values).
+    lenient: list[str] = dataclasses.field(default_factory=list)
+    # Keys whose layout the mesh does not divide: a problem whatever the strictness.
+    layouts: list[str] = dataclasses.field(default_factory=list)
 
 
 def make_plan(
@@ -55,7 +59,7 @@ def make_plan(
     `optional` keys are ones the source cannot hold (a `.weights.h5` has no seed-generator state):
     missing, they are not a problem either.
     """
-    reads, problems, mismatched, differences = {}, [], [], {}
+    reads, problems, mismatched, differences, layouts = {}, [], [], {}, []
     variables = state.variables
     roles = {**{k: v.role for k, v in record.variables.items()}, **state.roles}
     missing = [key for key in variables if key not in record.variables]
@@ -67,6 +71,7 @@ def make_plan(
         saved = record.variables.get(key)
         if (error := shardings.layout_error(sharding, shape)) is not None:
             problems.append(f"{key} (model: {variable.path}): {error}")
+            layouts.append(key)
         elif saved is None:
             continue
         elif saved.shape != shape or not can_cast(saved.dtype, dtype):
@@ -85,6 +90,7 @@ def make_plan(
     ]
     if not has_optimizer:
         checked = [key for key in checked if roles[key] != OPTIMIZER]
+    lenient = list(checked)
     if strict:
         problems = [differences[k] for k in checked if k in differences] + problems
         problems += [_one_side(k, variables, record.variables) for k in checked if k in missing]
@@ -93,8 +99,9 @@ def make_plan(
         # Optimizer keys are positions: once anything differs, none can be trusted to line up.
         dropped = [key for key in reads if roles[key] == OPTIMIZER]
         mismatched += dropped
+        lenient += dropped
         reads = {k: r for k, r in reads.items() if k not in dropped}
-    return Plan(reads, missing, unexpected, mismatched, problems)
+    return Plan(reads, missing, unexpected, mismatched, problems, lenient, layouts)
 
 
 def _side(path: str, shape: tuple[int, ...], dtype: str) -> str:
@@ -115,9 +122,9 @@ def mismatch_error(
     """The one error a restore raises when the saved state does not fit the model: every
     problem on its line, what was left untouched, and `hint` where it applies."""
     lines = "\n".join(f"  {p}" for p in problems)
-    count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
     return CheckpointMismatchError(
-        f"Cannot restore model '{model.name}' from '{location}': {count}.\n{lines}\n"
+        f"Cannot restore model '{model.name}' from '{location}': "
+        f"{counted(len(problems), 'problem')}.\n{lines}\n"
         f"No variable was modified.{' ' + hint if hint else ''}",
         problems,
     )
@@ -127,5 +134,18 @@ STRICT_HINT = "If the model changed on purpose, pass strict=False to restore onl
 
 
 def strict_hint(plan: Plan, strict: bool) -> str:
-    """The advice for a strict restore whose keys or shapes differ (not for layouts it cannot fix)."""
-    return STRICT_HINT if strict and (plan.missing or plan.unexpected or plan.mismatched) else ""
+    """The advice for a strict restore that `strict=False` would let go ahead: keys on one side
+    only, shapes or dtypes that differ. None where a layout is a problem, which no strictness
+    gets around (the restore would fail again)."""
+    return STRICT_HINT if strict and plan.lenient and not plan.layouts else ""
+
+
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """`1 problem`, `2 problems` (`plural` where adding an s is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def listed(names: Sequence[str], limit: int = 10) -> str:
+    """`a, b, c`, the first `limit` of them, then `and N more`."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, and {len(names) - limit} more"

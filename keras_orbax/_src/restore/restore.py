@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +15,8 @@ import keras
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.model import deferred, matching, state_keys
-from keras_orbax._src.model.state_keys import OPTIMIZER
+from keras_orbax._src.model.matching import counted, listed
+from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
@@ -38,6 +41,8 @@ class RestoreResult:
         bytes_received: Bytes of array data this process's devices received from other processes
             instead of reading them (`single_replica_reads`); with `bytes_read`, every distinct
             region its devices hold, once.
+        paths: The Keras path of each key above: the model variable's, or for a checkpoint
+            entry the model lacks, the path it was saved under.
     """
 
     step: int | None
@@ -48,10 +53,25 @@ class RestoreResult:
     bytes_read: int
     record: StepRecord = dataclasses.field(repr=False)
     bytes_received: int = 0
+    paths: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def num_variables(self) -> int:
         return len(self.restored)
+
+    def __repr__(self) -> str:
+        """The restored variables counted, the others named by key and Keras path."""
+        return (
+            f"RestoreResult(step={self.step}, epoch={self.epoch}, "
+            f"restored={counted(len(self.restored), 'variable')}, "
+            f"initialized=[{self._named(self.initialized)}], "
+            f"skipped=[{self._named(self.skipped)}], bytes_read={self.bytes_read}, "
+            f"bytes_received={self.bytes_received})"
+        )
+
+    def _named(self, keys: Sequence[str]) -> str:
+        paths = self.paths
+        return listed([f"{k} ({paths[k]})" if paths.get(k, k) != k else k for k in keys])
 
 
 @gc_pause.paused()
@@ -85,7 +105,8 @@ def restore_sharded(
             `directory`).
         strict: If False, restore what matches: variables the checkpoint lacks or holds with another
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
-            entries the model lacks are ignored. `RestoreResult.skipped` lists them.
+            entries the model lacks are ignored. `RestoreResult.skipped` lists them, and a
+            `KerasOrbaxWarning` names the model's by Keras path.
         verify: Before reading, check every shard file this process reads against the checksum
             written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
             A source that records no checksums (Keras and Hugging Face files, Keras's
@@ -105,6 +126,12 @@ def restore_sharded(
     Returns:
         A `RestoreResult`: step, epoch, keys restored and skipped, bytes this process read and
             received.
+
+    Warns:
+        KerasOrbaxWarning: no `keras.distribution` is set while there are several devices (the
+            whole model goes to one); the checkpoint's optimizer state is dropped because the
+            model has no optimizer (an uncompiled model); `strict=False` left variables as they
+            were; `verify=True` found nothing to verify.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
@@ -132,6 +159,13 @@ def restore_sharded(
     )
     plan, reads = prepared.plan, prepared.reads
     assert reads is not None  # `_prepare` raised otherwise
+    if _on_one_device(plan):
+        _warn(
+            f"No keras.distribution is set: model '{model.name}' is restored onto one device of "
+            f"the {len(jax.devices())} there are, which must hold all of it. Set a distribution "
+            "before building and restoring the model: ModelParallel with a LayoutMap to shard "
+            "its weights over the devices, or DataParallel to replicate them."
+        )
     arrays, bytes_read = multihost.run_collectively(
         "restore_sharded/read",
         _read_checked,
@@ -148,6 +182,11 @@ def restore_sharded(
     initialized = [k for k in not_read if deferred.is_deferred(variables[k])]
     for key in initialized:
         deferred.initialize(variables[key])
+    paths = {k: v.path for k, v in variables.items()}
+    paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
+    _warn_untaken(model, source, prepared)
+    if not strict:
+        _warn_lenient(model, source, prepared, paths)
     return RestoreResult(
         step=source.step,
         epoch=prepared.record.epoch,
@@ -157,6 +196,7 @@ def restore_sharded(
         bytes_read=bytes_read,
         record=prepared.record,
         bytes_received=reads.received_bytes,
+        paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
     )
 
 
@@ -180,11 +220,9 @@ def _prepare(
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
     if verify and source.check_reads(reads) is None:
-        warnings.warn(
+        _warn(
             f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
-            "nothing was verified. Its arrays are read as they are.",
-            KerasOrbaxWarning,
-            stacklevel=4,
+            "nothing was verified. Its arrays are read as they are."
         )
     return dataclasses.replace(prepared, reads=reads)
 
@@ -217,8 +255,10 @@ def _read_checked(
             wrong.append(f"  {key}: read {got[:80]}, expected {target.shape} {target.dtype}")
     if wrong:
         raise CorruptCheckpointError(
-            f"Checkpoint step '{reads.step_dir}' did not yield the arrays its record lists "
-            f"({len(wrong)}):\n" + "\n".join(wrong[:20]) + "\nNo variable was modified."
+            f"Checkpoint step '{reads.step_dir}' did not yield what its record lists for "
+            f"{counted(len(wrong), 'array')}\n"
+            + "\n".join(wrong[:20])
+            + "\nNo variable was modified."
         )
     return arrays, bytes_read
 
@@ -240,3 +280,75 @@ def _attach_optimizer(
             "for; no variable was modified."
         )
     return variables
+
+
+def _warn(message: str) -> None:
+    """A `KerasOrbaxWarning` attributed to the first caller outside keras-orbax (the user's call
+    of `restore_sharded`, `load_model` or `from_preset`), so Python shows it once per call site."""
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
+        "keras_orbax",
+        "contextlib",  # `gc_pause.paused()` decorates `restore_sharded`
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, KerasOrbaxWarning, stacklevel=level)
+
+
+def _on_one_device(plan: matching.Plan) -> bool:
+    """Whether, without a distribution, every variable read goes to one device of several: the
+    model must then fit in that device's memory."""
+    if keras.distribution.distribution() is not None or len(jax.devices()) < 2:
+        return False
+    targets = [request.target.sharding for request in plan.reads.values()]
+    return bool(targets) and all(len(sharding.device_set) == 1 for sharding in targets)
+
+
+def _warn_untaken(model: keras.Model, source: Source, prepared: Prepared) -> None:
+    """Says so where the checkpoint's optimizer state is dropped because the model has no
+    optimizer (an uncompiled model): compiling it afterwards starts training from fresh slots."""
+    if any(role == OPTIMIZER for role in prepared.state.roles.values()):
+        return
+    roles = {key: prepared.record.variables[key].role for key in prepared.plan.unexpected}
+    optimizer = sum(role == OPTIMIZER for role in roles.values())
+    if not optimizer:
+        return
+    metrics = sum(role == METRIC for role in roles.values())
+    also = f" and {counted(metrics, 'metric variable')}" if metrics else ""
+    load_model = (
+        ", or use keras_orbax.load_model, which compiles the model from its saved config"
+        if source.model_config is not None and source.model_config.get("compile_config")
+        else ""
+    )
+    were = "was" if optimizer + metrics == 1 else "were"
+    _warn(
+        f"Model '{model.name}' has no optimizer, so {counted(optimizer, 'optimizer variable')}"
+        f"{also} of '{source.label}' {were} not restored. To resume training from them, compile "
+        f"the model with its optimizer before restore_sharded{load_model}."
+    )
+
+
+def _warn_lenient(
+    model: keras.Model, source: Source, prepared: Prepared, paths: Mapping[str, str]
+) -> None:
+    """Names the variables `strict=False` left as they were (or initialized, deferred ones)."""
+    roles = prepared.state.roles
+    kept = [key for key in prepared.plan.lenient if key in roles]
+    weights = [paths[key] for key in kept if roles[key] != OPTIMIZER]
+    slots = sum(roles[key] == OPTIMIZER for key in kept)
+    optimizer = f"optimizer state ({counted(slots, 'variable')})"
+    if weights:
+        keep = (
+            "It keeps its initial value" if len(weights) == 1 else "They keep their initial values"
+        )
+        also = f", and so does its {optimizer}, restored whole or not at all" if slots else ""
+        _warn(
+            f"restore_sharded(strict=False) did not restore {counted(len(weights), 'variable')} "
+            f"of model '{model.name}' that '{source.label}' lacks or holds with another shape or "
+            f"dtype: {listed(weights)}. {keep}{also}."
+        )
+    elif slots:
+        _warn(
+            f"restore_sharded(strict=False) did not restore the {optimizer} of model "
+            f"'{model.name}': '{source.label}' holds it for other variables, shapes or dtypes, and "
+            "it is restored whole or not at all. It keeps its initial values."
+        )

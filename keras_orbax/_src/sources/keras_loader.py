@@ -13,6 +13,8 @@ under `jax.make_jaxpr`. Each variable's update is then, in the traced program:
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,7 +43,7 @@ class Feed:
 class Traced:
     feeds: dict[str, Feed]  # by the variable's keras-orbax key
     consumed: set[str]  # stored arrays some variable takes
-    problems: list[str]  # what Keras's loader refused, by layer
+    problems: dict[str, str]  # what Keras's loader refused: one line per layer, by its group
 
 
 def trace_load(
@@ -75,9 +77,20 @@ def trace_load(
         return [updates[i] for i in updates if i in by_id]
 
     loading_compat.cache_walk_skipsets()
-    closed = jax.make_jaxpr(load)(*abstract)
+    with warnings.catch_warnings():
+        # The walk goes on past a layer that fails (its error is reported as a problem), and
+        # Keras then blames the containers above it on an old file format: not so here.
+        warnings.filterwarnings("ignore", message="Skipping nested container", category=UserWarning)
+        closed = jax.make_jaxpr(load)(*abstract)
     feeds, consumed = _feeds(closed, names, arrays, assigned, state)
-    problems = [_problem(saveable, error, model) for saveable, error in errors.values()]
+    groups = {id(obj): group for group, obj in state_keys.saveables(model)}
+    if optimizer is not None:
+        groups[id(optimizer)] = "optimizer"  # the stand-in is walked where model.optimizer is
+    problems = {}
+    for saveable, error in errors.values():
+        group = groups.get(id(saveable), "?") or "<model>"
+        name = getattr(saveable, "name", type(saveable).__name__)
+        problems[group] = f"{group} (model: {name}): Keras cannot load it: {reason(error)}"
     return Traced(feeds, consumed, problems)
 
 
@@ -135,8 +148,19 @@ def _host_computation(
     return compute
 
 
-def _problem(saveable: Any, error: BaseException, model: keras.Model) -> str:
-    groups = {id(obj): group for group, obj in state_keys.saveables(model)}
-    name = getattr(saveable, "name", type(saveable).__name__)
-    group = groups.get(id(saveable), "?")
-    return f"{group or '<model>'} (model: {name}): Keras cannot load it: {error}"
+# Keras's errors print the variable they concern, and with it every value it holds: dozens of
+# lines per layer. A message names the variable by its path, shape and dtype instead, and any
+# other long run of numbers in brackets (an array printed some other way) is cut.
+_VARIABLE = re.compile(
+    r"<Variable path=([^,>]*), shape=(\([^)]*\)), dtype=(\w+)(?:, value=[^>]*)?>"
+)
+_NUMBERS = re.compile(r"\[[-+\d.eEnaif,\s\[\]]*\d[-+\d.eEnaif,\s\[\]]*\]")
+_REASON_CHARS = 300
+
+
+def reason(error: BaseException) -> str:
+    """Keras's error in one line, without the values of the variables it prints."""
+    text = _VARIABLE.sub(r"\1 \2 \3", str(error))
+    text = _NUMBERS.sub(lambda m: m[0] if len(m[0]) <= 40 else "[...]", text)
+    text = " ".join(text.split())
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."

@@ -96,7 +96,11 @@ class KerasWeightsSource(Source):
         if not saved_optimizer:  # a file saved without optimizer state: Keras keeps the optimizer's
             optional |= {k for k, role in state.roles.items() if role == OPTIMIZER}
         plan = make_plan(record, state, strict=strict, optional=frozenset(optional))
-        problems = [*traced.problems, *plan.problems] if strict else plan.problems
+        # A layer whose variables the plan names already (both sides' paths, shapes, dtypes)
+        # needs no second line for Keras's reason.
+        named = tuple(f"{key.rsplit('/vars/', 1)[0]}/" for key in plan.lenient)
+        refused = [p for g, p in traced.problems.items() if not f"{g}/".startswith(named)]
+        problems = [*refused, *plan.problems] if strict else plan.problems
         feeds = traced.feeds
         reads = None
         if not problems:
