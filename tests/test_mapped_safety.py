@@ -1,7 +1,7 @@
 """A restored model's weights are its own: by default no buffer is a mapping of a shard file, so a
 later write to the checkpoint (`cp -r` over it, `rsync --inplace`) or a truncation changes nothing
 in a process that restored it, and cannot kill it. `KERAS_ORBAX_MAP_SHARDS=1` maps the large saved
-shards instead (docs/loading.md): the files must then stay as written while the model lives.
+shards instead (docs/format.md): the files must then stay as written while the model lives.
 
 Each restore runs in a fresh process (`workers/mapped_safety.py`), where a SIGBUS from a truncated
 mapping shows as a crash instead of killing pytest.

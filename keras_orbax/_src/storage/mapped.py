@@ -1,6 +1,6 @@
 """Shard files mapped as the memory of the arrays read from them, where the user opts in.
 
-The contract (docs/loading.md): by default every restored buffer is memory of its own, read from
+The contract (docs/format.md): by default every restored buffer is memory of its own, read from
 the files with `preadv`, so nothing done to the checkpoint afterwards reaches a model that was
 restored from it. A private mapping (`MAP_PRIVATE`) is copy-on-write for the process's writes
 only: a page not yet written is the page cache's page, so an in-place write to the file (`cp -r`
