@@ -74,3 +74,10 @@ class SaveFailedError(KerasOrbaxError, RuntimeError):
 
 class ProcessSyncError(KerasOrbaxError, TimeoutError):
     """Processes under `jax.distributed` did not meet at a barrier in time."""
+
+
+class UnsupportedVersionError(KerasOrbaxError, ImportError):
+    """An installed Keras, keras-hub, Orbax, JAX or etils lacks a private symbol keras-orbax uses.
+
+    The message names the symbol and the versions keras-orbax supports.
+    """

@@ -1,12 +1,31 @@
 """Private keras-hub symbols, each wrapped with why no public API serves. keras-hub is an optional
 extra: each is imported only when called.
 
-Checked against keras-hub 0.32.0; the tests that have keras-hub exercise every one of them.
+Tested with keras-hub 0.32.0 (`versions.SUPPORTED`), each resolved on first use and failing with
+one `UnsupportedVersionError` if moved; tests/test_versions.py resolves every one.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from keras_orbax._src.compat.versions import Private, attribute
+
+_GET_FILE = Private("keras-hub", "keras_hub.src.utils.preset_utils", "get_file")
+_CHECK_FILE_EXISTS = Private("keras-hub", "keras_hub.src.utils.preset_utils", "check_file_exists")
+_GET_PRESET_LOADER = Private("keras-hub", "keras_hub.src.utils.preset_utils", "get_preset_loader")
+_LOADERS = "keras_hub.src.utils.transformers"
+_TRANSFORMERS_LOADER = Private("keras-hub", f"{_LOADERS}.preset_loader", "TransformersPresetLoader")
+_SAFETENSOR_LOADER = Private("keras-hub", f"{_LOADERS}.safetensor_utils", "SafetensorLoader")
+# The methods keras-orbax calls on them (`sources/hub_convert`) or overrides: an override of a
+# renamed method would silently never run.
+_LOADER_METHODS = [
+    Private("keras-hub", f"{_LOADERS}.preset_loader", f"TransformersPresetLoader.{name}")
+    for name in ("load_backbone", "check_backbone_class")
+] + [
+    Private("keras-hub", f"{_LOADERS}.safetensor_utils", f"SafetensorLoader.{name}")
+    for name in ("get_prefixed_key", "get_tensor", "port_weight")
+]
 
 
 def downloaded_preset(handle: str) -> Any:
@@ -18,16 +37,15 @@ def downloaded_preset(handle: str) -> Any:
     import json
     from pathlib import Path
 
-    from keras_hub.src.utils import preset_utils
-
-    directory = Path(preset_utils.get_file(handle, "config.json")).parent
-    if preset_utils.check_file_exists(handle, "model.weights.json"):
-        index = Path(preset_utils.get_file(handle, "model.weights.json"))
+    get_file = _GET_FILE.get()
+    directory = Path(get_file(handle, "config.json")).parent
+    if _CHECK_FILE_EXISTS.get()(handle, "model.weights.json"):
+        index = Path(get_file(handle, "model.weights.json"))
         parts = json.loads(index.read_text())["weight_map"].values()
         for part in {p for files in parts for p in ([files] if isinstance(files, str) else files)}:
-            preset_utils.get_file(handle, part)
+            get_file(handle, part)
     else:
-        preset_utils.get_file(handle, "model.weights.h5")
+        get_file(handle, "model.weights.h5")
     return directory
 
 
@@ -39,16 +57,26 @@ def hub_preset_loader(directory: str) -> Any:
     converter module for the config's `model_type` and builds the backbone config
     (`load_backbone`). keras-hub exports neither; reusing them keeps the mapping keras-hub's own.
     """
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-
-    return get_preset_loader(directory)
+    return _GET_PRESET_LOADER.get()(directory)
 
 
 def hub_is_transformers_loader(loader: Any) -> bool:
     """Why private: see `hub_preset_loader`; `TransformersPresetLoader` is not exported."""
-    from keras_hub.src.utils.transformers.preset_loader import TransformersPresetLoader
+    for method in _LOADER_METHODS:
+        method.get()
+    return isinstance(loader, _TRANSFORMERS_LOADER.get())
 
-    return isinstance(loader, TransformersPresetLoader)
+
+def hub_convert_weights(loader: Any, backbone: Any, recorder: Any) -> None:
+    """Runs the converter module that `loader` (a `TransformersPresetLoader`) picked for the
+    config's `model_type`, porting its weights through `recorder`.
+
+    Why private: see `hub_preset_loader`; the converter and the Hugging Face config are attributes
+    of keras-hub's loader only.
+    """
+    converter = attribute(loader, "converter", "keras-hub")
+    config = attribute(loader, "config", "keras-hub")
+    attribute(converter, "convert_weights", "keras-hub")(backbone, recorder, config)
 
 
 def hub_safetensor_loader_class() -> type:
@@ -58,6 +86,6 @@ def hub_safetensor_loader_class() -> type:
     hook_fn)`, `get_tensor(key)` and its key-prefix resolution; a subclass that records instead of
     assigning sees exactly the mapping keras-hub would apply. keras-hub does not export the class.
     """
-    from keras_hub.src.utils.transformers.safetensor_utils import SafetensorLoader
-
-    return SafetensorLoader
+    for method in _LOADER_METHODS:
+        method.get()
+    return _SAFETENSOR_LOADER.get()

@@ -1,9 +1,11 @@
 """Private Keras symbols, each wrapped with why no public API serves (the ones Keras's loading walk
-needs are in `_compat_loading`; Orbax's, etils's and JAX's in `_compat_orbax`; keras-hub's in
-`_compat_hub`).
+needs are in `loading_compat`; Orbax's, etils's and JAX's in `orbax_compat`; keras-hub's in
+`hub_compat`).
 
-Checked against keras 3.15.1; the tests exercise every one of them, so a symbol that moves fails the
-suite rather than a user.
+Tested with keras 3.15.1 (`versions.SUPPORTED`). The module-level symbols are resolved when this
+module is imported and the attributes each object holds when first read, so that a Keras version
+that moved one fails with one `UnsupportedVersionError` naming it; tests/test_versions.py resolves
+every one in the installed versions.
 """
 
 from __future__ import annotations
@@ -14,17 +16,48 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
-from keras.src.backend.common import global_state
 
+from keras_orbax._src.compat.versions import Private, attribute, set_attribute, unsupported
+
+# Resolved on import: every keras-orbax verb needs them, and an unsupported Keras should fail once,
+# up front, with one error naming the symbol, rather than part-way through a save.
+
+# Why private: Keras keeps process-wide settings (the deferred-variable registry, the saving
+# walk's caches) in `global_state`, which it does not export.
+_STATE = "keras.src.backend.common.global_state"
+_get_global: Callable[..., Any] = Private("keras", _STATE, "get_global_attribute").get()
+_set_global: Callable[..., Any] = Private("keras", _STATE, "set_global_attribute").get()
 # Why private: `MonitorCallback` is the base of Keras's own `ModelCheckpoint`, `EarlyStopping` and
 # `OrbaxCheckpoint` but is not exported; subclassing it gives our callback exactly Keras's
 # `monitor`/`mode="auto"` handling (a metric's `_direction`), `min_delta` and `best` bookkeeping.
-from keras.src.callbacks.monitor_callback import MonitorCallback as MonitorCallback
-from keras.src.saving import saving_lib
-from keras.src.saving.keras_saveable import KerasSaveable
-from keras.src.utils import naming
+_MONITOR = "keras.src.callbacks.monitor_callback"
+MonitorCallback: Any = Private("keras", _MONITOR, "MonitorCallback").get()
+Private("keras", _MONITOR, "MonitorCallback._set_monitor_op").get()
+Private("keras", _MONITOR, "MonitorCallback._is_improvement").get()
+# Why private: see `walk_saveable`, `unique_name`, `is_saveable`, `to_snake_case`.
+_SAVING = "keras.src.saving.saving_lib"
+_name_key: Callable[[str], Any] = Private("keras", _SAVING, "_name_key").get()
+_get_attr_skipset: Callable[[str], Any] = Private("keras", _SAVING, "get_attr_skipset").get()
+_get_unique_name: Callable[..., str] = Private("keras", _SAVING, "_get_unique_name").get()
+_KerasSaveable: type = Private("keras", "keras.src.saving.keras_saveable", "KerasSaveable").get()
+Private("keras", "keras.src.saving.keras_saveable", "KerasSaveable._obj_type").get()
+_to_snake_case: Callable[[str], str] = Private(
+    "keras", "keras.src.utils.naming", "to_snake_case"
+).get()
+# Methods called on each variable (a subclass may override them): the class still defines them.
+# Why private: see `set_value` and `initialize_deferred`.
+Private("keras", "keras", "Variable._direct_assign").get()
+Private("keras", "keras", "Variable._deferred_initialize").get()
 
+# Why private: see `deferred_scope`. Keras registers deferred variables in a list kept in
+# `global_state` under this name (a string constant of the registering function, checked here:
+# were it renamed, `deferred_scope` would hook nothing, silently).
 _REGISTRY = "uninitialized_variables"
+_REGISTER = Private(
+    "keras", "keras.src.backend.common.variables", "register_uninitialized_variable"
+)
+if _REGISTRY not in _REGISTER.get().__code__.co_consts:
+    raise unsupported("keras", f"{_REGISTER} (registering in global attribute {_REGISTRY!r})")
 
 
 def walk_saveable(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -61,8 +94,8 @@ def _attributes_in_saving_order(cls: type, own: tuple[str, ...], obj_type: str) 
     """Of `dir()` of an object of class `cls` with the instance attributes `own`, the names
     `saving_lib._walk_saveable` reads, in its order."""
     _cache_attr_skipset(obj_type)
-    skip = saving_lib.get_attr_skipset(obj_type)
-    ordered = sorted(set(own).union(dir(cls)), key=saving_lib._name_key)
+    skip = _get_attr_skipset(obj_type)
+    ordered = sorted(set(own).union(dir(cls)), key=_name_key)
     return tuple(name for name in ordered if not name.startswith("__") and name not in skip)
 
 
@@ -75,8 +108,8 @@ def _cache_attr_skipset(obj_type: str) -> None:
     gives it the same answer, once per type.
     """
     lookup = f"saving_attr_skiplist_{obj_type}"
-    if global_state.get_global_attribute(lookup) is None:
-        global_state.set_global_attribute(lookup, saving_lib.get_attr_skipset(obj_type))
+    if _get_global(lookup) is None:
+        _set_global(lookup, _get_attr_skipset(obj_type))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -87,7 +120,7 @@ def to_snake_case(name: str) -> str:
     them exactly; Keras does not export it. Cached: three regular expressions per call, once per
     layer of a model (5000 variables: 15,000 substitutions).
     """
-    return naming.to_snake_case(name)
+    return _to_snake_case(name)
 
 
 def unique_name(name: str, used: dict[str, int]) -> str:
@@ -95,12 +128,12 @@ def unique_name(name: str, used: dict[str, int]) -> str:
 
     Why private: `saving_lib._get_unique_name` is the rule Keras's saving applies; it is not exported.
     """
-    return saving_lib._get_unique_name(name, used)
+    return _get_unique_name(name, used)
 
 
 def is_saveable(obj: Any) -> bool:
     """Why private: `KerasSaveable` is the base Keras walks when saving; it is not exported."""
-    return isinstance(obj, KerasSaveable)
+    return isinstance(obj, _KerasSaveable)
 
 
 def own_variables(layer: keras.Layer) -> list[keras.Variable]:
@@ -109,12 +142,25 @@ def own_variables(layer: keras.Layer) -> list[keras.Variable]:
     Why private: `layer.weights` includes sub-layers' variables; the own lists are what
     `Layer.save_own_variables` walks too.
     """
-    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+    return list(attribute(layer, "_trainable_variables")) + list(
+        attribute(layer, "_non_trainable_variables")
+    )
 
 
-def seed_generators(layer: keras.Layer) -> list[Any]:
-    """Why private: a layer's seed generators (Dropout's RNG state) are only listed in `_seed_generators`."""
-    return list(getattr(layer, "_seed_generators", []))
+def seed_generators(obj: Any) -> list[Any]:
+    """Why private: a layer's seed generators (Dropout's RNG state) are only listed in
+    `_seed_generators`. Other saveables (optimizers, metrics) have none."""
+    if not isinstance(obj, keras.Layer):
+        return list(getattr(obj, "_seed_generators", []))
+    return list(attribute(obj, "_seed_generators"))
+
+
+def optimizer_variables_built_for(optimizer: keras.optimizers.Optimizer) -> list[keras.Variable]:
+    """The model variables `optimizer` was built for (its slots are named after them).
+
+    Why private: the optimizer lists them in `_trainable_variables` only.
+    """
+    return list(attribute(optimizer, "_trainable_variables"))
 
 
 def stored_dtype(variable: keras.Variable) -> str:
@@ -126,39 +172,39 @@ def stored_dtype(variable: keras.Variable) -> str:
     """
     import jax
 
-    return str(jax.dtypes.canonicalize_dtype(variable._dtype))
+    return str(jax.dtypes.canonicalize_dtype(attribute(variable, "_dtype")))
 
 
 def is_allocated(variable: keras.Variable) -> bool:
     """Why private: a deferred (not yet initialized) variable is only told apart by `_value is None`."""
-    return variable._value is not None
+    return attribute(variable, "_value") is not None
 
 
 def current_value(variable: keras.Variable) -> Any:
     """The stored array, bypassing autocast and stateless scopes. Why private: `variable.value`
     runs the initializer for a deferred variable and casts under autocast."""
-    return variable._value
+    return attribute(variable, "_value")
 
 
 def layout(variable: keras.Variable) -> Any:
     """Why private: the TensorLayout Keras gave the variable (or None) lives in `_layout` only."""
-    return variable._layout
+    return attribute(variable, "_layout")
 
 
 def set_layout(variable: keras.Variable, value: Any) -> None:
     """Why private: a deferred variable gets its layout only when initialized; we set it at creation
     so optimizer slots (which copy their reference's `_layout`) come out sharded the same way."""
-    variable._layout = value
+    set_attribute(variable, "_layout", value)
 
 
 def initializer(variable: keras.Variable) -> Any:
     """Why private: a deferred variable keeps its initializer in `_initializer` only."""
-    return variable._initializer
+    return attribute(variable, "_initializer")
 
 
 def set_initializer(variable: keras.Variable, value: Any) -> None:
     """Why private: see `initializer`; we wrap it so a deferred variable used before restore raises."""
-    variable._initializer = value
+    set_attribute(variable, "_initializer", value)
 
 
 def set_value(variable: keras.Variable, value: Any) -> None:
@@ -169,7 +215,7 @@ def set_value(variable: keras.Variable, value: Any) -> None:
     and returns the same object when the sharding already matches.
     """
     variable._direct_assign(value)
-    variable._initializer = None
+    set_attribute(variable, "_initializer", None)
 
 
 def initialize_deferred(variable: keras.Variable) -> None:
@@ -180,13 +226,25 @@ def initialize_deferred(variable: keras.Variable) -> None:
     variable._deferred_initialize()
 
 
+def set_monitor_op(callback: Any) -> None:
+    """Settles a `MonitorCallback`'s `monitor_op` (and the sign of its `min_delta`) from `mode`
+    and the model's metrics. Why private: `MonitorCallback._set_monitor_op` is Keras's own rule
+    (`mode="auto"` reads a metric's `_direction`); subclasses call it, Keras does not export it."""
+    callback._set_monitor_op()
+
+
+def is_improvement(callback: Any, value: float, reference: float | None) -> bool:
+    """Why private: `MonitorCallback._is_improvement` is Keras's comparison with `min_delta`."""
+    return bool(callback._is_improvement(value, reference))
+
+
 def set_initial_epoch(model: keras.Model, epoch: int | None) -> None:
     """Makes the `fit` call that is starting begin at `epoch` (None: at fit's own `initial_epoch`).
 
     Why private: Keras has no public way for a callback to resume `fit` mid-way; `fit` reads
     `model._initial_epoch` right after `on_train_begin`, and `BackupAndRestore` sets it the same way.
     """
-    model._initial_epoch = epoch
+    set_attribute(model, "_initial_epoch", epoch)
 
 
 class _Registry(list):
@@ -215,16 +273,16 @@ def deferred_scope(on_create: Callable[[keras.Variable], None]) -> Iterator[None
     step opens one), silently, or re-run initialization after restore (see shared/FACTS.md), and a
     deferred model that is thrown away would break every later `fit` in the process.
     """
-    previous = global_state.get_global_attribute(_REGISTRY, []) or []
+    previous = _get_global(_REGISTRY, []) or []
     if isinstance(previous, _Registry):  # nested: the outer scope already hooks creation
         yield
         return
-    global_state.set_global_attribute(_REGISTRY, _Registry(previous, on_create))
+    _set_global(_REGISTRY, _Registry(previous, on_create))
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield
     finally:
-        global_state.set_global_attribute(_REGISTRY, list(previous))
+        _set_global(_REGISTRY, list(previous))
 
 
 def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
@@ -236,7 +294,7 @@ def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    return int(optimizer._iterations)
+    return int(attribute(optimizer, "_iterations"))
 
 
 def drop_train_steps(

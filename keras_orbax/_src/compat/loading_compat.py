@@ -1,20 +1,33 @@
-"""Private Keras and JAX symbols that `_keras_loader` needs to run Keras's own loading walk on
-placeholders instead of data (the other Keras ones are in `_compat`). Each says why no public API
-serves.
+"""Private Keras and JAX symbols that `sources/keras_loader` needs to run Keras's own loading walk
+on placeholders instead of data (the other Keras ones are in `keras_compat`). Each says why no
+public API serves.
 
-Checked against keras 3.15.1 and jax 0.10.2; tests/test_keras_files.py runs every one of them.
+Tested with keras 3.15.1 and jax 0.10.2 (`versions.SUPPORTED`): the Keras symbols are resolved
+on import, the JAX ones on first use, each failing with one `UnsupportedVersionError` if moved;
+tests/test_keras_files.py runs every one of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
-from keras.src.backend.common import global_state
-from keras.src.saving import saving_lib
+
+from keras_orbax._src.compat.versions import Private
+
+_SAVING = "keras.src.saving.saving_lib"
+_H5IOStore: Any = Private("keras", _SAVING, "H5IOStore").get()
+_load_state: Callable[..., Any] = Private("keras", _SAVING, "_load_state").get()
+_get_attr_skipset: Callable[[str], Any] = Private("keras", _SAVING, "get_attr_skipset").get()
+_STATE = "keras.src.backend.common.global_state"
+_get_global: Callable[..., Any] = Private("keras", _STATE, "get_global_attribute").get()
+_set_global: Callable[..., Any] = Private("keras", _STATE, "set_global_attribute").get()
+# Why private: see `inputs_of`; dead-code elimination of a jaxpr has no public API.
+_DCE_JAXPR = Private("jax", "jax._src.interpreters.partial_eval", "dce_jaxpr")
 
 
-class _TracingStore(saving_lib.H5IOStore):
+class _TracingStore(_H5IOStore):
     """A read-mode `H5IOStore` whose entries are traced placeholders instead of h5 datasets.
 
     Why private: `saving_lib._load_state` accepts only Keras's own store classes (it checks with
@@ -82,8 +95,8 @@ def cache_walk_skipsets() -> None:
         "Loss",
     ):
         key = f"saving_attr_skiplist_{obj_type}"
-        if global_state.get_global_attribute(key, None) is None:
-            global_state.set_global_attribute(key, saving_lib.get_attr_skipset(obj_type))
+        if _get_global(key, None) is None:
+            _set_global(key, _get_attr_skipset(obj_type))
 
 
 def load_state(
@@ -95,7 +108,7 @@ def load_state(
     is treated as already loaded (the optimizer, when a stand-in is walked in its place).
     """
     visited = {id(skip)} if skip is not None else set()
-    saving_lib._load_state(
+    _load_state(
         saveable,
         store,
         None,
@@ -116,10 +129,10 @@ def stateless_updates(scope: keras.StatelessScope) -> dict[int, Any]:
 
 
 def is_literal(var: Any) -> bool:
-    """Why private: jaxpr literals are `jax._src.core.Literal`; `jax.extend` does not export it."""
-    from jax._src import core
+    """Whether a jaxpr operand is a literal (a constant), not a variable."""
+    from jax.extend.core import Literal  # public; once reached as `jax._src.core.Literal`
 
-    return isinstance(var, core.Literal)
+    return isinstance(var, Literal)
 
 
 def inputs_of(jaxpr: Any, position: int) -> list[int]:
@@ -127,10 +140,8 @@ def inputs_of(jaxpr: Any, position: int) -> list[int]:
 
     Why private: dead-code elimination of a jaxpr (`partial_eval.dce_jaxpr`) has no public API.
     """
-    from jax._src.interpreters import partial_eval
-
     used = [i == position for i in range(len(jaxpr.outvars))]
-    _, used_inputs = partial_eval.dce_jaxpr(jaxpr, used)
+    _, used_inputs = _DCE_JAXPR.get()(jaxpr, used)
     return [i for i, flag in enumerate(used_inputs) if flag]
 
 
@@ -140,9 +151,8 @@ def evaluate_output(closed: Any, position: int, values: list[Any]) -> Any:
     Why private: see `inputs_of`; `jax.core.eval_jaxpr` runs the pruned program.
     """
     import jax
-    from jax._src.interpreters import partial_eval
 
     used = [i == position for i in range(len(closed.jaxpr.outvars))]
-    pruned, _ = partial_eval.dce_jaxpr(closed.jaxpr, used)
+    pruned, _ = _DCE_JAXPR.get()(closed.jaxpr, used)
     (out,) = jax.core.eval_jaxpr(pruned, closed.consts, *values)
     return out

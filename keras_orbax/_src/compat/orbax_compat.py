@@ -1,14 +1,46 @@
 """Private Orbax, etils and JAX symbols, each wrapped with why no public API serves (Keras's are in
-`_compat`).
+`keras_compat`).
 
-Checked against orbax-checkpoint 0.12.8 and jax 0.10.2 (etils as Orbax installs it); the tests
-exercise every one of them, so a symbol that moves fails the suite rather than a user.
+Tested with orbax-checkpoint 0.12.8, jax 0.10.2 and etils 1.15.0 (`versions.SUPPORTED`). Each is
+resolved on first use (importing Orbax is left to the verbs that need it) and fails with one
+`UnsupportedVersionError` if moved; tests/test_versions.py resolves every one.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
+
+from keras_orbax._src.compat.versions import Private, attribute
+from keras_orbax.errors import UnsupportedVersionError
+
+_DISTRIBUTED_STATE = Private("jax", "jax._src.distributed", "global_state")
+_STEP_METADATA = "orbax.checkpoint._src.metadata.checkpoint"
+_METADATA_STORE = Private("orbax-checkpoint", _STEP_METADATA, "metadata_store")
+_STEP_METADATA_FILE = Private("orbax-checkpoint", _STEP_METADATA, "step_metadata_file_path")
+_IS_TF_INSTALLED = Private("etils", "etils.epath.gpath", "_is_tf_installed")
+_EPATH_USE_TF = Private("etils", "etils.epath.gpath", "_epath_use_tf")
+_V1 = "orbax.checkpoint.experimental.v1._src"
+_LEAF_REGISTRY = Private(
+    "orbax-checkpoint", f"{_V1}.serialization.registry", "BaseLeafHandlerRegistry"
+)
+_STANDARD_LEAF_HANDLERS = Private(
+    "orbax-checkpoint",
+    f"{_V1}.serialization.registry",
+    "STANDARD_TYPE_AND_ABSTRACT_TYPE_AND_TYPESTR_TO_HANDLER",
+)
+_ARRAY_LEAF_HANDLER = Private(
+    "orbax-checkpoint", f"{_V1}.serialization.array_leaf_handler", "ArrayLeafHandler"
+)
+_ARRAY_LEAF_HANDLER_SERIALIZE = Private(
+    "orbax-checkpoint", f"{_V1}.serialization.array_leaf_handler", "ArrayLeafHandler.serialize"
+)
+_SHARDING_METADATA = Private(
+    "orbax-checkpoint", "orbax.checkpoint._src.metadata.sharding", "from_jax_sharding"
+)
+_UPDATE_AVAL = Private("jax", "jax._src.core", "update_aval_with_sharding")
+_BATCHED_DEVICE_PUT = Private("jax", "jax._src.interpreters.pxla", "batched_device_put")
 
 
 def distributed_client() -> Any:
@@ -18,9 +50,7 @@ def distributed_client() -> Any:
     only reachable as `jax._src.distributed.global_state.client`; the public `multihost_utils`
     collectives have no timeout and hang when a process is gone.
     """
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = attribute(_DISTRIBUTED_STATE.get(), "client", "jax")
     if client is None:
         raise RuntimeError("jax.distributed is not initialized, yet jax.process_count() > 1.")
     return client
@@ -32,10 +62,8 @@ def step_custom_metadata(step_dir: Any) -> dict[str, Any] | None:
     Why private: the public `ocp.checkpointables_metadata` also loads the tree metadata of every
     array (about 1 s for 1,500 variables); Orbax's own step-metadata store reads just the JSON file.
     """
-    from orbax.checkpoint._src.metadata import checkpoint
-
-    store = checkpoint.metadata_store(enable_write=False)
-    serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
+    store = _METADATA_STORE.get()(enable_write=False)
+    serialized = store.read(_STEP_METADATA_FILE.get()(step_dir))
     return None if serialized is None else serialized.get("custom_metadata")
 
 
@@ -43,9 +71,7 @@ def step_metadata_file(step_dir: Any) -> Any:
     """The file `step_custom_metadata` reads (a `pathlib.Path`, or an `epath.Path` in object
     storage). Why private: see `step_custom_metadata`; named in errors about a missing or damaged
     step record."""
-    from orbax.checkpoint._src.metadata import checkpoint
-
-    path = checkpoint.step_metadata_file_path(step_dir)
+    path = _STEP_METADATA_FILE.get()(step_dir)
     return path if "://" in str(path) else Path(path)
 
 
@@ -61,13 +87,12 @@ def step_metrics(step_dir: Any) -> dict[str, Any]:
     import json
 
     from orbax.checkpoint import checkpoint_manager
-    from orbax.checkpoint._src.metadata import checkpoint
 
     item = step_dir / checkpoint_manager.METRIC_ITEM_NAME / checkpoint_manager.METRIC_ITEM_NAME
     if item.is_file():
         return dict(json.loads(item.read_text()) or {})
-    store = checkpoint.metadata_store(enable_write=False)
-    serialized = store.read(checkpoint.step_metadata_file_path(step_dir))
+    store = _METADATA_STORE.get()(enable_write=False)
+    serialized = store.read(_STEP_METADATA_FILE.get()(step_dir))
     return dict((serialized or {}).get("metrics") or {})
 
 
@@ -79,10 +104,9 @@ def epath_forget_tensorflow() -> None:
     `EPATH_USE_TF=false` would keep TensorFlow's file system, which has no `s3` and ignores
     `STORAGE_EMULATOR_HOST`.
     """
-    from etils.epath import gpath
-
-    if gpath._is_tf_installed.cache_info().currsize and not gpath._epath_use_tf():
-        gpath._is_tf_installed.cache_clear()
+    is_tf_installed = _IS_TF_INSTALLED.get()
+    if is_tf_installed.cache_info().currsize and not _EPATH_USE_TF.get()():
+        is_tf_installed.cache_clear()
 
 
 def pytree_handler_with_array_writer(leaf_handler: type) -> type:
@@ -97,18 +121,14 @@ def pytree_handler_with_array_writer(leaf_handler: type) -> type:
     `_METADATA`), so the tree metadata is unchanged too.
     """
     import jax
-    from orbax.checkpoint.experimental.v1._src.handlers.pytree_handler import PyTreeHandler
-    from orbax.checkpoint.experimental.v1._src.serialization import registry
+    from orbax.checkpoint.experimental.v1.handlers import PyTreeHandler
+
+    registry, standard = _LEAF_REGISTRY.get(), _STANDARD_LEAF_HANDLERS.get()
 
     class Handler(PyTreeHandler):
         def __init__(self, **kwargs: Any) -> None:
-            leaves = registry.BaseLeafHandlerRegistry()
-            for (
-                leaf,
-                abstract,
-                typestrs,
-                handler,
-            ) in registry.STANDARD_TYPE_AND_ABSTRACT_TYPE_AND_TYPESTR_TO_HANDLER:
+            leaves = registry()
+            for leaf, abstract, typestrs, handler in standard:
                 if leaf is jax.Array:
                     handler = leaf_handler
                 leaves.add(leaf, abstract, handler, secondary_typestrs=typestrs)
@@ -124,11 +144,8 @@ def array_leaf_handler() -> type:
 
     Why private: the v1 leaf-handler classes are not exported yet in orbax-checkpoint 0.12.
     """
-    from orbax.checkpoint.experimental.v1._src.serialization.array_leaf_handler import (
-        ArrayLeafHandler,
-    )
-
-    return ArrayLeafHandler
+    _ARRAY_LEAF_HANDLER_SERIALIZE.get()  # overridden by keras-orbax's writers
+    return _ARRAY_LEAF_HANDLER.get()
 
 
 def serialized_sharding(sharding: Any) -> str | None:
@@ -137,9 +154,7 @@ def serialized_sharding(sharding: Any) -> str | None:
     Why private: Orbax's sharding-metadata serializer is internal; the `_sharding` file is what
     plain `ocp.load` reads to restore arrays onto their saved shardings.
     """
-    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-
-    metadata = sharding_metadata.from_jax_sharding(sharding)
+    metadata = _SHARDING_METADATA.get()(sharding)
     return None if metadata is None else metadata.to_serialized_string()
 
 
@@ -151,12 +166,30 @@ def put_on_devices(target: Any, values: list[Any], devices: list[Any]) -> Any:
     Why private: the public call wraps each shard in a Python callback, canonicalizes and checks
     it and builds the abstract value around the same `pxla.batched_device_put`; with thousands of
     small arrays that is most of placing them (5000 arrays, 12,500 regions: 0.11-0.15 s this way,
-    0.16-0.22 s through the public call).
+    0.16-0.22 s through the public call). Where JAX has moved them, `put_on_devices_public` does
+    the same through the public API, only slower: no error over a speed-up.
     """
-    from jax._src import core
-    from jax._src.interpreters import pxla
+    fast = _fast_device_put()
+    if fast is None:
+        return put_on_devices_public(target, values, devices)
+    update_aval, batched_device_put = fast
+    import jax
 
-    aval = core.update_aval_with_sharding(
-        core.ShapedArray(target.shape, target.dtype), target.sharding
-    )
-    return pxla.batched_device_put(aval, target.sharding, values, devices)
+    aval = update_aval(jax.core.ShapedArray(target.shape, target.dtype), target.sharding)
+    return batched_device_put(aval, target.sharding, values, devices)
+
+
+def put_on_devices_public(target: Any, values: list[Any], devices: list[Any]) -> Any:
+    """`put_on_devices` through JAX's public API."""
+    import jax
+
+    shards = [jax.device_put(value, device) for value, device in zip(values, devices, strict=True)]
+    return jax.make_array_from_single_device_arrays(target.shape, target.sharding, shards)
+
+
+@functools.cache
+def _fast_device_put() -> tuple[Any, Any] | None:
+    try:
+        return _UPDATE_AVAL.get(), _BATCHED_DEVICE_PUT.get()
+    except UnsupportedVersionError:
+        return None

@@ -122,7 +122,7 @@ def _optimizer_keys(
     # Slots are named f"{reference.path.replace('/', '_')}_{slot}" (Optimizer.add_variable_from_reference).
     references = {
         variable.path.replace("/", "_"): key_of[id(variable)]
-        for variable in getattr(optimizer, "_trainable_variables", [])
+        for variable in keras_compat.optimizer_variables_built_for(optimizer)
         if id(variable) in key_of
     }
     for variable in optimizer.variables:

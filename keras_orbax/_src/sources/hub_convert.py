@@ -134,7 +134,7 @@ def port_tensors(backbone: keras.Model, directory: str | os.PathLike) -> list[Po
     tensors = read_directory(directory)
     record: list[PortedTensor] = []
     with _recording_loader(os.fspath(directory), tensors, record) as recorder:
-        loader.converter.convert_weights(backbone, recorder, loader.config)
+        hub_compat.hub_convert_weights(loader, backbone, recorder)
     last = {id(p.variable): i for i, p in enumerate(record)}
     return [p for i, p in enumerate(record) if last[id(p.variable)] == i]
 
