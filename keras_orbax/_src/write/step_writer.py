@@ -227,7 +227,12 @@ def write_step(
 
 class DurableResponse:
     """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
-    durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename)."""
+    durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename).
+
+    Hand the checkpointer no preservation policy: Orbax would delete older steps before the commit
+    is reported, so before this fsync. `ModelCheckpoint` deletes them once `result()` has returned
+    (`training/retention.py`).
+    """
 
     def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
         self._response, self._step_dir = response, locations.as_path(directory) / str(step)
