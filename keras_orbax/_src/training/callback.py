@@ -49,7 +49,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             directory per training run. The other arguments are keyword-only (Keras's
             `ModelCheckpoint` and `OrbaxCheckpoint` order them differently).
         monitor: The metric that `save_best_only` and `keep_best` rank by, e.g. `"val_loss"`.
-        verbose: 1 prints one line per save (on process 0 only).
+        verbose: 1 prints one line per save, and where a resumed `fit` goes on (on process 0
+            only).
         save_best_only: Save only when `monitor` improves on the best value so far (read back
             from the directory when `fit` starts); the best step is always kept.
         save_weights_only: Save only the model's variables: no optimizer or metric state (such
@@ -61,7 +62,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         keep_best: Also keep the N best steps by `monitor`.
         keep_every: Also keep every step that is a multiple of K.
         resume: When `fit` starts, restore the latest committed step (`restore_sharded`) and
-            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run.
+            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run. A newer
+            step whose record cannot be read is passed over (`KerasOrbaxWarning`) and deleted.
         save_on_background: Write checkpoints while training continues. A failed background
             save raises `SaveFailedError` at the next save or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
