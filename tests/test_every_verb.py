@@ -2,8 +2,8 @@
 
 One trained MLP is saved by keras-orbax, by Keras's `OrbaxCheckpoint`, as a `.weights.h5` and as a
 `.keras`; one tiny keras-hub Llama3 backbone as a preset and as a Hugging Face directory. Each verb
-gets each location as a relative path, an absolute path, a `~` path and with a trailing slash (and
-a step as `DIR/STEP` and `DIR@STEP`): every spelling must give the same answer, the answer must be
+gets each location as a relative path, an absolute path, a `~` path, with a trailing slash and
+through a symbolic link (and a step as `DIR/STEP` and `DIR@STEP`): every spelling must give the same answer, the answer must be
 the source's own (values equal to the model that was saved, shardings those of the active
 distribution), and a verb that cannot serve a kind must say which verb can, in one line.
 """
@@ -108,6 +108,8 @@ def saved(tmp_path_factory):
             variable.assign(np.random.default_rng(i).standard_normal(variable.shape) * 0.1)
         save(llama)
         references[architecture] = {v.path: np.asarray(v.value) for v in llama.weights}
+    for kind, (name, _, _) in KINDS.items():
+        (root / f"link-{name}").symlink_to(name)
     return root, references
 
 
@@ -124,6 +126,7 @@ def spellings(root: Path, kind: str) -> dict[str, str]:
     name, _, has_steps = KINDS[kind]
     absolute = str(root / name)
     found = {"absolute": absolute, "relative": name, "home": f"~/{name}", "slash": f"{absolute}/"}
+    found["symlink"] = f"link-{name}"  # a relative symbolic link to it
     if has_steps:
         found |= {"step directory": f"{name}/{STEP}", "at step": f"~/{name}@{STEP}"}
     return found
