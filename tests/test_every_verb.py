@@ -108,7 +108,7 @@ def saved(tmp_path_factory):
             variable.assign(np.random.default_rng(i).standard_normal(variable.shape) * 0.1)
         save(llama)
         references[architecture] = {v.path: np.asarray(v.value) for v in llama.weights}
-    for kind, (name, _, _) in KINDS.items():
+    for name, _, _ in KINDS.values():
         (root / f"link-{name}").symlink_to(name)
     return root, references
 
