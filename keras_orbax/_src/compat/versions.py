@@ -23,15 +23,14 @@ class Supported(NamedTuple):
     install: str  # the command that installs a supported version
 
 
-# Upper bounds at the next minor release: each package's private modules may move in any release,
-# and only these versions are tested. tests/test_versions.py checks these ranges against
+# Lower bounds only: capping at the next minor release would make pip downgrade the Keras, JAX or
+# Orbax a user already has, for symbols that usually do not move. Where one has moved, the first
+# use names it and the tested version. tests/test_versions.py checks these ranges against
 # pyproject.toml.
 SUPPORTED: dict[str, Supported] = {
-    "keras": Supported(">=3.15,<3.16", "3.15.1", 'pip install "keras>=3.15,<3.16"'),
-    "jax": Supported(">=0.10,<0.11", "0.10.2", 'pip install "jax>=0.10,<0.11"'),
-    "orbax-checkpoint": Supported(
-        ">=0.12.8,<0.13", "0.12.8", 'pip install "orbax-checkpoint>=0.12.8,<0.13"'
-    ),
+    "keras": Supported(">=3.15", "3.15.1", 'pip install "keras==3.15.1"'),
+    "jax": Supported(">=0.10", "0.10.2", 'pip install "jax[cpu]==0.10.2"'),
+    "orbax-checkpoint": Supported(">=0.12.8", "0.12.8", 'pip install "orbax-checkpoint==0.12.8"'),
     # Installed next to the `hub` extra without its own requirements (they pull in TensorFlow).
     "keras-hub": Supported("==0.32.0", "0.32.0", "pip install --no-deps keras-hub==0.32.0"),
     # Orbax's dependency; keras-orbax touches one cache of its path module.
@@ -49,11 +48,10 @@ def installed_version(distribution: str) -> str:
 def unsupported(distribution: str, symbol: str) -> UnsupportedVersionError:
     """The error for `symbol` (a private name of `distribution`) missing in the installed version."""
     supported = SUPPORTED[distribution]
-    allowed = f"{distribution}{supported.allowed}" if supported.allowed else distribution
     return UnsupportedVersionError(
         f"keras-orbax does not support {distribution} {installed_version(distribution)}: it uses "
-        f"`{symbol}`, which that version does not have. Supported: {allowed}, tested with "
-        f"{supported.tested}. Install it with: {supported.install}"
+        f"`{symbol}`, which that version does not have. keras-orbax is tested with "
+        f"{distribution} {supported.tested}; install it with: {supported.install}"
     )
 
 

@@ -21,18 +21,22 @@ import dataclasses
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.sources import keras_checkpoint
+from keras_orbax._src.sources.base import Source, SourceKind
+from keras_orbax._src.sources.hf_directory import TransformersSource, is_transformers_directory
+from keras_orbax._src.sources.keras_checkpoint import KerasCheckpointSource
+from keras_orbax._src.sources.keras_weights import (
+    KerasPresetSource,
+    KerasWeightsSource,
+    is_weights_file,
+    preset_weights,
+)
+from keras_orbax._src.sources.orbax_step import OrbaxStepSource
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import CheckpointNotFoundError, UnsupportedSourceError
-
-if TYPE_CHECKING:
-    from keras_orbax._src.sources.base import Source, SourceKind
-
-# The modules of each kind of source (which import Keras and JAX) are imported where a location
-# is decided or opened, not with this module: `keras-orbax --help` and the verbs' modules import
-# it, and only the kind a location names needs its source.
 
 _AT_STEP = re.compile(r"^(.*)@(\d+)$")
 
@@ -61,15 +65,6 @@ def open_source(location: str | os.PathLike, step: int | None = None) -> Source:
 
 def open_located(located: Located) -> Source:
     """The source of a `locate` decision."""
-    from keras_orbax._src.sources.hf_directory import TransformersSource
-    from keras_orbax._src.sources.keras_checkpoint import KerasCheckpointSource
-    from keras_orbax._src.sources.keras_weights import (
-        KerasPresetSource,
-        KerasWeightsSource,
-        preset_weights,
-    )
-    from keras_orbax._src.sources.orbax_step import OrbaxStepSource
-
     path = locations.as_path(located.location)
     if located.kind == "keras-weights":
         return KerasWeightsSource(path)
@@ -90,8 +85,6 @@ def open_located(located: Located) -> Source:
 def locate(location: str | os.PathLike, step: int | None = None) -> Located:
     """Decides what `location` names, and for a checkpoint which committed step (the latest if
     none is given by `step`, `@STEP` or a step directory)."""
-    from keras_orbax._src.sources.keras_checkpoint import is_keras_step
-
     text = os.fspath(location)
     path = locations.as_path(text)
     at = _AT_STEP.match(text)
@@ -109,15 +102,12 @@ def locate(location: str | os.PathLike, step: int | None = None) -> Located:
             return Located(kind, str(path))
     root, step = _root_and_step(path, step)
     step, step_dir = step_dirs.step_path(root, step)
-    kind = "keras-checkpoint" if is_keras_step(step_dir) else "keras-orbax"
+    kind = "keras-checkpoint" if keras_checkpoint.is_keras_step(step_dir) else "keras-orbax"
     return Located(kind, str(root), step)
 
 
 def _weights_kind(path: Path) -> SourceKind | None:
     """The kind of a local weights file or directory, or None for a checkpoint directory."""
-    from keras_orbax._src.sources.hf_directory import is_transformers_directory
-    from keras_orbax._src.sources.keras_weights import is_weights_file, preset_weights
-
     if is_weights_file(path) or path.is_file():
         if not path.exists():
             raise CheckpointNotFoundError(f"Weights file does not exist: '{path}'")
