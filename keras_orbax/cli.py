@@ -320,7 +320,12 @@ def _distribution(args: argparse.Namespace) -> Any:
 
 
 def _one_line(error: BaseException) -> str:
-    text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    """The lines of an error's message joined as sentences: after a line that ends a sentence or
+    opens a list (`.`, `:`), a space; between items, `; `."""
+    text = ""
+    for line in (line.strip() for line in str(error).splitlines()):
+        if line:
+            text += line if not text else (" " if text.endswith((".", ":", ";")) else "; ") + line
     return text or type(error).__name__
 
 

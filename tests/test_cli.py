@@ -330,3 +330,23 @@ def test_convert_json_names_the_step_and_its_bytes(tmp_path, capsys):
     text = _main(capsys, "convert", str(h5), str(tmp_path / "other"))
     assert text.stdout == f"wrote {tmp_path / 'other' / '0'} (3.2 KiB)\n"  # 3,232 B
     assert keras_orbax.inspect(tmp_path / "ckpt").nbytes == nbytes
+
+
+def test_a_mismatch_is_one_line_of_sentences(tmp_path, capsys):
+    """A multi-line error (the mismatch report) is joined as sentences, with the advice that fits
+    the subcommand: convert writes nothing, and has no strict=False to suggest."""
+    _trained_mlp().save_weights(tmp_path / "m.weights.h5")
+    failed = _main(
+        capsys,
+        "convert",
+        str(tmp_path / "m.weights.h5"),
+        str(tmp_path / "ckpt"),
+        "--model",
+        "tests.cli_models:wide",
+        check=2,
+    )
+    (line,) = failed.stderr.strip().splitlines()
+    assert ".;" not in line and ":;" not in line
+    assert "problems. " in line and "Nothing was written" in line
+    assert "strict=False" not in line
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

@@ -171,7 +171,7 @@ def _by_model(
     opened = source if isinstance(source, Source) else resolve.open_source(source)
     prepared = opened.prepare(model, strict=True)
     if prepared.problems or prepared.reads is None:
-        hint = matching.strict_hint(prepared.plan, True)
+        hint = "Nothing was written: pass the architecture that saved it."
         raise matching.mismatch_error(model, opened.label, prepared.problems, hint=hint)
     state, reads = prepared.state, prepared.reads
     variables = {}

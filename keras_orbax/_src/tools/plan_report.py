@@ -20,6 +20,7 @@ from typing import Any
 import keras
 
 from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.model.matching import counted
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
 
@@ -45,7 +46,9 @@ class RestorePlanReport:
     def __str__(self) -> str:
         where = self.source if self.step is None else f"{self.source}@{self.step}"
         verdict = (
-            "would restore" if not self.problems else f"would fail: {len(self.problems)} problems"
+            "would restore"
+            if not self.problems
+            else f"would fail: {counted(len(self.problems), 'problem')}"
         )
         lines = [f"{where}: {verdict}; {self.reads} arrays, {human_bytes(self.nbytes)}"]
         lines += [f"  missing     {key}" for key in self.missing]
