@@ -184,3 +184,39 @@ def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
         timeout=300,
     )
     assert (piped.returncode, piped.stdout, piped.stderr) == (0, "{\n", "")
+
+
+_INSPECT = """
+import contextlib, io, json, sys
+from keras_orbax import cli
+
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    code = cli.main(["inspect", sys.argv[1], "--json"])
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"jax", "keras", "orbax", "tensorstore"})
+print(json.dumps({"code": code, "heavy": heavy, "shown": json.loads(out.getvalue())}))
+"""
+
+
+def test_inspect_of_a_step_loads_no_jax_keras_orbax_or_tensorstore(tmp_path):
+    """A structural check: `keras-orbax inspect` of a keras-orbax step (saved here, inspected in a
+    fresh process) reads its record without JAX, Keras, Orbax or tensorstore; an eager import of
+    any of them on that path (the sources `resolve` opens, the format, storage, compat) fails."""
+    ckpt = _checkpoint(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _INSPECT, str(ckpt)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_cli_env(),
+        timeout=300,
+    )
+    shown = _last_json(done)
+    assert shown["heavy"] == []
+    assert (shown["code"], shown["shown"]["kind"], shown["shown"]["step"]) == (0, "keras-orbax", 1)
+    variables = {v["key"]: (v["shape"], v["dtype"]) for v in shown["shown"]["variables"]}
+    assert variables == {
+        "layers/dense/vars/0": ([4, 3], "float32"),
+        "layers/dense/vars/1": ([3], "float32"),
+        "layers/dense_1/vars/0": ([3, 2], "float32"),
+        "layers/dense_1/vars/1": ([2], "float32"),
+    }

@@ -9,6 +9,7 @@ resolved on first use (importing Orbax is left to the verbs that need it) and fa
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ from keras_orbax._src.compat.versions import Private, attribute
 from keras_orbax.errors import UnsupportedVersionError
 
 _DISTRIBUTED_STATE = Private("jax", "jax._src.distributed", "global_state")
-_STEP_METADATA = "orbax.checkpoint._src.metadata.checkpoint"
-_METADATA_STORE = Private("orbax-checkpoint", _STEP_METADATA, "metadata_store")
-_STEP_METADATA_FILE = Private("orbax-checkpoint", _STEP_METADATA, "step_metadata_file_path")
+# Orbax's names in a step directory: the step metadata file (its
+# `_src.metadata.checkpoint._STEP_METADATA_FILENAME`), and the item and file of the metrics its v1
+# `training.Checkpointer` saves (`checkpoint_manager.METRIC_ITEM_NAME`, twice).
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+_METRICS_FILE = ("metrics", "metrics")
 _IS_TF_INSTALLED = Private("etils", "etils.epath.gpath", "_is_tf_installed")
 _EPATH_USE_TF = Private("etils", "etils.epath.gpath", "_epath_use_tf")
 _V1 = "orbax.checkpoint.experimental.v1._src"
@@ -57,43 +60,50 @@ def distributed_client() -> Any:
 
 
 def step_custom_metadata(step_dir: Any) -> dict[str, Any] | None:
-    """The `custom_metadata` Orbax stored with one step, read from that step's metadata file alone.
+    """The `custom_metadata` Orbax stored with one step, read from that step's metadata file alone
+    (None where the file is missing or not JSON, as Orbax's reader has it).
 
-    Why private: the public `ocp.checkpointables_metadata` also loads the tree metadata of every
-    array (about 1 s for 1,500 variables); Orbax's own step-metadata store reads just the JSON file.
+    Why not Orbax: the public `ocp.checkpointables_metadata` also loads the tree metadata of every
+    array (about 1 s for 1,500 variables). Orbax's own step-metadata store (private) reads just the
+    JSON file, which is what `_step_metadata` does, without importing Orbax: `keras-orbax inspect`
+    stays free of JAX, Orbax and tensorstore.
     """
-    store = _METADATA_STORE.get()(enable_write=False)
-    serialized = store.read(_STEP_METADATA_FILE.get()(step_dir))
-    return None if serialized is None else serialized.get("custom_metadata")
+    return _step_metadata(step_dir).get("custom_metadata")
 
 
 def step_metadata_file(step_dir: Any) -> Any:
     """The file `step_custom_metadata` reads (a `pathlib.Path`, or an `epath.Path` in object
-    storage). Why private: see `step_custom_metadata`; named in errors about a missing or damaged
-    step record."""
-    path = _STEP_METADATA_FILE.get()(step_dir)
-    return path if "://" in str(path) else Path(path)
+    storage); named in errors about a missing or damaged step record."""
+    if "://" not in str(step_dir):
+        return Path(step_dir) / STEP_METADATA_FILE
+    from etils import epath  # what Orbax reads object storage with
+
+    return epath.Path(step_dir) / STEP_METADATA_FILE
 
 
 def step_metrics(step_dir: Any) -> dict[str, Any]:
     """The metrics Orbax stored with one step (`save(..., metrics=logs)`).
 
-    Why private: Orbax's v1 `training.Checkpointer` writes them as the step's `metrics` item, a JSON
-    file `metrics/metrics` (what its `CheckpointManager._get_metrics` reads back), and leaves the
-    `metrics` field of the step metadata file empty; the public way to read them
+    Why not Orbax: its v1 `training.Checkpointer` writes them as the step's `metrics` item, a JSON
+    file `metrics/metrics` (what its `CheckpointManager._get_metrics`, private, reads back), and
+    leaves the `metrics` field of the step metadata file empty; the public way to read them
     (`Checkpointer(root).checkpoints`) opens the root and loads the tree metadata of every step.
     Steps that Orbax wrote the other way keep them in that field, read second.
     """
-    import json
-
-    from orbax.checkpoint import checkpoint_manager
-
-    item = step_dir / checkpoint_manager.METRIC_ITEM_NAME / checkpoint_manager.METRIC_ITEM_NAME
+    item = step_dir.joinpath(*_METRICS_FILE)
     if item.is_file():
         return dict(json.loads(item.read_text()) or {})
-    store = _METADATA_STORE.get()(enable_write=False)
-    serialized = store.read(_STEP_METADATA_FILE.get()(step_dir))
-    return dict((serialized or {}).get("metrics") or {})
+    return dict(_step_metadata(step_dir).get("metrics") or {})
+
+
+def _step_metadata(step_dir: Any) -> dict[str, Any]:
+    """The step metadata file's JSON, read as Orbax's `metadata_store(enable_write=False).read`
+    reads it (`_src.metadata.checkpoint`): missing, unreadable or not JSON reads as nothing."""
+    try:
+        serialized = json.loads(step_metadata_file(step_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    return serialized if isinstance(serialized, dict) else {}
 
 
 def epath_forget_tensorflow() -> None:

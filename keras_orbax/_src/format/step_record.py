@@ -7,7 +7,7 @@ import functools
 import importlib.metadata
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from keras_orbax._src.format.dtypes import np_dtype
 
@@ -16,6 +16,12 @@ FORMAT_VERSION = (
     2  # 2: keys in Keras's saving structure (`_keys`); 1: keras-orbax 0.1's (`_keys_v1`)
 )
 STATE = "state"  # Orbax checkpointable that holds the arrays
+
+# What a saved variable is part of; decides how strictly it is matched (`model.matching`).
+Role = Literal["model", "optimizer", "metric"]
+MODEL: Role = "model"
+OPTIMIZER: Role = "optimizer"
+METRIC: Role = "metric"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +34,7 @@ class VariableRecord:
     dtype: str
     array: str  # Orbax parameter name: the array's directory under `<step>/state/`
     layout: dict[str, Any] | None = None  # mesh_shape, axis_names, partition; None: one device
-    role: str = "model"  # "model", "optimizer" or "metric"
+    role: str = MODEL  # "model", "optimizer" or "metric"
 
     @property
     def nbytes(self) -> int:
@@ -94,4 +100,4 @@ def _versions() -> dict[str, str]:
 def v1_role(key: str) -> str:
     """The role of a keras-orbax 0.1 key (format_version 1), from its first part."""
     group = key.split("/", 1)[0]
-    return "optimizer" if group == "optimizer" else "metric" if group == "metrics" else "model"
+    return OPTIMIZER if group == "optimizer" else METRIC if group == "metrics" else MODEL

@@ -21,7 +21,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,8 +39,10 @@ from keras_orbax._src.storage.byte_runs import (
     pread_fetch,
     read_box,
 )
-from keras_orbax._src.storage.small_files import SmallFiles
 from keras_orbax.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from keras_orbax._src.storage.small_files import SmallFiles
 
 _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
 _MISSING = 2**64 - 1

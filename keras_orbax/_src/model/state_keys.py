@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import keras
 
 from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format.step_record import METRIC, MODEL, OPTIMIZER, Role
 from keras_orbax.errors import DuplicateKeyError
-
-Role = Literal["model", "optimizer", "metric"]
-MODEL: Role = "model"
-OPTIMIZER: Role = "optimizer"
-METRIC: Role = "metric"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,16 +15,21 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import jax
-import keras
 import numpy as np
 
 from keras_orbax._src.format.step_record import StepRecord
-from keras_orbax._src.model import state_keys
-from keras_orbax._src.model.matching import Plan, ReadRequest
-from keras_orbax._src.read.sharded_read import ReadPlan, read_arrays
+
+# Keras, JAX and what restores with them load where a source restores, not where it is opened:
+# `keras-orbax inspect` lists a step's record without them.
+if TYPE_CHECKING:
+    import jax
+    import keras
+
+    from keras_orbax._src.model import state_keys
+    from keras_orbax._src.model.matching import Plan, ReadRequest
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 SourceKind = Literal[
     "keras-orbax", "keras-checkpoint", "keras-weights", "keras-preset", "transformers"
@@ -96,6 +101,8 @@ class Source(abc.ABC):
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
     ) -> state_keys.KeyedState:
         """`model`'s state by the keys this source pairs with its arrays."""
+        from keras_orbax._src.model import state_keys
+
         return state_keys.keyed_state(model, optimizer=optimizer)
 
     @abc.abstractmethod
@@ -123,6 +130,11 @@ class Source(abc.ABC):
 
     def read_array(self, key: str, sharding: Any = None) -> jax.Array:
         """One array by this source's own key, whole, on one device (or on `sharding`)."""
+        import jax
+
+        from keras_orbax._src.model.matching import ReadRequest
+        from keras_orbax._src.read.sharded_read import read_arrays
+
         saved = self.record.variables[key]
         sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=sharding)

@@ -13,23 +13,23 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import keras
 import numpy as np
 
-from keras_orbax._src.compat import keras_compat
-from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model import state_keys
-from keras_orbax._src.model.matching import ReadRequest, make_plan
-from keras_orbax._src.model.state_keys import METRIC
-from keras_orbax._src.read import sharded_read
+from keras_orbax._src.format.step_record import METRIC, StepRecord, VariableRecord
 from keras_orbax._src.read.contiguous import ComputedArray, ContiguousArray
-from keras_orbax._src.read.sharded_read import ReadPlan
 from keras_orbax._src.sources import safetensors_files
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty
+
+# Keras, JAX and the restore's modules load in the methods that restore: `resolve` asks
+# `is_transformers_directory` of every location, `keras-orbax inspect`'s included (see `base`).
+if TYPE_CHECKING:
+    import keras
+
+    from keras_orbax._src.model.matching import ReadRequest
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 
 def is_transformers_directory(path: Path) -> bool:
@@ -91,6 +91,8 @@ class TransformersSource(Source):
         return None
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        from keras_orbax._src.read import sharded_read
+
         def stored(saved: VariableRecord) -> ContiguousArray:
             t = self.tensors[saved.key]
             return ContiguousArray(t.name, t.file, t.offset, t.shape, t.dtype)
@@ -103,6 +105,9 @@ class TransformersSource(Source):
         Raises:
             CheckpointMismatchError: keras-hub cannot convert this directory for `model`.
         """
+        from keras_orbax._src.model import state_keys
+        from keras_orbax._src.model.matching import make_plan
+        from keras_orbax._src.read import sharded_read
         from keras_orbax._src.sources import hub_convert  # keras-hub is an optional extra
 
         state = state_keys.keyed_state(model)
@@ -129,6 +134,9 @@ class TransformersSource(Source):
 
 
 def _reader(ported: Any, hook: Any, shape: tuple[int, ...]) -> Any:
+    import jax
+
+    from keras_orbax._src.compat import keras_compat
     from keras_orbax._src.sources import hub_convert
     from keras_orbax._src.sources.hub_hooks import HookKind
 

@@ -27,27 +27,29 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import keras
 import numpy as np
-import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax._src.compat import keras_compat
-from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model.deferred import optimizer_stand_in
-from keras_orbax._src.model.matching import ReadRequest, make_plan
-from keras_orbax._src.model.state_keys import (
+from keras_orbax._src.format.step_record import (
     METRIC,
     MODEL,
     OPTIMIZER,
-    KeyedState,
     Role,
-    keyed_state,
+    StepRecord,
+    VariableRecord,
 )
-from keras_orbax._src.read.sharded_read import ReadPlan
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax.errors import CorruptCheckpointError
+
+# Keras, Orbax and the restore's modules load in the functions that use them: `is_keras_step`
+# decides what a location is for every verb, `keras-orbax inspect` included (see `base`).
+if TYPE_CHECKING:
+    import keras
+
+    from keras_orbax._src.model.matching import ReadRequest
+    from keras_orbax._src.model.state_keys import KeyedState
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 PYTREE = "pytree"  # Keras's checkpointable of the state tree
 MODEL_CONFIG = "model_config"
@@ -104,6 +106,8 @@ def model_config(step_dir: Path) -> dict[str, Any] | None:
     """The model config Keras stored with the step (a JSON string, parsed), or None."""
     if not (step_dir / MODEL_CONFIG).is_dir():
         return None
+    import orbax.checkpoint.experimental.v1 as ocp
+
     try:
         loaded = ocp.load_checkpointables(step_dir, {MODEL_CONFIG: None})[MODEL_CONFIG]
         return json.loads(loaded["config"])
@@ -114,6 +118,8 @@ def model_config(step_dir: Path) -> dict[str, Any] | None:
 
 
 def _tree_leaves(step_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    import orbax.checkpoint.experimental.v1 as ocp
+
     try:
         tree = ocp.metadata(step_dir, checkpointable_name=PYTREE).metadata
     except Exception as error:  # Orbax raises plain Exceptions; re-raised with the path
@@ -225,6 +231,8 @@ def _ranks(values: list[int]) -> list[int]:
 
 
 def _fits(saved: VariableRecord, variable: keras.Variable) -> bool:
+    from keras_orbax._src.compat import keras_compat
+
     shape = tuple(int(n) for n in variable.shape)
     return saved.shape == shape and saved.dtype == keras_compat.stored_dtype(variable)
 
@@ -258,10 +266,16 @@ class KerasCheckpointSource(Source):
         super().__init__(root, tree_record(step, self.step_dir), step, steps)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        from keras_orbax._src.read.sharded_read import ReadPlan
+
         paths = {request.record.key: request.record.array for request in requests}
         return ReadPlan(self.step_dir, [], list(requests), PYTREE, paths)
 
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        from keras_orbax._src.model.deferred import optimizer_stand_in
+        from keras_orbax._src.model.matching import make_plan
+        from keras_orbax._src.model.state_keys import keyed_state
+
         saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
         state = keyed_state(model, optimizer=optimizer_stand_in(model, saved))
         record = model_record(self.record, state, model)

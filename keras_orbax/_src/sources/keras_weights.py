@@ -9,20 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import keras
-
-from keras_orbax._src.format.step_record import StepRecord, VariableRecord
-from keras_orbax._src.model import state_keys
-from keras_orbax._src.model.deferred import optimizer_stand_in
-from keras_orbax._src.model.matching import ReadRequest, make_plan
-from keras_orbax._src.model.state_keys import METRIC, MODEL, OPTIMIZER
-from keras_orbax._src.read import sharded_read
-from keras_orbax._src.read.sharded_read import ReadPlan
+from keras_orbax._src.format.step_record import (
+    METRIC,
+    MODEL,
+    OPTIMIZER,
+    StepRecord,
+    VariableRecord,
+)
 from keras_orbax._src.sources import h5_files
 from keras_orbax._src.sources.base import Prepared, Source, SourceKind
-from keras_orbax._src.sources.keras_loader import trace_load
+
+# Keras, JAX and the restore's modules load in the methods that restore: `resolve` asks
+# `is_weights_file` and `preset_weights` of every location, and `keras-orbax inspect` lists a
+# weights file from its h5 datasets alone (see `base`).
+if TYPE_CHECKING:
+    import keras
+
+    from keras_orbax._src.model.matching import ReadRequest
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 WEIGHTS_SUFFIXES = (".h5", ".keras", ".weights.json")
 PRESET_WEIGHTS = ("model.weights.json", "model.weights.h5")
@@ -69,11 +75,19 @@ class KerasWeightsSource(Source):
         super().__init__(location or file, record)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        from keras_orbax._src.read import sharded_read
+
         return sharded_read.plan_reads(self.file, requests, lambda r: self.arrays[r.key])
 
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
         """Keras's own loader decides which stored array goes to which variable (`keras_loader`);
         the plan, the all-or-nothing checks and the region reads are those of every source."""
+        from keras_orbax._src.model import state_keys
+        from keras_orbax._src.model.deferred import optimizer_stand_in
+        from keras_orbax._src.model.matching import make_plan
+        from keras_orbax._src.read import sharded_read
+        from keras_orbax._src.sources.keras_loader import trace_load
+
         arrays = self.arrays
         saved_optimizer = [name for name in arrays if name.startswith("optimizer/")]
         stand_in = optimizer_stand_in(model, len(saved_optimizer))

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-import keras
+from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format.step_record import OPTIMIZER
 from keras_orbax._src.format.zarr_shards import FastArray
-from keras_orbax._src.model import deferred, matching, state_keys, state_keys_v1
-from keras_orbax._src.model.matching import ReadRequest
-from keras_orbax._src.model.state_keys import OPTIMIZER
-from keras_orbax._src.read import sharded_read
-from keras_orbax._src.read.sharded_read import ReadPlan
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
+
+# Keras and the restore's modules load in the methods that restore (see `base`).
+if TYPE_CHECKING:
+    import keras
+
+    from keras_orbax._src.model import state_keys
+    from keras_orbax._src.model.matching import ReadRequest
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 
 class OrbaxStepSource(Source):
@@ -36,9 +38,13 @@ class OrbaxStepSource(Source):
         super().__init__(root, step_dirs.read_record(self.step_dir), step, steps)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
+        from keras_orbax._src.read import sharded_read
+
         return sharded_read.plan_reads(self.step_dir, requests)
 
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
+        from keras_orbax._src.model import deferred, matching
+
         saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
         state = self.keyed_state(model, deferred.optimizer_stand_in(model, saved))
         plan = matching.make_plan(self.record, state, strict=strict)
@@ -49,6 +55,8 @@ class OrbaxStepSource(Source):
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
     ) -> state_keys.KeyedState:
         """The model's state keyed by the scheme the step was written with."""
+        from keras_orbax._src.model import state_keys, state_keys_v1
+
         if self.record.format_version == 1:
             return state_keys_v1.keyed_state(model, optimizer=optimizer)
         return state_keys.keyed_state(model, optimizer=optimizer)

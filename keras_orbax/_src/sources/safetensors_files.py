@@ -15,31 +15,32 @@ import os
 import struct
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
+from keras_orbax._src.format.dtypes import np_dtype
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# The header's dtype names (safetensors 0.4+ spec); bytes are little-endian.
-_DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype("u1"),
-    "I8": np.dtype("i1"),
-    "U16": np.dtype("<u2"),
-    "I16": np.dtype("<i2"),
-    "U32": np.dtype("<u4"),
-    "I32": np.dtype("<i4"),
-    "U64": np.dtype("<u8"),
-    "I64": np.dtype("<i8"),
-    "F16": np.dtype("<f2"),
-    "F32": np.dtype("<f4"),
-    "F64": np.dtype("<f8"),
-    "BF16": np.dtype(jnp.bfloat16),
-    "F8_E4M3": np.dtype(jnp.float8_e4m3fn),
-    "F8_E5M2": np.dtype(jnp.float8_e5m2),
+# The header's dtype names (safetensors 0.4+ spec) -> numpy's (`np_dtype`); bytes are
+# little-endian.
+_DTYPES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "u1",
+    "I8": "i1",
+    "U16": "<u2",
+    "I16": "<i2",
+    "U32": "<u4",
+    "I32": "<i4",
+    "U64": "<u8",
+    "I64": "<i8",
+    "F16": "<f2",
+    "F32": "<f4",
+    "F64": "<f8",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 
@@ -106,13 +107,13 @@ def _tensor(path: Path, name: str, entry: object, data_start: int, size: int) ->
         begin, end = (int(o) for o in entry["data_offsets"])  # type: ignore[index]
     except (TypeError, KeyError, ValueError):
         raise CorruptCheckpointError(f"{path}: malformed header entry {name!r}: {entry}") from None
-    dtype = _DTYPES.get(dtype_name)
-    if dtype is None:
+    numpy_name = _DTYPES.get(dtype_name)
+    if numpy_name is None:
         raise CorruptCheckpointError(
             f"{path}: tensor {name!r} has dtype {dtype_name!r}, which keras-orbax does not read. "
             f"Known: {', '.join(_DTYPES)}."
         )
-    tensor = SafetensorsTensor(name, path, data_start + begin, shape, dtype)
+    tensor = SafetensorsTensor(name, path, data_start + begin, shape, np_dtype(numpy_name))
     if min(shape, default=0) < 0 or end - begin != tensor.nbytes or data_start + end > size:
         raise CorruptCheckpointError(
             f"{path}: tensor {name!r} ({dtype_name} {list(shape)}, {tensor.nbytes} bytes) has "

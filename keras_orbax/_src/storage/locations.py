@@ -23,9 +23,10 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import tensorstore as ts
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 REMOTE_SCHEMES = ("gs://", "s3://")
 COMMIT_FILE = "commit_success.txt"  # Orbax's marker of a committed step where rename is not atomic
@@ -112,6 +113,8 @@ def kvstore(path: str | os.PathLike) -> ts.KvStore:
 @functools.lru_cache(maxsize=16)
 def _open_bucket(spec: str, gcs_url: str | None) -> ts.KvStore:
     """One kvstore per bucket and endpoint: its connections and credentials are reused."""
+    import tensorstore as ts  # heavy: keeps `keras-orbax inspect` of a local step free of it
+
     return ts.KvStore.open(json.loads(spec)).result()
 
 
