@@ -114,12 +114,7 @@ def read_record(path: Path) -> StepRecord:
             names the metadata file and each problem.
     """
     file = orbax_compat.step_metadata_file(path)
-    try:
-        custom = orbax_compat.step_custom_metadata(path) or {}
-    except (OSError, ValueError) as error:
-        raise CorruptCheckpointError(
-            f"Cannot read the metadata of checkpoint step '{path}' ({file}): {error}"
-        ) from error
+    custom = orbax_compat.step_custom_metadata(path) or {}  # unreadable: None, explained below
     record = custom.get(FORMAT_NAME) if isinstance(custom, dict) else None
     if record is None:
         raise CorruptCheckpointError(_no_record_message(path, file))
