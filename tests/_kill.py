@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -41,6 +42,9 @@ class Trial:
 def run_trial(workdir: Path, trial: Trial, epochs: int = 2) -> Trial:
     """Runs one trainer to its end or its kill; fills in `returncode` and `result`."""
     result_path = workdir / f"result_{trial.index}.json"
+    timed = trial.kill.startswith("time:")
+    # A timed kill counts from the start of `fit`: the trainer says so on this pipe.
+    started, started_in_trainer = os.pipe() if timed else (-1, -1)
     args = {
         "directory": str(workdir / "ckpt"),
         "ledger": str(workdir / "ledger.txt"),
@@ -49,7 +53,8 @@ def run_trial(workdir: Path, trial: Trial, epochs: int = 2) -> Trial:
         "format": trial.format,
         "seed": trial.index,
         "epochs": epochs,
-        "kill": "none" if trial.kill.startswith("time:") else trial.kill,
+        "kill": "none" if timed else trial.kill,
+        "started_fd": started_in_trainer if timed else None,
     }
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(
@@ -58,25 +63,29 @@ def run_trial(workdir: Path, trial: Trial, epochs: int = 2) -> Trial:
         KERAS_BACKEND="jax",
         PYTHONPATH=str(REPO_ROOT),
     )
-    with open(workdir / f"trial_{trial.index}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(TRAINER), json.dumps(args)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
     try:
-        if trial.kill.startswith("time:"):
-            started = Path(str(result_path) + ".started")
-            deadline = time.monotonic() + HANG_S
-            while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+        with open(workdir / f"trial_{trial.index}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(TRAINER), json.dumps(args)],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(started_in_trainer,) if timed else (),
+            )
+    finally:
+        if timed:  # the trainer holds the only write end now: its exit ends the pipe
+            os.close(started_in_trainer)
+    try:
+        # Blocks until the trainer writes (it started `fit`) or exits (the end of the pipe).
+        if timed and select.select([started], [], [], HANG_S)[0] and os.read(started, 1):
             time.sleep(float(trial.kill.split(":")[1]))
             proc.send_signal(signal.SIGKILL)
         trial.returncode = proc.wait(timeout=HANG_S)
     finally:
+        if timed:
+            os.close(started)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -5,7 +5,8 @@ directory, ledger, result, mode ("async" or "sync"), format, seed, epochs (how m
 kill ("none", or "<event>:<n>": SIGKILL itself just before the n-th such event; events are
 "delete" (a file removed from a committed step: retention), "commit" (a rename of a temporary
 checkpoint path: the commit) and "write" (a Python-level file opened for writing under the
-directory: Orbax's metadata)).
+directory: Orbax's metadata)), started_fd (None, or a pipe's write end, inherited: one byte is
+written there when `fit` begins, for a driver that kills at a time from then on).
 
 Before training, it checks what the previous run left: every committed step is restored into a
 fresh model and its checksum compared with the ledger. The ledger holds, for each global step, a
@@ -110,7 +111,9 @@ class ResumeCheck(keras.callbacks.Callback):
             ok = checksum(self.model) == read_ledger().get(restored.step)
             self.result["resumed"] = {"step": restored.step, "ok": ok}
         write_result(self.result)
-        Path(args["result"] + ".started").write_text("")  # the driver may kill from now on
+        if args.get("started_fd") is not None:  # the driver may kill from now on
+            os.write(args["started_fd"], b"s")
+            os.close(args["started_fd"])
 
 
 def write_result(result: dict) -> None:
