@@ -1,6 +1,7 @@
 """Worker for tests/test_multihost.py: one process of a `jax.distributed` cluster.
 
-args: {"action": ..., "directory": ..., plus what the action needs}
+args: {"tasks": [task, ...]}, each task {"action": ..., "directory": ..., plus what it needs}, run
+in turn in the one cluster; the result is {"tasks": [what each returned, in order]}.
 - "write": save `mlp` (arange values) at step 1 on a (2, 4) mesh, then train it with `ModelCheckpoint`
   (resume, async) and write every trained variable (gathered) to <workdir>/trained.npz from process 0.
 - "read": restore step 1 under each of args["layouts"]; report per layout the values that differ and
@@ -8,17 +9,23 @@ args: {"action": ..., "directory": ..., plus what the action needs}
   layout ending ":on" or ":off" restores with `single_replica_reads` True or False; else the default.
   With args["trained"]
   and args["reference"] (the writer's npz), also `load_model` the latest trained step and compare.
-- "save_big": save a small step, then a large one, writing <workdir>/saving before it (for SIGKILL).
+- "save_killed": save step 1, then step 2; process 1 SIGKILLs itself just before it opens its first
+  file of step 2 (an audit hook): the step's temporary directory exists, nothing is committed.
 - "read_expect_error": restore step 1 of each of args["directories"] (`single_replica_reads=True`);
   report the error each got.
+- "read_own_view": each process restores the latest step of its own args["directories"][i].
 - "bucket": args["directory"] is an object-store URL: save `mlp` (arange values) at step 1 under the
   "replicated" layout, then "read" it under args["layouts"] (replicas read once: the default there).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import keras
@@ -37,6 +44,7 @@ for _name in keras_orbax.__all__:
 # Kernels (16, 4096) and (4096, 8): 384 KiB, far more than the metadata a restore reads.
 WIDTH = 4096
 SWITCHES = {"": None, "on": True, "off": False}  # layout suffix -> single_replica_reads
+_WRITING = os.O_WRONLY | os.O_RDWR
 
 
 def _rchar() -> int:
@@ -159,15 +167,26 @@ def _compare_with_arange(model: keras.Model) -> list[str]:
     return wrong
 
 
-def save_big(directory: Path, workdir: Path) -> dict:
+def save_killed(directory: Path) -> dict:
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     model = _models.mlp()
     keras_orbax.save(model, directory, step=1)
-    big = keras.Sequential([keras.Input((4096,))] + [keras.layers.Dense(4096) for _ in range(4)])
     if jax.process_index() == 1:
-        (workdir / "saving").write_text("")
-    keras_orbax.save(big, directory, step=2)  # ~256 MiB: process 1 is killed while it writes
+        sys.addaudithook(_kill_at_first_write(f"{directory}/2.orbax-checkpoint-tmp"))
+    keras_orbax.save(model, directory, step=2)
     return {"finished": True}
+
+
+def _kill_at_first_write(prefix: str):
+    """An audit hook that SIGKILLs this process just before it opens a file under `prefix` for
+    writing (`open()` or `os.open`): in the middle of that save, whatever its speed."""
+
+    def hook(event: str, args: tuple) -> None:
+        # args: path, mode, the flags given to open(2) (both calls)
+        if event == "open" and str(args[0]).startswith(prefix) and args[2] & _WRITING:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 def read_expect_error(directories: list[str]) -> list[dict]:
@@ -213,26 +232,27 @@ def bucket(url: str, layouts: list[str]) -> dict:
     return read(f"{url}/arange", layouts, None, None)
 
 
+def run(task: dict[str, Any], workdir: Path) -> Any:
+    action = task["action"]
+    if action == "bucket":
+        return bucket(task["directory"], task["layouts"])
+    if action == "write":
+        return write(Path(task["directory"]), workdir)
+    if action == "read":
+        return read(task["directory"], task["layouts"], task.get("trained"), task.get("reference"))
+    if action == "save_killed":
+        return save_killed(Path(task["directory"]))
+    if action == "read_own_view":
+        return read_own_view(task["directories"])
+    if action == "read_expect_error":
+        return {"restores": read_expect_error(task["directories"])}
+    raise ValueError(f"unknown action {action!r}")
+
+
 def main() -> None:
     ctx = init_worker()
     keras.utils.set_random_seed(0)  # every process must initialize the same values
-    args = ctx.args
-    directory = Path(args["directory"])
-    action = args["action"]
-    if action == "bucket":
-        write_result(bucket(args["directory"], args["layouts"]))
-    elif action == "write":
-        write_result(write(directory, ctx.workdir))
-    elif action == "read":
-        write_result(read(directory, args["layouts"], args.get("trained"), args.get("reference")))
-    elif action == "save_big":
-        write_result(save_big(directory, ctx.workdir))
-    elif action == "read_own_view":
-        write_result(read_own_view(args["directories"]))
-    elif action == "read_expect_error":
-        write_result({"restores": read_expect_error(args["directories"])})
-    else:
-        raise ValueError(f"unknown action {action!r}")
+    write_result({"tasks": [run(task, ctx.workdir) for task in ctx.args["tasks"]]})
 
 
 if __name__ == "__main__":
