@@ -1,8 +1,10 @@
 """Checkpoints in object storage: `s3://bucket/prefix` and `gs://bucket/prefix`, given as plain strings.
 
-Every test runs against both local servers (`tests/_object_stores.py`: moto for S3, a patched
-gcp-storage-emulator for GCS), each in a fresh bucket, with the endpoint and credentials only in the
-standard environment variables. Objects are listed, deleted and damaged with the stores' own
+The local servers (`tests/_object_stores.py`: moto for S3, a patched gcp-storage-emulator for GCS)
+each give a test a fresh bucket, with the endpoint and credentials only in the standard environment
+variables. A test of what each store does its own way (writing, listing, ranged reads, deleting,
+missing and damaged objects, a step cut short) runs against both (`store`, `bucket`); one of what
+keras-orbax does the same way on either store, above those, runs against one. Objects are listed, deleted and damaged with the stores' own
 clients, never through keras-orbax. The working directory is an empty folder that must stay empty:
 a URL taken for a local path (`gs:/bucket/...`) would show up there.
 """
@@ -16,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,8 +124,8 @@ def test_save_then_restore_sharded_under_model_parallel(store, bucket, mesh_2x4)
     _assert_restored(model, expected)
 
 
-def test_restore_onto_other_layouts(bucket, distribution):
-    url = f"{bucket}/run"
+def test_restore_onto_other_layouts(gcs_bucket, distribution):
+    url = f"{gcs_bucket}/run"
     distribution(_models.model_parallel((2, 4)))
     expected = _saved_arange(url)
 
@@ -178,8 +179,8 @@ def test_model_checkpoint_keeps_the_latest_and_resumes_exactly(store, bucket, me
     assert _steps_in_bucket(store, url) == {"6"}
 
 
-def test_load_model_from_a_bucket(bucket, mesh_2x4):
-    url = f"{bucket}/run"
+def test_load_model_from_a_bucket(s3_bucket, mesh_2x4):
+    url = f"{s3_bucket}/run"
     source = _compiled_mlp(seed=3)
     source.optimizer.build(source.trainable_variables)
     _models.fill_arange(source)
@@ -197,11 +198,15 @@ def test_load_model_from_a_bucket(bucket, mesh_2x4):
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(source(x)))
 
 
-def test_inspect_and_the_command_line(store, bucket, mesh_2x4):
-    url = f"{bucket}/run"
+def _saved_twice(url: str) -> None:
     model = _models.mlp()
     keras_orbax.save(model, url, step=5, epoch=2)
     keras_orbax.save(model, url, step=9, epoch=3)
+
+
+def test_inspect(store, bucket, mesh_2x4):
+    url = f"{bucket}/run"
+    _saved_twice(url)
 
     info = keras_orbax.inspect(url, step=5)
     assert info.steps == (5, 9) and info.step == 5 and info.record.epoch == 2
@@ -211,7 +216,15 @@ def test_inspect_and_the_command_line(store, bucket, mesh_2x4):
     assert str(info).startswith(f"{url}: steps [5, 9]; step 5, epoch 2, 4 variables, 3.2 KiB")
     assert all(s.disk_bytes >= MLP_BYTES for s in info.summaries)
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KERAS_BACKEND": "jax", **store.env}
+
+def test_the_command_line_finds_the_emulator_from_the_environment(gcs_store, gcs_bucket, mesh_2x4):
+    """GCS: a fresh process derives tensorstore's and gcsfs's settings from STORAGE_EMULATOR_HOST
+    before they are imported (S3's clients read the standard variables themselves)."""
+    url = f"{gcs_bucket}/run"
+    _saved_twice(url)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "KERAS_BACKEND": "jax", **gcs_store.env}
+    for derived in gcs_store.clean_env:
+        env.pop(derived, None)
     printed = subprocess.run(
         [sys.executable, "-m", "keras_orbax", "inspect", url],
         capture_output=True,
@@ -287,8 +300,8 @@ def test_damaged_shard_object_is_corrupt_and_the_model_is_untouched(
 
 
 def test_killed_mid_save_the_latest_committed_step_restores(store, bucket, tmp_path, mesh_2x4):
+    """The worker saves step 1, then SIGKILLs itself once the first object of step 2 is written."""
     url = f"{bucket}/run"
-    marker = tmp_path / "saving"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(
         store.env,
@@ -297,31 +310,18 @@ def test_killed_mid_save_the_latest_committed_step_restores(store, bucket, tmp_p
         KERAS_BACKEND="jax",
         PYTHONPATH=str(REPO_ROOT),
     )
-    args = json.dumps({"directory": url, "marker": str(marker)})
-    with open(tmp_path / "worker.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKERS_DIR / "bucket_save.py"), args],
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        done = subprocess.run(
+            [sys.executable, str(WORKERS_DIR / "bucket_save.py"), json.dumps({"directory": url})],
             cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
+            timeout=HANG_S,
         )
-    try:
-        # Once step 1 is committed and step 2 has begun, kill at its first object in the bucket.
-        deadline = time.monotonic() + HANG_S
-        while not (marker.exists() and _steps_in_bucket(store, url) - {"1"}):
-            assert proc.poll() is None, _log_tail(tmp_path / "worker.log")
-            assert time.monotonic() < deadline, "step 2 did not start; " + _log_tail(
-                tmp_path / "worker.log"
-            )
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=HANG_S) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert done.returncode == -signal.SIGKILL, _log_tail(log)
 
     left = _steps_in_bucket(store, url) - {"1"}
     assert left, "the kill left nothing of step 2 behind; nothing was tested"
