@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import keras
@@ -165,13 +164,27 @@ def test_orbax_checkpoint_not_written_by_keras_orbax(tmp_path):
     _restore_fails(_models.mlp(), tmp_path, CorruptCheckpointError, "not written by keras-orbax")
 
 
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every file and directory under `root`: inode, modification time (ns) and file content. (A
+    directory's own mtime changes only when an entry directly in it comes or goes: a file written
+    over in place, or anything in a subdirectory, leaves it as it was.)"""
+    return {
+        str(p.relative_to(root)): (
+            p.stat().st_ino,
+            p.stat().st_mtime_ns,
+            None if p.is_dir() else p.read_bytes(),
+        )
+        for p in [root, *root.rglob("*")]
+    }
+
+
 def test_saving_a_committed_step_again_is_refused(saved, distribution):
     distribution(_models.model_parallel((2, 4)))
     model = _models.mlp()
-    modified = os.path.getmtime(saved / "3")
+    before = _tree(saved)
     with pytest.raises(StepExistsError, match=r"Step 3 is already committed in .*overwrite=True"):
         keras_orbax.save(model, saved, step=3)
-    assert os.path.getmtime(saved / "3") == modified
+    assert _tree(saved) == before  # nothing written, replaced or added anywhere in the directory
     keras_orbax.save(model, saved, step=3, overwrite=True)
     assert float(keras_orbax.restore_sharded(model, saved).step) == 3
 
