@@ -4,12 +4,24 @@ The environment is set here, before jax or keras is imported by any test module.
 """
 
 import os
+from pathlib import Path
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A persistent compilation cache, shared by this session, its xdist workers and every subprocess
+# the tests start (they inherit the environment), and kept between runs: most of the programs the
+# tests compile (the same small models, trained and restored again and again) are the same in
+# every process and every run. Thresholds at 0: each of these programs takes well under JAX's
+# default of 1 s to compile, so none would be cached. A cache directory already set wins;
+# `/.cache/` is ignored by git.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import keras
