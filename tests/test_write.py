@@ -114,7 +114,17 @@ def _assert_orbax_loads(step_dir: Path, tree: dict) -> None:
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(tree), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert got.sharding.is_equivalent_to(want.sharding, want.ndim)
-    assert ocp.checkpointables_metadata(step_dir).metadata is not None
+    # Orbax's metadata of the step describes every array as saved.
+    described = ocp.checkpointables_metadata(step_dir).metadata["state"]
+    assert _shapes(described) == _shapes(tree)
+
+
+def _shapes(tree: dict) -> dict[str, tuple]:
+    """Each leaf's path, shape and dtype (arrays or Orbax's metadata of them)."""
+    return {
+        jax.tree_util.keystr(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
 def test_arrays_up_to_pack_bytes_are_one_file_and_restore_onto_any_layout(tmp_path, distribution):
