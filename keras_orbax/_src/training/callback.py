@@ -170,7 +170,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._saves = Collector()
             unpacked = (v for v in self._state_values() if not shard_writer.is_packed(v))
             self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
-            step_writer.warm_up()
+        # Here rather than in the first save, which would block the loop for it (seconds where
+        # TensorFlow is installed). Not in a thread: a short first epoch would end before it does.
+        step_writer.warm_up()
         if self.save_on_preemption:
             self._watcher.start()
 

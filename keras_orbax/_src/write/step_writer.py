@@ -115,8 +115,16 @@ def save(
 
 def warm_up() -> None:
     """Does now what the first save in a process would otherwise spend its time on: reading the
-    installed packages' versions for the record (6 ms of parsing package metadata)."""
-    versions()
+    installed packages' versions for the record (6 ms of parsing package metadata), and Keras's
+    first serialization, which tries to import TensorFlow (it checks objects against
+    `tf.TensorShape`): 2-3 s where TensorFlow is installed (docs/benchmarks.md).
+
+    Never raises: a failure here is met again, and reported, by the save itself.
+    """
+    with contextlib.suppress(Exception):
+        versions()
+        # An initializer reaches Keras's TensorFlow check, as the model's config does.
+        keras.saving.serialize_keras_object(keras.initializers.Zeros())
 
 
 def open_checkpointer(
