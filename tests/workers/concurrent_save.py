@@ -1,15 +1,15 @@
 """One of two processes saving to the same checkpoint directory at once; started by
 `tests/test_environment.py`. argv[1]: JSON with directory, writer (0 or 1), steps (a list: saved
-in turn, each started when both writers are ready), workdir (for the ready files) and result.
+in turn, each started when both writers are ready), workdir (for a FIFO per step) and result.
 
 The model's every value is `writer + 1`, so a step mixing both writers' files shows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 args = json.loads(sys.argv[1])
@@ -28,9 +28,12 @@ for variable in model.variables:
 workdir = Path(args["workdir"])
 outcomes = []
 for round_, step in enumerate(args["steps"]):
-    (workdir / f"ready_{round_}_{args['writer']}").write_text("")
-    while not all((workdir / f"ready_{round_}_{w}").exists() for w in (0, 1)):
-        time.sleep(0.001)
+    # A rendezvous: opening a FIFO blocks until its other end is opened too (writer 0 reads,
+    # writer 1 writes), so both leave here together, woken by the kernel.
+    fifo = workdir / f"ready_{round_}"
+    with contextlib.suppress(FileExistsError):
+        os.mkfifo(fifo)
+    os.close(os.open(fifo, os.O_RDONLY if args["writer"] == 0 else os.O_WRONLY))
     try:
         keras_orbax.save(model, args["directory"], step=step)
         outcomes.append("ok")
