@@ -45,6 +45,8 @@ _LONGEST_FIRST = (
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # once a run, before any xdist worker writes entries
+        _drop_empty_cache_entries(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
     if keras.backend.backend() != "jax":
         raise pytest.UsageError(
             f"keras-orbax tests need KERAS_BACKEND=jax, got {keras.backend.backend()}"
@@ -54,6 +56,16 @@ def pytest_configure(config: pytest.Config) -> None:
             f"keras-orbax tests need {N_DEVICES} devices, got {jax.device_count()}: "
             "XLA_FLAGS was set after jax initialized its backend."
         )
+
+
+def _drop_empty_cache_entries(directory: Path) -> None:
+    """JAX creates an entry's file, then writes it; a process killed in between (the tests
+    SIGKILL workers) leaves an empty entry, which JAX warns about at every read and never writes
+    again."""
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            if entry.is_file() and entry.stat().st_size == 0:
+                entry.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
