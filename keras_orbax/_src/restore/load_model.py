@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -10,7 +9,6 @@ import keras
 
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.restore.restore import restore_sharded
-from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
 
@@ -55,8 +53,7 @@ def load_model(
     model = keras_orbax.load_model("/ckpt")
     ```
     """
-    located = multihost.primary_value("load_model/locate", _locate, os.fspath(directory), step)
-    source = resolve.open_located(resolve.Located(**located))
+    source = resolve.open_on_every_process(directory, step, "load_model")
     config = source.model_config
     if config is None:
         raise resolve.unsupported(source, "load_model", _without_config(source))
@@ -70,10 +67,6 @@ def load_model(
         compile_deferred(model, compile_config, custom_objects, safe_mode)
     restore_sharded(model, source.label, strict=strict)
     return model
-
-
-def _locate(location: str, step: int | None) -> dict[str, Any]:
-    return dataclasses.asdict(resolve.locate(location, step))
 
 
 def _without_config(source: Source) -> str:

@@ -7,7 +7,6 @@ import inspect
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 import keras
@@ -149,8 +148,7 @@ def restore_sharded(
     # Collective: process 0 decides what the location names and which step; every process checks
     # what it will read, then reads its shards; all raise if any fails, and only then does any
     # process change anything.
-    located = multihost.primary_value("restore_sharded/locate", _locate, os.fspath(directory), step)
-    source = resolve.open_located(resolve.Located(**located))
+    source = resolve.open_on_every_process(directory, step, "restore_sharded")
     share = replicas.enabled(
         single_replica_reads, object_storage=locations.is_remote(source.location)
     )
@@ -198,10 +196,6 @@ def restore_sharded(
         bytes_received=reads.received_bytes,
         paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
     )
-
-
-def _locate(location: str, step: int | None) -> dict[str, Any]:
-    return dataclasses.asdict(resolve.locate(location, step))
 
 
 def _prepare(

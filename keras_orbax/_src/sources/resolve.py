@@ -63,6 +63,20 @@ def open_source(location: str | os.PathLike, step: int | None = None) -> Source:
     return open_located(locate(location, step))
 
 
+def open_on_every_process(location: str | os.PathLike, step: int | None, verb: str) -> Source:
+    """`open_source` under `jax.distributed`: process 0 decides what `location` names and which
+    step (a step committed in between must not split the processes), every process opens that.
+    Collective: every process calls it, with the same `verb`."""
+    from keras_orbax._src.runtime import multihost  # imports JAX: not on `inspect`'s path
+
+    located = multihost.primary_value(f"{verb}/locate", _locate_json, os.fspath(location), step)
+    return open_located(Located(**located))
+
+
+def _locate_json(location: str, step: int | None) -> dict[str, Any]:
+    return dataclasses.asdict(locate(location, step))
+
+
 def open_located(located: Located) -> Source:
     """The source of a `locate` decision."""
     path = locations.as_path(located.location)
