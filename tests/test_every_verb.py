@@ -189,6 +189,19 @@ def test_restore_sharded(home, saved, kind, distribution):
     assert _same_for_every_spelling(home, kind, restored) == expected
 
 
+def _loaded_or_why(load, reference: dict[str, np.ndarray]) -> object:
+    """The shardings of the model `load()` makes, its values checked against `reference`; or, for
+    a verb that cannot serve the source, what its one-line error says to do instead (the part
+    after the location, which differs by spelling)."""
+    try:
+        model = load()
+    except UnsupportedSourceError as error:
+        assert len(str(error).splitlines()) == 1
+        return str(error).split(": ", 1)[1]
+    _assert_values(model, reference)
+    return _shardings(model)
+
+
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_load_model(home, saved, kind, distribution):
     _, references = saved
@@ -197,13 +210,7 @@ def test_load_model(home, saved, kind, distribution):
     expected = _shardings(BUILD[architecture]())
 
     def loaded(location: str) -> object:
-        try:
-            model = keras_orbax.load_model(location)
-        except UnsupportedSourceError as error:
-            assert len(str(error).splitlines()) == 1
-            return str(error).replace(str(home), "ROOT").split(": ", 1)[1]
-        _assert_values(model, references[architecture])
-        return _shardings(model)
+        return _loaded_or_why(lambda: keras_orbax.load_model(location), references[architecture])
 
     answer = _same_for_every_spelling(home, kind, loaded)
     if kind in LOAD_MODEL_USE:
@@ -220,13 +227,10 @@ def test_from_preset(home, saved, kind, distribution):
     expected = _shardings(BUILD[architecture]())
 
     def loaded(location: str) -> object:
-        try:
-            model = keras_orbax.from_preset(keras_hub.models.Llama3Backbone, location)
-        except UnsupportedSourceError as error:
-            assert len(str(error).splitlines()) == 1
-            return str(error).replace(str(home), "ROOT").split(": ", 1)[1]
-        _assert_values(model, references[architecture])
-        return _shardings(model)
+        return _loaded_or_why(
+            lambda: keras_orbax.from_preset(keras_hub.models.Llama3Backbone, location),
+            references[architecture],
+        )
 
     answer = _same_for_every_spelling(home, kind, loaded)
     if kind in FROM_PRESET_USE:

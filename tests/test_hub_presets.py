@@ -9,20 +9,11 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from tests._hub import import_keras_hub
+from tests._hub import TINY_GEMMA, import_keras_hub
 from tests.test_hf_safetensors import GEMMA, LLAMA
 from tests.test_no_code import no_code_execution
 
 keras_hub = import_keras_hub()
-KERAS_GEMMA = dict(
-    vocabulary_size=64,
-    num_layers=2,
-    num_query_heads=4,
-    num_key_value_heads=4,
-    hidden_dim=16,
-    intermediate_dim=32,
-    head_dim=8,
-)
 
 
 def _distribution(cls, shape=(4, 2)) -> keras.distribution.ModelParallel:
@@ -69,7 +60,7 @@ def test_hugging_face_directory_loads_like_keras_hub(
 def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution, monkeypatch):
     cls = keras_hub.models.GemmaBackbone
     distribution(_distribution(cls, (2, 4)))
-    cls(**KERAS_GEMMA).save_to_preset(str(tmp_path / "preset"))
+    cls(**TINY_GEMMA).save_to_preset(str(tmp_path / "preset"))
     distribution(_distribution(cls))
     expected = cls.from_preset(str(tmp_path / "preset"))
     with no_code_execution(monkeypatch) as calls:
@@ -81,7 +72,7 @@ def test_keras_format_preset_loads_like_keras_hub(tmp_path, distribution, monkey
 
 
 def test_a_task_preset_loads_like_keras_hub(tmp_path, distribution, monkeypatch):
-    backbone = keras_hub.models.GemmaBackbone(**KERAS_GEMMA)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
     keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None).save_to_preset(
         str(tmp_path / "task")
     )

@@ -15,17 +15,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax.errors import KerasOrbaxError, NotDeferrableError
-from tests._hub import import_keras_hub
-
-KERAS_GEMMA = dict(
-    vocabulary_size=64,
-    num_layers=2,
-    num_query_heads=4,
-    num_key_value_heads=4,
-    hidden_dim=16,
-    intermediate_dim=32,
-    head_dim=8,
-)
+from tests._hub import TINY_GEMMA, import_keras_hub
 
 # -- ModelCheckpoint ------------------------------------------------------------------------------
 
@@ -94,7 +84,7 @@ def presets(hub, tmp_path_factory):
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(None)
     try:
-        backbone = hub.GemmaBackbone(**KERAS_GEMMA)
+        backbone = hub.GemmaBackbone(**TINY_GEMMA)
         backbone.save_to_preset(str(root / "backbone"))
         task = hub.GemmaCausalLM(backbone=backbone, preprocessor=None)
         task.save_to_preset(str(root / "task"))

@@ -11,21 +11,13 @@ import keras
 import numpy as np
 
 import keras_orbax
-from tests._hub import import_keras_hub
+from tests._hub import TINY_GEMMA, import_keras_hub
 
 keras_hub = import_keras_hub()
 
 
 def _gemma() -> keras.Model:
-    return keras_hub.models.GemmaBackbone(
-        vocabulary_size=64,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=4,
-        hidden_dim=16,
-        intermediate_dim=32,
-        head_dim=8,
-    )
+    return keras_hub.models.GemmaBackbone(**TINY_GEMMA)
 
 
 def _distribution(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
