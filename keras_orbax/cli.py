@@ -49,18 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    if args.quiet:
-        warnings.simplefilter("ignore")
-    try:
-        _prepare()
-        return int(args.run(args) or 0)
-    except KeyboardInterrupt:
-        print("keras-orbax: interrupted", file=sys.stderr)
-        return EXIT_ERROR
-    except Exception as error:  # one line, no traceback: every error of ours names its path
-        print(f"keras-orbax {args.command}: error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_ERROR
+    absl = logging.getLogger("absl")
+    absl_level = absl.level
+    absl.setLevel(logging.ERROR)
+    # Restored on return: `main` also runs inside other programs (and tests), whose logging and
+    # warning filters are theirs.
+    with warnings.catch_warnings():
+        if args.quiet:
+            warnings.simplefilter("ignore")
+        try:
+            _prepare()
+            return int(args.run(args) or 0)
+        except KeyboardInterrupt:
+            print("keras-orbax: interrupted", file=sys.stderr)
+            return EXIT_ERROR
+        except Exception as error:  # one line, no traceback: every error of ours names its path
+            print(f"keras-orbax {args.command}: error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_ERROR
+        finally:
+            absl.setLevel(absl_level)
 
 
 def _parser() -> argparse.ArgumentParser:

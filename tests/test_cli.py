@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import keras
@@ -42,13 +43,8 @@ def _run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
 
 def _main(capsys: pytest.CaptureFixture, *args: str, check: int = 0) -> subprocess.CompletedProcess:
     """`keras_orbax.cli.main(args)` in this process: its exit code, stdout and stderr."""
-    absl = logging.getLogger("absl")
-    level = absl.level
     capsys.readouterr()
-    try:
-        code = cli.main(list(args))
-    finally:
-        absl.setLevel(level)  # `main` quiets absl's logger for the rest of its process
+    code = cli.main(list(args))
     out, err = capsys.readouterr()
     assert code == check, out + err
     return subprocess.CompletedProcess(args, code, out, err)
@@ -350,3 +346,16 @@ def test_a_mismatch_is_one_line_of_sentences(tmp_path, capsys):
     assert "problems. " in line and "Nothing was written" in line
     assert "strict=False" not in line
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_main_in_process_leaves_the_callers_logging_and_warnings_as_they_were(tmp_path, capsys):
+    absl = logging.getLogger("absl")
+    before = absl.level
+    absl.setLevel(logging.INFO)
+    filters = list(warnings.filters)
+    try:
+        _main(capsys, "inspect", "-q", str(tmp_path / "missing"), check=cli.EXIT_ERROR)
+        assert absl.level == logging.INFO  # main quiets absl only while it runs
+        assert warnings.filters == filters  # and -q ignores warnings only while it runs
+    finally:
+        absl.setLevel(before)
