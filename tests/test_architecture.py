@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "read": 5,
     "sources": 6,
     "write": 6,
+    "export": 6,
     "restore": 7,
     "tools": 8,
     "training": 8,
