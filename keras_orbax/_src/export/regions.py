@@ -1,0 +1,120 @@
+"""A sharded `jax.Array` as host blocks of at most a window each, with their global positions.
+
+Every sink writes through this: it never fetches a whole variable (keras-hub's and Keras's own
+writers do, which is what runs a host out of memory on a sharded 9B model), only one window of one
+shard at a time, sliced on the device so that no host buffer larger than the window exists.
+
+A block is cut along the leading axis of its shard (whole rows, so it is one contiguous run of the
+shard); only where a single row exceeds the window is it cut along the next axis, and so on.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+
+Index = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """`block` holds the elements `index` names of the whole (global) array: each slice has int
+    `start` and `stop` and step 1, one per axis (none for a scalar)."""
+
+    index: Index
+    block: np.ndarray
+
+
+def normalized(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """`index` (as `jax.Shard.index` gives it, `slice(None)` for a whole axis) with int bounds."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def distinct_shards(array: jax.Array) -> list[jax.Shard]:
+    """This process's shards of `array`, one per distinct region (a replicated region once).
+
+    A region held by several of this process's devices is taken from the lowest replica, so each
+    region of the array is read once per process.
+    """
+    chosen: dict[tuple[tuple[int, int], ...], jax.Shard] = {}
+    for shard in array.addressable_shards:
+        key = tuple((s.start, s.stop) for s in normalized(shard.index, array.shape))
+        if key not in chosen or shard.replica_id < chosen[key].replica_id:
+            chosen[key] = shard
+    return [chosen[k] for k in sorted(chosen)]
+
+
+def windows(shape: tuple[int, ...], itemsize: int, window_bytes: int) -> Iterator[Index]:
+    """Sub-regions (local to a block of `shape`) of at most `window_bytes` each, in C order.
+
+    Whole rows along the leading axis where a row fits; otherwise one index along the leading
+    axes and a run along the first axis whose trailing rows fit (at least one element).
+    """
+    if not shape or 0 in shape:
+        yield tuple(slice(0, n) for n in shape)
+        return
+    window = max(window_bytes, itemsize)
+    axis = 0
+    while axis < len(shape) - 1 and int(np.prod(shape[axis + 1 :])) * itemsize > window:
+        axis += 1
+    row_bytes = int(np.prod(shape[axis + 1 :])) * itemsize
+    step = max(1, window // row_bytes)
+    tail = tuple(slice(0, n) for n in shape[axis + 1 :])
+    for lead in itertools.product(*(range(n) for n in shape[:axis])):
+        head = tuple(slice(i, i + 1) for i in lead)
+        for start in range(0, shape[axis], step):
+            yield (*head, slice(start, min(start + step, shape[axis])), *tail)
+
+
+def shard_regions(
+    array: jax.Array, shards: Iterable[jax.Shard], window_bytes: int = DEFAULT_WINDOW_BYTES
+) -> Iterator[Region]:
+    """The given shards of `array` as host blocks of at most `window_bytes`, global indices."""
+    itemsize = np.dtype(array.dtype).itemsize
+    for shard in shards:
+        origin = normalized(shard.index, array.shape)
+        data = shard.data
+        for local in windows(tuple(data.shape), itemsize, window_bytes):
+            block = np.asarray(jax.device_get(_cut(data, local)))
+            index = tuple(
+                slice(o.start + w.start, o.start + w.stop)
+                for o, w in zip(origin, local, strict=True)
+            )
+            yield Region(index, block)
+            del block
+
+
+def iter_regions(array: jax.Array, window_bytes: int = DEFAULT_WINDOW_BYTES) -> Iterator[Region]:
+    """Every distinct region this process holds of `array`, as host blocks of at most
+    `window_bytes` (the default: 256 MiB), each with its global index.
+
+    The blocks of all processes together cover the array; under `jax.distributed` a region that
+    several processes hold is yielded on each of them (a sink that has one writer decides who
+    writes it).
+    """
+    yield from shard_regions(array, distinct_shards(array), window_bytes)
+
+
+def _cut(data: jax.Array, local: Index) -> jax.Array:
+    """`data[local]`, sliced on its device (only the window is copied to the host).
+
+    One compiled slice per (shape, dtype, window size): the start is a traced argument, so every
+    window of one size reuses it.
+    """
+    if all(s.start == 0 and s.stop == n for s, n in zip(local, data.shape, strict=True)):
+        return data
+    sizes = tuple(s.stop - s.start for s in local)
+    starts = tuple(np.int32(s.start) for s in local)
+    return _slicer(sizes)(data, *starts)
+
+
+@functools.lru_cache(maxsize=256)
+def _slicer(sizes: tuple[int, ...]) -> Callable[..., jax.Array]:
+    return jax.jit(lambda data, *starts: jax.lax.dynamic_slice(data, starts, sizes))
