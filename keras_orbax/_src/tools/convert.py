@@ -40,6 +40,7 @@ def convert(
     model: keras.Model | None = None,
     step: int = 0,
     on_write: Callable[[int, int], None] | None = None,
+    incremental: bool = True,
 ) -> Path:
     """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`.
 
@@ -56,6 +57,8 @@ def convert(
             Hugging Face directory, and for an `OrbaxCheckpoint` step saved without a model config.
         step: The step written.
         on_write: Called with `(nbytes, total)` after each array is written.
+        incremental: Link each shard file unchanged since `destination`'s latest committed step
+            before `step` instead of writing it (local destinations; docs/incremental.md).
 
     Returns:
         The step's directory.
@@ -97,7 +100,9 @@ def convert(
         if on_write is not None:
             on_write(record.variables[key].nbytes, total)
 
-    return array_writer.save_arrays(destination, step, record, read_each(), on_written=written)
+    return array_writer.save_arrays(
+        destination, step, record, read_each(), on_written=written, incremental=incremental
+    )
 
 
 _KERAS_FILES = (".weights.h5", ".h5", ".keras", ".weights.json")

@@ -67,6 +67,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         save_on_background: Write checkpoints while training continues. A failed background
             save raises `SaveFailedError` at the next save or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
+        incremental: Write only the shard files that changed since the previous committed step;
+            the others are hard links to its files, as in `keras_orbax.save`.
         save_on_preemption: On SIGTERM, save at the next batch boundary (waiting until it is
             committed) and stop `fit`, which returns normally with `preempted` set; exiting is
             left to the caller. Under `jax.distributed`, JAX's preemption service makes every
@@ -106,6 +108,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         save_on_background: bool = True,
         format: step_writer.SaveFormat = "fast",
         save_on_preemption: bool = True,
+        incremental: bool = True,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
         validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
@@ -133,6 +136,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self.save_on_background = save_on_background
         self.format = format
         self.save_on_preemption = save_on_preemption
+        self.incremental = incremental
         self.preempted = False
         """True once a preemption notice made this callback save and stop `fit`."""
         self.restored: RestoreResult | None = None
@@ -322,6 +326,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                         extra={"reason": reason},
                         blocking=blocking,
                         weights_only=self.save_weights_only,
+                        incremental=self.incremental,
                         # Orbax's part of the save runs in the background too. Not for compact
                         # arrays (Orbax's own serializer reads the live arrays), nor across
                         # processes (its collectives would interleave with the train step's).

@@ -47,6 +47,7 @@ from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer, step_writer
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
@@ -152,6 +153,7 @@ def save_arrays(
     arrays: Iterable[tuple[str, jax.Array]],
     *,
     on_written: Callable[[str], None] | None = None,
+    incremental: bool = True,
 ) -> Any:
     """Writes `arrays` as the committed step `step` of `directory`, described by `record`.
 
@@ -166,6 +168,8 @@ def save_arrays(
         record: The step's keras-orbax record (each array's key, path, shape, dtype, role).
         arrays: The arrays, one at a time.
         on_written: Called with each key once its array has been handed to the writer.
+        incremental: Link each shard file unchanged since the latest committed step before
+            `step` instead of writing it (`incremental`; local directories).
 
     Returns:
         The step's directory.
@@ -196,7 +200,8 @@ def save_arrays(
                     f"Received: step={step}"
                 )
             try:
-                _save_held(directory, step, record, keys, caller)
+                plan = incremental_saves.plan_for(directory, step) if incremental else None
+                _save_held(directory, step, record, keys, caller, plan)
             except BaseException:
                 _remove_unfinished(directory, step)
                 raise
@@ -220,6 +225,7 @@ def _save_held(
     record: StepRecord,
     keys: list[str],
     caller: _Caller,
+    plan: incremental_saves.Plan | None = None,
 ) -> None:
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
@@ -242,7 +248,7 @@ def _save_held(
     finally:
         _HOLD.reset(token)
     try:
-        _write(_directory(hold, response), record, caller)
+        _write(_directory(hold, response), record, caller, plan)
     except BaseException as error:
         _abandon(hold, response, checkpointer, error)
         raise
@@ -269,10 +275,13 @@ def _directory(hold: _Hold, response: Any) -> Any:
         raise RuntimeError("Orbax finished the save without asking for its arrays.")
 
 
-def _write(state_dir: Any, record: StepRecord, caller: _Caller) -> None:
+def _write(
+    state_dir: Any, record: StepRecord, caller: _Caller, plan: incremental_saves.Plan | None
+) -> None:
     """Writes each of the caller's arrays into `state_dir`, letting each go once it is written."""
     seen: set[str] = set()
-    with shard_writer.ArrayFiles(state_dir, in_flight_bytes=_IN_FLIGHT_BYTES) as files:
+    in_flight = _IN_FLIGHT_BYTES
+    with shard_writer.ArrayFiles(state_dir, in_flight_bytes=in_flight, plan=plan) as files:
         for key, value in caller:
             _check(record, key, value, seen)
             seen.add(key)

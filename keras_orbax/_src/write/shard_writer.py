@@ -39,7 +39,7 @@ from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import checksum
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.storage import durable, locations
-from keras_orbax._src.write import staging
+from keras_orbax._src.write import incremental, staging
 from keras_orbax._src.write.shard_metadata import SavedArray, array_files, step_files
 
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -103,6 +103,7 @@ class _Shard:
     coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
     data: np.ndarray  # C-contiguous host bytes
     packed: bool = False
+    layout: str = ""  # what its fingerprint says besides the bytes (`incremental.layout_of`)
 
     @property
     def relative(self) -> str:
@@ -127,10 +128,12 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         else:
             shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
+        plan = incremental.active()
 
         async def write() -> None:
             await parent.await_creation()
-            await asyncio.to_thread(write_arrays, locations.as_path(parent.path), arrays, shards)
+            path = locations.as_path(parent.path)
+            await asyncio.to_thread(write_arrays, path, arrays, shards, plan)
 
         return write()
 
@@ -191,7 +194,13 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     host = _on_host([s.data for _, s in picked])
     fetched = iter(_on_host([s.data for _, shards in whole for s in shards]))
     assembled = [
-        _Shard(p.name, (0,) * p.value.ndim, _assemble(p.value, shards, fetched), packed=True)
+        _Shard(
+            p.name,
+            (0,) * p.value.ndim,
+            _assemble(p.value, shards, fetched),
+            packed=True,
+            layout=_layout(p.value, p.value.shape, packed=True),
+        )
         for p, shards in whole
     ]
     held = staging.active()
@@ -201,14 +210,21 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
         host = held.keep(host, [p.value for p in unpacked])
     else:
         host = [np.array(data, order="C") for data in host]
+    values = {p.name: p.value for p in unpacked}
     shards = []
     for (name, shard), data in zip(picked, host, strict=True):
         chunk = shard.data.shape
         coords = tuple(
             (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
         )
-        shards.append(_Shard(name, coords, data))
+        layout = _layout(values[name], chunk, packed=False)
+        shards.append(_Shard(name, coords, data, layout=layout))
     return shards + assembled
+
+
+def _layout(value: jax.Array, chunk: tuple[int, ...], *, packed: bool) -> str:
+    shape, dtype = tuple(value.shape), np.dtype(value.dtype)
+    return incremental.layout_of(shape, tuple(chunk), dtype, value.sharding, packed)
 
 
 def _on_host(datas: list[jax.Array]) -> list[np.ndarray]:
@@ -229,13 +245,19 @@ def _assemble(value: jax.Array, shards: Sequence[Any], datas: Iterator[np.ndarra
     return whole
 
 
-def write_arrays(directory: Any, arrays: list[SavedArray], shards: list[_Shard]) -> None:
+def write_arrays(
+    directory: Any,
+    arrays: list[SavedArray],
+    shards: list[_Shard],
+    plan: incremental.Plan | None = None,
+) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
     durably: each file and each directory is fsync-ed (an object is durable once written)
-    before this returns."""
+    before this returns. With `plan`, a shard unchanged since the previous step is linked."""
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
-    with ArrayFiles(directory, workers=_WORKERS_SMALL if local_small else _WORKERS) as files:
+    workers = _WORKERS_SMALL if local_small else _WORKERS
+    with ArrayFiles(directory, workers=workers, plan=plan) as files:
         files.add(arrays, shards)
         files.finish()
 
@@ -248,7 +270,9 @@ class ArrayFiles:
     With `in_flight_bytes`, `add` returns only once at most that many bytes of shards are still
     being written, so a caller that hands over one array at a time and lets it go holds about
     that much beyond the array it is reading (`convert`). Without it, every shard is written
-    concurrently and waited for in `finish` (`save`: all the arrays exist already).
+    concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`
+    (local directories), each shard is fingerprinted and, if unchanged since the previous step,
+    linked to that step's file (`incremental`).
 
     ```python
     with ArrayFiles(state_dir, in_flight_bytes=64 << 20) as files:
@@ -259,9 +283,15 @@ class ArrayFiles:
     """
 
     def __init__(
-        self, directory: Any, *, workers: int = _WORKERS, in_flight_bytes: int | None = None
+        self,
+        directory: Any,
+        *,
+        workers: int = _WORKERS,
+        in_flight_bytes: int | None = None,
+        plan: incremental.Plan | None = None,
     ) -> None:
         self._remote = locations.is_remote(directory)
+        self._plan = None if self._remote else plan
         # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
         self._root = os.fspath(directory)
         self._store = locations.kvstore(directory) if self._remote else None
@@ -269,7 +299,7 @@ class ArrayFiles:
         self._once = _Once()
         self._made: dict[str, None] = {}  # directories made (relative), parents first
         self._arrays: list[SavedArray] = []
-        self._checksums: dict[str, dict[str, int]] = {}
+        self._checksums: dict[str, dict[str, Any]] = {}
         self._pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
         self._in_flight, self._limit = 0, in_flight_bytes
 
@@ -297,7 +327,8 @@ class ArrayFiles:
         self._pending.append((self._write(step_files(self._arrays), []), 0))
         while self._pending:
             self._collect_oldest()
-        name, content = _checksums_name(), _checksums_json(self._checksums)
+        name = _checksums_name()
+        content = _checksums_json(self._checksums, fingerprinted=self._plan is not None)
         if self._store is not None:
             self._store.write(name, content).result()
             return
@@ -326,9 +357,11 @@ class ArrayFiles:
         # directories to make are those and every one above them.
         writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
         for shard in shards:
-            writes[_parent(shard.relative)].append(
-                functools.partial(_write_shard, self._root, shard)
-            )
+            if self._plan is not None:
+                write = functools.partial(self._plan.write_or_link, self._root, shard, _write_shard)
+            else:
+                write = functools.partial(_write_shard, self._root, shard)
+            writes[_parent(shard.relative)].append(write)
         metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         for name, content in files:
             metadata[_parent(name)].append((f"{self._root}/{name}", content))
@@ -391,8 +424,11 @@ def _checksums_name() -> str:
     return f"{checksum.CHECKSUMS_DIR}/process_{jax.process_index()}.json"
 
 
-def _checksums_json(checksums: dict[str, dict[str, int]]) -> bytes:
-    return json.dumps({"algorithm": checksum.ALGORITHM, "files": checksums}).encode()
+def _checksums_json(checksums: dict[str, dict[str, Any]], *, fingerprinted: bool) -> bytes:
+    content: dict[str, Any] = {"algorithm": checksum.ALGORITHM}
+    if fingerprinted:  # each entry's fingerprint (`incremental`): older readers ignore it
+        content[incremental.ENTRY_KEY] = incremental.ALGORITHM
+    return json.dumps({**content, "files": checksums}).encode()
 
 
 def _put_shard(store: Any, shard: _Shard) -> tuple[str, dict[str, int]]:

@@ -26,6 +26,7 @@ from keras_orbax._src.model import shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, quiet
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer
 from keras_orbax.errors import (
     DeferredVariableError,
@@ -59,6 +60,7 @@ def save(
     epoch: int | None = None,
     format: SaveFormat = "fast",
     overwrite: bool = False,
+    incremental: bool = True,
 ) -> Path:
     """Saves every piece of `model`'s state as one committed checkpoint step.
 
@@ -75,6 +77,10 @@ def save(
         format: `"fast"` (uncompressed, one file per shard: the fastest restore) or `"compact"`
             (zstd + OCDBT: smaller, fewer files). Both restore the same way.
         overwrite: Replace `step` if it is already committed.
+        incremental: Write only the shard files whose content changed since the latest
+            committed step before `step` in `directory`; the others are hard links to that
+            step's files, so every step stays whole (fast format, local directories;
+            docs/incremental.md). False writes every file and records no fingerprints.
 
     Returns:
         The step's directory.
@@ -100,7 +106,13 @@ def save(
             open_checkpointer(directory, format) as checkpointer,
         ):
             write_step(
-                checkpointer, model, step=step, epoch=epoch, overwrite=overwrite, checked=checked
+                checkpointer,
+                model,
+                step=step,
+                epoch=epoch,
+                overwrite=overwrite,
+                checked=checked,
+                incremental=incremental,
             )
     except KerasOrbaxError:
         raise
@@ -186,6 +198,7 @@ def write_step(
     weights_only: bool = False,
     start_later: bool = False,
     checked: tuple[state_keys.KeyedState, dict[str, keras.Variable]] | None = None,
+    incremental: bool = True,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -194,6 +207,8 @@ def write_step(
     copies the shards to the host now and returns a `LaterSave`: its `result()`, called from
     another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
     `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
+    `incremental`: link the shard files unchanged since the previous committed step
+    (`incremental.plan_for`, decided when the save starts writing).
     """
     state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
@@ -211,14 +226,16 @@ def write_step(
     values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
 
     def start() -> DurableResponse | None:
-        response = checkpointer.save_async(
-            step,
-            state_keys.nest(values),
-            force=True,
-            overwrite=overwrite,
-            metrics=metrics,
-            custom_metadata={FORMAT_NAME: record.to_json()},
-        )
+        plan = incremental_saves.plan_for(checkpointer.directory, step) if incremental else None
+        with incremental_saves.planned(plan):
+            response = checkpointer.save_async(
+                step,
+                state_keys.nest(values),
+                force=True,
+                overwrite=overwrite,
+                metrics=metrics,
+                custom_metadata={FORMAT_NAME: record.to_json()},
+            )
         return None if response is None else DurableResponse(response, checkpointer.directory, step)
 
     if start_later and not blocking:

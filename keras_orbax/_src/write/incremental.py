@@ -1,0 +1,178 @@
+"""Incremental saves: a shard file whose content has not changed since the previous committed step
+of the same directory is a hard link to that step's file instead of being written again.
+
+A fine-tuning run (LoRA on a frozen backbone, a new head on a frozen encoder) changes a small part
+of its state between saves; the frozen weights are most of the bytes. Buffer identity cannot tell
+them apart: Keras's JAX trainer hands back a new array for every state variable each step, frozen
+ones included (`tests/test_incremental.py` checks this). So each shard's content is fingerprinted
+when it is written, the fingerprint recorded beside its CRC-32 in the step's checksum files
+(`keras_orbax_checksums/process_<i>.json`, key `fingerprint`), and the next save compares against
+the previous step's record:
+
+- fingerprint: SHA-256 of a header naming the shard's layout (array shape, chunk, dtype, one file
+  or not, sharding) followed by the shard's bytes, kept to its first 128 bits. Two different
+  contents share one with probability 2**-128 per shard compared (docs/incremental.md);
+- a shard is linked only if the previous step recorded the same file name with the same
+  fingerprint, and its file there has the recorded size; it then gets the recorded CRC-32, so the
+  new step's checksum file is complete and `verify` reads it as any other;
+- anything else (no previous step, one written without fingerprints or in object storage, a
+  link the filesystem refuses, a file gone or resized) writes the file in full.
+
+Hard links keep every step self-contained: deleting any other step (retention, `rm -r`) leaves
+the linked file's inode with this step. Nothing writes a committed step's files again, so the
+sharing is invisible to readers (Orbax, tensorstore, keras-orbax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format.step_record import STATE
+from keras_orbax._src.storage import locations
+
+# The fingerprint's name in a checksum file: a step recorded with another (or none) is not compared.
+ALGORITHM = "sha256-128"
+ENTRY_KEY = "fingerprint"
+_DIGEST_HEX = 32  # 128 bits
+
+WriteShard = Callable[[str, Any], tuple[str, Mapping[str, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+    fingerprint: str
+    crc: int
+    nbytes: int
+
+
+class Plan:
+    """What one save compares its shards with: the previous committed step's recorded files
+    (`None`: that step has no fingerprints, or there is none), and counts of what it did."""
+
+    def __init__(self, previous_state: str | None, recorded: dict[str, _Recorded]) -> None:
+        self.previous_state = previous_state
+        self._recorded = recorded
+        self.linked = 0
+        self.written = 0
+
+    def write_or_link(self, root: str, shard: Any, write: WriteShard) -> tuple[str, dict[str, Any]]:
+        """Links `shard`'s file under `root` (a step's `state/`) to the previous step's, if that
+        holds the same content, else writes it with `write`; returns its name and checksum entry
+        (fingerprint included)."""
+        digest = fingerprint(shard.layout, shard.data)
+        relative = shard.relative
+        recorded = self._recorded.get(relative)
+        if recorded is not None and recorded.fingerprint == digest:
+            linked = self._link(relative, f"{root}/{relative}", recorded.nbytes)
+            if linked:
+                self.linked += 1
+                return relative, {
+                    checksum.ALGORITHM: recorded.crc,
+                    "bytes": recorded.nbytes,
+                    ENTRY_KEY: digest,
+                }
+        name, entry = write(root, shard)
+        self.written += 1
+        return name, {**entry, ENTRY_KEY: digest}
+
+    def _link(self, relative: str, target: str, nbytes: int) -> bool:
+        source = f"{self.previous_state}/{relative}"
+        try:
+            if os.stat(source).st_size != nbytes:  # damaged since: write this step's own
+                return False
+            os.link(source, target)
+        except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
+            return False
+        return True
+
+
+def fingerprint(layout: str, data: np.ndarray) -> str:
+    """128 bits of SHA-256 over `layout` and `data`'s bytes (C-contiguous). hashlib releases the
+    GIL over large buffers, so the writer's threads fingerprint shards in parallel."""
+    digest = hashlib.sha256(layout.encode())
+    digest.update(memoryview(data.reshape(-1).view(np.uint8).data))
+    return digest.hexdigest()[:_DIGEST_HEX]
+
+
+@functools.lru_cache(maxsize=4096)
+def layout_of(
+    shape: tuple[int, ...], chunk: tuple[int, ...], dtype: np.dtype, sharding: Any, packed: bool
+) -> str:
+    """The header of a shard's fingerprint: a shard saved with another shape, chunk, dtype,
+    sharding or file arrangement is a new shard, whatever its bytes."""
+    described = _sharding_text(sharding)
+    return f"keras-orbax shard v1|{shape}|{chunk}|{dtype.name}|{int(packed)}|{described}\n"
+
+
+def _sharding_text(sharding: Any) -> str:
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None:  # NamedSharding: axes, their sizes and the spec
+        return f"{type(sharding).__name__}{dict(mesh.shape)}{tuple(spec)}"
+    return repr(sharding)
+
+
+def plan_for(directory: Any, step: int) -> Plan | None:
+    """The plan of a save of `step` to `directory`: compared with the latest committed step before
+    it. None where files cannot be linked (object storage: each object is written in full)."""
+    if locations.is_remote(directory):
+        return None
+    earlier = [s for s in step_dirs.committed_steps(directory) if s < step]
+    if not earlier:
+        return Plan(None, {})
+    state = locations.as_path(directory) / str(earlier[-1]) / STATE
+    return Plan(os.fspath(state), _recorded(state))
+
+
+def _recorded(state: Any) -> dict[str, _Recorded]:
+    """Every process's recorded shard files of a step's `state/` with their fingerprints ({} for a
+    step written without them, or whose checksum files cannot be read: a full save)."""
+    found: dict[str, _Recorded] = {}
+    for path in sorted((state / checksum.CHECKSUMS_DIR).glob("process_*.json")):
+        try:
+            content = json.loads(path.read_text())
+            if (
+                content.get(ENTRY_KEY) != ALGORITHM
+                or content.get("algorithm") != checksum.ALGORITHM
+            ):
+                continue
+            for name, entry in content["files"].items():
+                if ENTRY_KEY in entry:
+                    found[name] = _Recorded(
+                        str(entry[ENTRY_KEY]), int(entry[checksum.ALGORITHM]), int(entry["bytes"])
+                    )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # unreadable: its files are written again, and verify reports the step
+    return found
+
+
+_PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
+    "keras_orbax_incremental", default=None
+)
+
+
+@contextlib.contextmanager
+def planned(plan: Plan | None) -> Iterator[None]:
+    """Within it, a fast-format save compares its shards with `plan` (None: writes every file and
+    records no fingerprints)."""
+    token = _PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+def active() -> Plan | None:
+    """The plan of the save being started (`planned`)."""
+    return _PLAN.get()
