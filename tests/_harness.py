@@ -12,7 +12,7 @@ writes `<workdir>/result_<i>.json` with `_worker_util.write_result`.
 
 On any failure (non-zero exit, missing result, timeout) every worker is killed and `WorkerFailed`
 names the process, its return code and the tail of its output. To signal a worker mid-run, use
-`start_workers`, `Workers.wait_for_file` on a file the worker writes, `Workers.kill`, then
+`start_workers`, `tests._beacons.Beacon.wait` for a point the worker reaches, `Workers.kill`, then
 `Workers.wait(expect_failure=...)`; survivors must end with `_worker_util.exit_now()`, since jax's
 exit-time shutdown barrier waits for the dead worker.
 """
@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -41,7 +42,6 @@ TAIL_LINES = 60
 COORDINATOR_GRACE_S = 30.0
 """How long other workers may keep running after process 0 (the coordination service) exits."""
 
-_POLL_S = 0.05
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _DROPPED_ENV = (
     "JAX_COORDINATOR_ADDRESS",
@@ -101,21 +101,8 @@ class Workers:
         Raises:
             WorkerFailed: any other worker exited non-zero, wrote no result, or timed out.
         """
-        self._poll_until(
-            lambda: all(p.poll() is not None for p in self.procs), timeout, expect_failure
-        )
+        self._wait_for_exits(timeout, expect_failure)
         return [self._result(i, expect_failure) for i in range(len(self.procs))]
-
-    def wait_for_file(
-        self, path: str | Path, timeout: float = 240, *, expect_failure: Collection[int] = ()
-    ) -> None:
-        """Waits until `path` exists (e.g. a marker a worker writes before the test signals it).
-
-        Raises:
-            WorkerFailed: a worker failed, or all exited, or `timeout` passed before it appeared.
-        """
-        path = Path(path)
-        self._poll_until(path.exists, timeout, expect_failure, waiting_for=path)
 
     def kill_all(self) -> None:
         """SIGKILLs the process group of every worker still running and reaps them all."""
@@ -126,44 +113,48 @@ class Workers:
         for proc in self.procs:
             proc.wait(timeout=60)
 
-    def _poll_until(
-        self,
-        done: Callable[[], bool],
-        timeout: float,
-        expect_failure: Collection[int],
-        waiting_for: Path | None = None,
-    ) -> None:
-        start = time.monotonic()
-        coordinator_exit: float | None = None
-        while True:
-            codes = [p.poll() for p in self.procs]
-            after = " after process 0 (the coordination service) exited" if codes[0] == 0 else ""
-            failed = {
-                i: _describe(c) + (after if i else "")
-                for i, c in enumerate(codes)
-                if c not in (None, 0) and i not in expect_failure
-            }
-            if failed:
-                self._fail(failed)
-            if done():
-                return
-            now = time.monotonic()
-            running = [i for i, c in enumerate(codes) if c is None]
-            if not running:  # only reachable from wait_for_file
-                self._fail({i: f"exited before {waiting_for} appeared" for i in range(len(codes))})
-            if codes[0] is not None and coordinator_exit is None:
-                coordinator_exit = now
-            if coordinator_exit is not None and now - coordinator_exit > COORDINATOR_GRACE_S:
-                self._fail(
-                    {
-                        i: f"still running {COORDINATOR_GRACE_S:.0f}s after process 0 "
-                        "(the coordination service) exited"
-                        for i in running
-                    }
+    def _wait_for_exits(self, timeout: float, expect_failure: Collection[int]) -> None:
+        """Returns once every worker has exited; fails as soon as one fails, when `timeout` passes,
+        or when others outlive process 0 (the coordination service) by `COORDINATOR_GRACE_S`.
+        Each exit wakes it (a pidfd per worker): nothing polls."""
+        pidfds = {os.pidfd_open(p.pid): p for p in self.procs}
+        deadline = time.monotonic() + timeout
+        coordinator_deadline: float | None = None
+        try:
+            while True:
+                codes = [p.poll() for p in self.procs]
+                after = (
+                    " after process 0 (the coordination service) exited" if codes[0] == 0 else ""
                 )
-            if now - start > timeout:
-                self._fail({i: f"timed out after {timeout:g}s" for i in running})
-            time.sleep(_POLL_S)
+                failed = {
+                    i: _describe(c) + (after if i else "")
+                    for i, c in enumerate(codes)
+                    if c not in (None, 0) and i not in expect_failure
+                }
+                if failed:
+                    self._fail(failed)
+                running = [i for i, c in enumerate(codes) if c is None]
+                if not running:
+                    return
+                now = time.monotonic()
+                if codes[0] is not None and coordinator_deadline is None:
+                    coordinator_deadline = now + COORDINATOR_GRACE_S
+                if coordinator_deadline is not None and now > coordinator_deadline:
+                    self._fail(
+                        {
+                            i: f"still running {COORDINATOR_GRACE_S:.0f}s after process 0 "
+                            "(the coordination service) exited"
+                            for i in running
+                        }
+                    )
+                if now > deadline:
+                    self._fail({i: f"timed out after {timeout:g}s" for i in running})
+                wake = min(deadline, coordinator_deadline or deadline)
+                watched = [fd for fd, p in pidfds.items() if p.returncode is None]
+                select.select(watched, [], [], wake - now + 0.01)
+        finally:
+            for fd in pidfds:
+                os.close(fd)
 
     def _result(self, i: int, expect_failure: Collection[int]) -> dict[str, Any] | None:
         path = self.result_path(i)

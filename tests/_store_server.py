@@ -16,27 +16,26 @@ started it dies, even by SIGKILL, so a killed test run leaves no server behind.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import signal
 import sys
 import threading
-import time
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 
-_PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def exit_with_parent() -> None:
-    """Exits this process as soon as its parent is gone (it is then reparented)."""
+    """Exits this process as soon as its parent is gone: the kernel sends it SIGKILL then."""
     parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def run_s3(port: int) -> None:

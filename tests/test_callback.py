@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -18,6 +17,7 @@ import pytest
 import keras_orbax
 from keras_orbax._src.format import step_dirs
 from tests import _models
+from tests._beacons import Beacon
 from tests._harness import REPO_ROOT, WORKERS_DIR, start_workers
 
 BATCHES = 4  # per epoch: 32 samples, batch size 8
@@ -247,11 +247,12 @@ def test_failed_background_save_raises_and_the_last_step_survives(tmp_path, mp, 
 def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, mp):
     from tests.workers import preempt_train
 
-    directory, ready, result = tmp_path / "ckpt", tmp_path / "ready", tmp_path / "result.json"
+    directory, result = tmp_path / "ckpt", tmp_path / "result.json"
     env = _worker_env()
     script = WORKERS_DIR / "preempt_train.py"
     log = tmp_path / "worker.log"
     with (
+        Beacon(tmp_path / "ready") as ready,
         log.open("wb") as out,
         subprocess.Popen(
             [sys.executable, str(script), str(directory), str(ready), str(result)],
@@ -261,11 +262,7 @@ def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, m
         ) as proc,
     ):
         try:
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "the worker never reached epoch 1"
-                time.sleep(0.05)
+            ready.wait(proc, timeout=300, log=log)  # epoch 1, batch 3
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         finally:
@@ -339,12 +336,12 @@ def test_weights_only_checkpoints_hold_no_optimizer_state(tmp_path, mp):
 
 
 def test_processes_agree_on_best_saves_and_on_the_preemption_step(tmp_path):
-    ready = tmp_path / "ready"
-    args = {"directory": str(tmp_path / "ckpt"), "ready": str(ready)}
-    with start_workers(WORKERS_DIR / "callback_multiprocess.py", 2, 4, args) as workers:
-        workers.wait_for_file(ready, timeout=240)
-        workers.kill(1, signal.SIGTERM)  # a preemption notice to one process only
-        results = workers.wait(timeout=240)
+    with Beacon(tmp_path / "ready") as ready:
+        args = {"directory": str(tmp_path / "ckpt"), "ready": str(ready)}
+        with start_workers(WORKERS_DIR / "callback_multiprocess.py", 2, 4, args) as workers:
+            ready.wait(workers.procs, timeout=240, log=workers.log_path(0))
+            workers.kill(1, signal.SIGTERM)  # a preemption notice to one process only
+            results = workers.wait(timeout=240)
 
     for result in results:
         assert result["process_count"] == 2

@@ -7,13 +7,9 @@ from Keras's own `load_weights` of the same file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +26,7 @@ from keras_orbax._src.tools.convert import convert
 from keras_orbax._src.write import array_writer
 from keras_orbax.errors import CorruptCheckpointError, StepExistsError, StepLockedError
 from tests import _models
-from tests._harness import REPO_ROOT, WORKERS_DIR
+from tests._lock_holder import lock_holder
 from tests._page_cache import written_back
 
 HANG_S = 300  # only to stop a hung worker; no test asserts on time
@@ -147,36 +143,9 @@ def test_a_flipped_byte_is_found_by_verify_and_by_restore(tmp_path, h5):
         np.testing.assert_array_equal(got, want)
 
 
-@contextlib.contextmanager
-def _lock_holder(tmp_path: Path, directory: Path, step: int) -> Iterator[subprocess.Popen]:
-    """Another process holding the writer lock of `step` (`workers/hold_step_lock.py`) until it
-    is killed on the way out."""
-    ready = tmp_path / f"holder_{step}.ready"
-    args = {"directory": str(directory), "step": step, "ready": str(ready), "go": None}
-    log = tmp_path / f"holder_{step}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKERS_DIR / "hold_step_lock.py"), json.dumps(args)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + HANG_S
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 def test_a_step_another_process_is_writing_is_refused_and_nothing_is_written(tmp_path, h5):
     directory = tmp_path / "ckpt"
-    with _lock_holder(tmp_path, directory, 0) as holder:
+    with lock_holder(tmp_path, directory, 0) as holder:
         with pytest.raises(StepLockedError, match=rf"step 0 .*PID {holder.pid} .*Nothing was"):
             convert(h5, directory)
         assert sorted(p.name for p in directory.iterdir()) == [".keras_orbax.0.lock"]

@@ -31,7 +31,9 @@ from keras_orbax._src.storage import writer_lock
 from keras_orbax._src.storage.writer_lock import lock_path
 from keras_orbax.errors import SaveFailedError, StepLockedError
 from tests import _models
+from tests._beacons import Go
 from tests._harness import REPO_ROOT, WORKERS_DIR
+from tests._lock_holder import lock_holder
 
 HANG_S = 300  # only to stop a hung process; no test asserts on time
 needs_root = pytest.mark.skipif(
@@ -204,8 +206,7 @@ def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_pat
     model = _models.mlp()
     keras_orbax.save(model, directory, step=1)
     before = _models.values(model.variables)
-    go = tmp_path / "go"
-    with _lock_holder(tmp_path, directory, 5, go=go) as holder:
+    with Go(tmp_path / "go") as go, lock_holder(tmp_path, directory, 5, go=go) as holder:
         match = (
             rf"Cannot save step 5 to '{re.escape(str(directory))}': another writer "
             rf"\(PID {holder.pid} on .+\) is saving that step right now and holds its lock, "
@@ -217,7 +218,7 @@ def test_a_step_another_writer_holds_is_refused_and_then_committed_by_it(tmp_pat
             assert isinstance(raised.value, BlockingIOError)
         assert step_dirs.committed_steps(directory) == [1]
         keras_orbax.save(model, directory, step=6)  # another step: no wait, no error
-        go.write_text("")
+        go.send()
         assert holder.wait(timeout=HANG_S) == 0, (tmp_path / "holder_5.log").read_text()[-3000:]
 
     assert step_dirs.committed_steps(directory) == [1, 5, 6]
@@ -280,7 +281,7 @@ def test_a_killed_writers_lock_does_not_block_the_next_save(tmp_path, distributi
     directory = tmp_path / "ckpt"
     model = _models.mlp()
     _models.fill_arange(model)
-    with _lock_holder(tmp_path, directory, 3, go=None) as holder:
+    with lock_holder(tmp_path, directory, 3) as holder:
         with pytest.raises(StepLockedError, match=rf"PID {holder.pid} "):
             keras_orbax.save(model, directory, step=3)
         holder.send_signal(signal.SIGKILL)
@@ -307,7 +308,7 @@ def test_callback_stops_at_a_step_another_writer_holds(tmp_path, distribution, b
     checkpoint = keras_orbax.ModelCheckpoint(
         directory, max_to_keep=None, save_on_background=background
     )
-    with _lock_holder(tmp_path, directory, 8, go=None) as holder:
+    with lock_holder(tmp_path, directory, 8) as holder:
         with pytest.raises(StepLockedError, match=rf"step 8 .*PID {holder.pid} "):
             _fit(model, 2, checkpoint, after_epoch_1)
         holder.send_signal(signal.SIGKILL)
@@ -347,34 +348,6 @@ class _LockedUntilCommitted(keras.callbacks.Callback):
         if step is not None:
             locked = lock_path(self.checkpoint.directory, step).exists()
             assert locked or step in step_dirs.committed_steps(self.checkpoint.directory), step
-
-
-@contextlib.contextmanager
-def _lock_holder(
-    tmp_path: Path, directory: Path, step: int, *, go: Path | None
-) -> Iterator[subprocess.Popen]:
-    """A process holding the lock of `step` (`workers/hold_step_lock.py`), killed on the way out."""
-    ready = tmp_path / f"holder_{step}.ready"
-    args = {"directory": str(directory), "step": step, "ready": str(ready), "go": go and str(go)}
-    log = tmp_path / f"holder_{step}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKERS_DIR / "hold_step_lock.py"), json.dumps(args)],
-            cwd=REPO_ROOT,
-            env=_worker_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + HANG_S
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _worker_env() -> dict[str, str]:

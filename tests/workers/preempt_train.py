@@ -3,17 +3,19 @@
     python tests/workers/preempt_train.py DIRECTORY READY_FILE RESULT_FILE
 
 Run with KERAS_BACKEND=jax and 8 virtual CPU devices in XLA_FLAGS. Trains 8 batches per epoch;
-after batch index 2 of epoch 1 (global step 11) it writes READY_FILE and waits there until the
-SIGTERM has arrived, so the callback sees it at the very next batch end: step 12, mid-epoch. It
+after batch index 2 of epoch 1 (global step 11) it opens READY_FILE (a FIFO the test
+waits on) and waits there until the SIGTERM has arrived, so the callback sees it at the very next batch end: step 12, mid-epoch. It
 then writes what `fit` returned to RESULT_FILE as JSON and exits normally.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
+from types import FrameType
 
 import keras
 
@@ -48,12 +50,21 @@ def main() -> None:
         batches_done += 1
         if batches_done != BATCHES_PER_EPOCH + 3:
             return
-        Path(ready).touch()
-        deadline = time.monotonic() + 120
-        while not checkpoint._watcher.requested:  # set by the callback's SIGTERM handler
-            if time.monotonic() > deadline:
-                raise TimeoutError("no SIGTERM within 120 s")
-            time.sleep(0.01)
+        # The callback's own SIGTERM handler runs as the signal arrives, then wakes this wait.
+        arrived = threading.Event()
+        callback_handler = signal.getsignal(signal.SIGTERM)
+        assert callable(callback_handler), callback_handler
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            signal.signal(signal.SIGTERM, callback_handler)
+            callback_handler(signum, frame)
+            arrived.set()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        Path(ready).write_text("epoch 1, batch 3")  # a `tests._beacons.Beacon`
+        if not arrived.wait(120):
+            raise TimeoutError("no SIGTERM within 120 s")
+        assert checkpoint._watcher.requested  # the callback's handler took the notice
 
     x, y = data()
     history = model.fit(
