@@ -55,6 +55,7 @@ __all__ = [
     "load_model",
     "restore_sharded",
     "save",
+    "save_weights",
     "verify",
 ]
 
@@ -74,6 +75,7 @@ _LAZY = {
     "load_model": "keras_orbax._src.restore.load_model",
     "restore_sharded": "keras_orbax._src.restore.restore",
     "save": "keras_orbax._src.write.step_writer",
+    "save_weights": "keras_orbax._src.export.weights_h5",
     "verify": "keras_orbax._src.tools.verify_step",
 }
 

@@ -55,6 +55,7 @@ PUBLIC_NAMES = [
     "load_model",
     "restore_sharded",
     "save",
+    "save_weights",
     "verify",
 ]
 

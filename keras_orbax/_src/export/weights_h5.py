@@ -1,0 +1,214 @@
+"""A sharded model written as Keras's `.weights.h5`, one window of one shard at a time.
+
+Keras's `save_weights` fetches every variable whole to one host (`H5IOStore.__setitem__` converts
+it to NumPy), which runs a host out of memory on a sharded model too big for it and fails outright
+under `jax.distributed` on arrays that span other processes. Here Keras's own walk still decides
+every group, dataset name and attribute (`keras_compat.save_state`); only each array is written
+differently: its dataset is created with the full shape and dtype, then filled region by region
+from the shards (`regions`).
+
+An h5 file has one writer, process 0. Under `jax.distributed` every other process writes the
+regions that only it holds, window by window, as `.npy` files in a staging directory beside the
+destination (which must be on a filesystem all processes share), and process 0 copies them in.
+The file is written under a hidden temporary name and renamed into place only when complete; on any
+failure, on any process, nothing is left at the destination.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import jax
+import keras
+import numpy as np
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.export import regions
+from keras_orbax._src.runtime import multihost
+from keras_orbax._src.storage import durable, locations
+
+SUFFIX = ".weights.h5"
+
+
+def save_weights(
+    model: keras.Model,
+    path: str | os.PathLike,
+    *,
+    window_bytes: int = regions.DEFAULT_WINDOW_BYTES,
+    objects_to_skip: Sequence[Any] = (),
+) -> Path:
+    """Writes `model`'s weights as Keras's `.weights.h5`, without fetching any variable whole.
+
+    The file is the one `model.save_weights(path)` writes (the same groups, datasets, dtypes and
+    attributes), and `model.load_weights(path)` reads it back. Call on every process: each
+    process's own shards are read window by window; process 0 writes the file.
+
+    Args:
+        model: A built model, sharded or not.
+        path: The file to write, ending in `.weights.h5` (local; replaced if it exists).
+        window_bytes: The most bytes of one array copied to the host at a time (256 MiB).
+        objects_to_skip: Layers (or other saveables) whose state is not written, as in
+            `keras.saving.save_weights`.
+
+    Returns:
+        The file written (absolute).
+
+    Example:
+    ```python
+    keras_orbax.save_weights(model, "model.weights.h5")
+    model.load_weights("model.weights.h5")
+    ```
+
+    Raises:
+        ValueError: `path` does not end in `.weights.h5` or is an object-store URL, or `model` is
+            not built.
+        OSError: the file could not be written; nothing was left at `path`.
+    """
+    destination = _local_destination(path)
+    if not model.built:
+        raise ValueError(
+            "save_weights needs a built model: call it on data or `build()` it first. "
+            f"Received: model={model.name!r}"
+        )
+    return write(model, destination, window_bytes=window_bytes, skip=objects_to_skip)
+
+
+def _local_destination(path: str | os.PathLike) -> Path:
+    text = os.fspath(path)
+    if locations.is_remote(text):
+        raise ValueError(
+            f"save_weights writes a local file; write it locally, then copy it. Received: path={text!r}"
+        )
+    if not text.endswith(SUFFIX):
+        raise ValueError(f"The file name must end in `{SUFFIX}`. Received: path={text!r}")
+    destination: Path = locations.as_path(text)
+    return destination
+
+
+def write(
+    model: keras.Model,
+    destination: Path,
+    *,
+    window_bytes: int = regions.DEFAULT_WINDOW_BYTES,
+    skip: Sequence[Any] = (),
+) -> Path:
+    """Writes `destination` (absolute) as `save_weights` does; collective under `jax.distributed`."""
+    partial = destination.with_name(f".{destination.name}.partial")
+    staging = destination.with_name(f".{destination.name}.staging")
+    primary = multihost.is_primary()
+    shared = multihost.process_count() > 1
+    name = f"save_weights {destination}"
+    error: BaseException | None = None
+    if primary:
+        try:
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            _remove(partial, staging)
+            if shared:
+                staging.mkdir()
+        except OSError as failed:
+            error = failed
+    multihost.agree(f"{name}: prepare", error)
+    writer = _Writer(window_bytes, staging, primary)
+    try:
+        try:
+            keras_compat.save_state(model, partial if primary else io.BytesIO(), writer, skip)
+        except Exception as failed:  # reported to every process by `agree`, which re-raises
+            error = failed
+        multihost.agree(f"{name}: regions", error)
+        if primary:
+            try:
+                writer.copy_staged(partial)
+                durable.fsync_path(partial)
+                partial.replace(destination)
+                durable.fsync_path(destination.parent)
+            except Exception as failed:
+                error = failed
+        multihost.agree(f"{name}: commit", error)
+    finally:
+        if primary:
+            _remove(partial, staging)
+    return destination
+
+
+class _Writer:
+    """Called by Keras's walk with each array: creates its dataset as Keras would (process 0) and
+    writes, or stages, the regions this process is the one to write."""
+
+    def __init__(self, window_bytes: int, staging: Path, primary: bool) -> None:
+        self.window_bytes = window_bytes
+        self.staging = staging
+        self.primary = primary
+        self.datasets: list[str] = []  # h5 paths, in the walk's order (the same on every process)
+
+    def __call__(self, group: h5py.Group, key: str, value: Any) -> None:
+        array = value.value if isinstance(value, keras.Variable) else value
+        number = len(self.datasets)
+        self.datasets.append(f"{group.name}/{key}")
+        dataset = None
+        if self.primary:
+            dataset = group.create_dataset(key, shape=array.shape, dtype=np.dtype(array.dtype))
+            if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
+                dataset.attrs["dtype"] = "bfloat16"  # as `H5IOStore.__setitem__` marks it
+        for region in regions.shard_regions(array, _shards_to_write(array), self.window_bytes):
+            if dataset is not None:
+                dataset[region.index] = region.block
+            else:
+                np.save(self.staging / _staged_name(number, region.index), region.block)
+
+    def copy_staged(self, file: Path) -> None:
+        """Writes the regions other processes staged into `file` (process 0), one window at a time."""
+        if not self.staging.is_dir():
+            return
+        staged = sorted(self.staging.iterdir())
+        if not staged:
+            return
+        with h5py.File(file, "r+") as h5:
+            for path in staged:
+                number, index = _parse_staged(path.name)
+                h5[self.datasets[number]][index] = np.load(path)
+
+
+def _shards_to_write(array: jax.Array) -> list[jax.Shard]:
+    """The distinct shards this process writes: every region process 0 holds is process 0's; a
+    region it does not hold, the lowest process's that does. A process-local array (each process
+    holds all of it) is process 0's alone."""
+    me = jax.process_index()
+    if array.is_fully_addressable:
+        return regions.distinct_shards(array) if me == 0 else []
+    holders: dict[tuple[tuple[int, int], ...], int] = {}
+    for device, index in array.sharding.devices_indices_map(array.shape).items():
+        key = _key(regions.normalized(index, array.shape))
+        process = int(device.process_index)  # type: ignore[attr-defined]
+        holders[key] = min(holders.get(key, process), process)
+    return [
+        shard
+        for shard in regions.distinct_shards(array)
+        if holders[_key(regions.normalized(shard.index, array.shape))] == me
+    ]
+
+
+def _key(index: regions.Index) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in index)
+
+
+def _staged_name(number: int, index: regions.Index) -> str:
+    return ".".join([f"{number:06d}", *(f"{s.start}-{s.stop}" for s in index)]) + ".npy"
+
+
+def _parse_staged(name: str) -> tuple[int, regions.Index]:
+    number, *bounds = name.removesuffix(".npy").split(".")
+    return int(number), tuple(slice(*map(int, b.split("-"))) for b in bounds)
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

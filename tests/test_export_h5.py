@@ -1,0 +1,265 @@
+"""`keras_orbax.save_weights`: a sharded model written as Keras's own `.weights.h5`, region by region.
+
+The oracle is Keras: the file's groups, datasets (shape, dtype, h5 type, layout, bytes) and attributes
+equal what `model.save_weights` writes, and `model.load_weights` reads back exactly the model's values.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import h5py
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax._src.export import regions
+from tests import _harness, _models
+
+
+def h5_contents(path: Path) -> dict[str, Any]:
+    """Every group and dataset of an h5 file: kind, attributes, and for datasets shape, dtype,
+    h5 type, storage layout, chunking, compression and raw bytes."""
+    found: dict[str, Any] = {}
+
+    def visit(name: str, obj: Any) -> None:
+        entry: dict[str, Any] = {"attrs": {k: obj.attrs[k] for k in obj.attrs}}
+        if isinstance(obj, h5py.Dataset):
+            entry.update(
+                shape=obj.shape,
+                dtype=obj.dtype.str,
+                h5type=obj.id.get_type().dumps() if hasattr(obj.id.get_type(), "dumps") else None,
+                tclass=obj.id.get_type().get_class(),
+                layout=obj.id.get_create_plist().get_layout(),
+                chunks=obj.chunks,
+                compression=obj.compression,
+                data=obj[()].tobytes(),
+            )
+        found[name] = entry
+
+    with h5py.File(path, "r") as h5:
+        found["/"] = {"attrs": dict(h5.attrs)}
+        h5.visititems(visit)
+    return found
+
+
+def _trained(build) -> keras.Model:  # type: ignore[no-untyped-def]
+    model = _models.compile_adam(build())
+    x = np.random.default_rng(0).random((8, *model.input_shape[1:])).astype("float32")
+    if model.input.dtype == "int32":
+        x = (x * 16).astype("int32")
+    model.fit(x, np.ones((8, 8), "float32"), batch_size=8, epochs=1, verbose=0)
+    _models.fill_arange(model, limit=1000)
+    return model
+
+
+@pytest.mark.parametrize(
+    "build, bfloat16",
+    [
+        (lambda: _models.mlp(32), False),
+        (lambda: _models.mlp(32, "bfloat16"), True),
+        (_models.full_model, False),
+    ],
+    ids=["mlp", "mlp-bfloat16", "full"],
+)
+def test_same_file_as_keras_and_loads_back(tmp_path, distribution, build, bfloat16):
+    distribution(_models.model_parallel((2, 4)))
+    model = _trained(build)
+    sharded = [v for v in model.weights if not v.value.sharding.is_fully_replicated]
+    assert sharded  # sharded for real
+    ours = keras_orbax.save_weights(model, tmp_path / "ours.weights.h5", window_bytes=48)
+    model.save_weights(tmp_path / "keras.weights.h5")
+    assert ours == tmp_path / "ours.weights.h5"
+    expected, got = h5_contents(tmp_path / "keras.weights.h5"), h5_contents(ours)
+    assert list(got) == list(expected)
+    assert got == expected
+    marked = [name for name, e in got.items() if e["attrs"].get("dtype") == "bfloat16"]
+    assert bool(marked) == bfloat16
+    fresh = _models.compile_adam(build())
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(ours)
+    saved_variables = model.weights + model.optimizer.variables
+    loaded_variables = fresh.weights + fresh.optimizer.variables
+    for saved, loaded in zip(saved_variables, loaded_variables, strict=True):
+        assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras.weights.h5", "ours.weights.h5"]
+
+
+def test_regions_cover_each_array_once_in_windows():
+    """Every element written exactly once, each block within the window, on any layout."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    P = jax.sharding.PartitionSpec
+    cases = [((64, 48), P("a", "b"), 100), ((64, 48), P(None, "b"), 1000), ((8, 5, 4), P("b"), 6)]
+    cases += [((7,), P(), 8), ((), P(), 8), ((0, 4), P(), 8)]
+    for shape, spec, window in cases:
+        values = np.arange(int(np.prod(shape)), dtype="float32").reshape(shape)
+        array = jax.device_put(values, jax.sharding.NamedSharding(mesh, spec))
+        written = np.zeros(shape, "int32")
+        out = np.zeros(shape, "float32")
+        for region in regions.iter_regions(array, window):
+            assert region.block.nbytes <= max(window, 4), (shape, spec, region.block.shape)
+            written[region.index] += 1
+            out[region.index] = region.block
+        assert (written == 1).all(), (shape, spec)
+        assert np.array_equal(out, values), (shape, spec)
+
+
+def test_refuses_other_names_and_unbuilt_models(tmp_path):
+    model = _models.mlp()
+    with pytest.raises(ValueError, match=r"must end in `\.weights\.h5`.*path='.*model\.h5'"):
+        keras_orbax.save_weights(model, tmp_path / "model.h5")
+    with pytest.raises(ValueError, match=r"local file.*gs://b/m\.weights\.h5"):
+        keras_orbax.save_weights(model, "gs://b/m.weights.h5")
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="needs a built model"):
+        keras_orbax.save_weights(unbuilt, tmp_path / "m.weights.h5")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Failing(keras.layers.Layer):
+    """Stores its variable, then fails: an error in the middle of the walk."""
+
+    def build(self, input_shape):  # type: ignore[no-untyped-def]
+        self.w = self.add_weight(shape=(4, 4), initializer="ones")
+
+    def call(self, x):  # type: ignore[no-untyped-def]
+        return x
+
+    def save_own_variables(self, store):  # type: ignore[no-untyped-def]
+        store["0"] = self.w
+        raise OSError("disk gone")
+
+
+def test_error_mid_export_leaves_the_previous_file(tmp_path):
+    good = _models.mlp()
+    destination = tmp_path / "m.weights.h5"
+    keras_orbax.save_weights(good, destination)
+    before = destination.read_bytes()
+    inputs = keras.Input((16,))
+    failing = keras.Model(inputs, _Failing()(keras.layers.Dense(8)(inputs)))
+    with pytest.raises(OSError, match="disk gone"):
+        keras_orbax.save_weights(failing, destination)
+    assert destination.read_bytes() == before  # the old, complete file: never a partial one
+    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]  # no partial file left
+    fresh = _models.mlp()
+    fresh.load_weights(destination)
+
+
+_KILLED_MID_EXPORT = """
+import os, signal, keras, keras_orbax
+
+class Kill(keras.layers.Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(64, 64), initializer="ones")
+    def call(self, x):
+        return x
+    def save_own_variables(self, store):
+        store["0"] = self.w
+        os.kill(os.getpid(), signal.SIGKILL)
+
+inputs = keras.Input((16,))
+model = keras.Model(inputs, Kill()(keras.layers.Dense(8)(inputs)))
+keras_orbax.save_weights(model, {path!r})
+"""
+
+
+def test_killed_mid_export_leaves_nothing_that_loads(tmp_path):
+    destination = tmp_path / "m.weights.h5"
+    script = _KILLED_MID_EXPORT.format(path=str(destination))
+    done = subprocess.run([sys.executable, "-c", script], cwd=_harness.REPO_ROOT, timeout=120)
+    assert done.returncode == -9
+    assert not destination.exists()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert left == [".m.weights.h5.partial"]  # hidden, not named as a weights file
+    keras_orbax.save_weights(_models.mlp(), destination)  # the next export replaces it
+    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
+
+
+_MEMORY = """
+import json, tracemalloc, keras, numpy as np, keras_orbax
+
+def peak_rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+def measured(save):
+    with open("/proc/self/clear_refs", "w") as f:  # resets the peak (VmHWM) to the current RSS
+        f.write("5")
+    before = rss_kib()
+    tracemalloc.start()
+    save()
+    _, host_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return host_peak, (peak_rss_kib() - before) * 1024
+
+inputs = keras.Input((2048,))
+model = keras.Model(inputs, keras.layers.Dense(4096, use_bias=False)(inputs))  # 32 MiB kernel
+keras_orbax.save_weights(model, {warm!r}, window_bytes=1 << 20)  # compiles the slices once
+ours = measured(lambda: keras_orbax.save_weights(model, {path!r}, window_bytes=1 << 20))
+theirs = measured(lambda: model.save_weights({keras_path!r}))
+print(json.dumps({{"ours": ours, "keras": theirs}}))
+"""
+
+
+def test_host_memory_stays_within_the_window(tmp_path):
+    """A 32 MiB variable, a 1 MiB window: NumPy never holds more than the window, and the process's
+    peak RSS grows by a few windows, where Keras's own `save_weights` holds the whole variable."""
+    script = _MEMORY.format(
+        warm=str(tmp_path / "warm.weights.h5"),
+        path=str(tmp_path / "ours.weights.h5"),
+        keras_path=str(tmp_path / "keras.weights.h5"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=_harness.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    (host, rss), (keras_host, keras_rss) = figures["ours"], figures["keras"]
+    variable, window = 32 << 20, 1 << 20
+    assert keras_host >= variable and keras_rss >= variable // 2  # the measure sees a whole fetch
+    assert host <= 2 * window, figures
+    assert rss <= 8 * window, figures
+    assert h5_contents(tmp_path / "ours.weights.h5") == h5_contents(tmp_path / "keras.weights.h5")
+
+
+def test_two_processes_write_one_file(tmp_path):
+    """2 processes x 4 devices: the file holds every process's regions; Keras reads it back."""
+    destination = tmp_path / "m.weights.h5"
+    results = _harness.run_workers(
+        _harness.WORKERS_DIR / "export_h5.py",
+        num_processes=2,
+        devices_per_process=4,
+        args={"path": str(destination)},
+        timeout=300,
+    )
+    assert [r["spans_processes"] for r in results] == [True, True]
+    model = _models.compile_adam(_models.full_model())
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(destination)
+    expected = _models.arange_values([tuple(v.shape) for v in model.variables], limit=1000)
+    saved = {id(v) for v in model.weights + model.optimizer.variables}
+    for variable, values in zip(model.variables, expected, strict=True):
+        if id(variable) not in saved:
+            continue
+        assert np.array_equal(np.asarray(variable.value), values.astype(variable.dtype)), (
+            variable.path
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
