@@ -1,0 +1,313 @@
+"""Incremental saves: an unchanged shard file is a hard link to the previous step's, a changed one
+is written; counted from the filesystem (inodes), with the file contents as the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import keras
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import keras_orbax
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.model import state_keys
+
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int32", "bool", "uint8"]
+
+
+class Mixed(keras.layers.Layer):
+    """One (16, 32) variable of each dtype in `DTYPES`; passes its input through."""
+
+    def build(self, input_shape):
+        for dtype in DTYPES:
+            self.add_weight(shape=(16, 32), dtype=dtype, initializer="zeros", name=dtype)
+
+    def call(self, x):
+        return x
+
+
+def _mixed_model() -> keras.Model:
+    """Every dtype, and an int4-quantized Dense (its kernel packed two values a byte, int8)."""
+    inputs = keras.Input((16,))
+    x = Mixed(name="mixed")(inputs)
+    outputs = keras.layers.Dense(32, name="quantized")(x)
+    model = keras.Model(inputs, outputs)
+    model.get_layer("quantized").quantize("int4")
+    return model
+
+
+def _shard_all(model: keras.Model, rng: np.random.Generator) -> None:
+    """Random values, split over a 2 x 4 mesh where the dimensions allow."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    for v in model.variables:
+        shape = tuple(v.shape)
+        if len(shape) == 2 and shape[0] % 2 == 0 and shape[1] % 4 == 0:
+            spec = P("a", "b") if shape[0] > 1 else P(None, "b")
+        elif len(shape) == 2 and shape[1] % 4 == 0:
+            spec = P(None, "b")
+        elif len(shape) == 1 and shape[0] % 4 == 0:
+            spec = P("b")
+        else:
+            spec = P()
+        dtype = np.dtype(v.value.dtype)
+        if dtype == np.bool_:
+            values = rng.random(shape) < 0.5
+        elif np.issubdtype(dtype, np.integer):
+            info = np.iinfo(dtype)
+            values = rng.integers(info.min, info.max, shape, endpoint=True).astype(dtype)
+        else:
+            values = rng.standard_normal(shape).astype(dtype)
+        v.assign(jax.device_put(values, NamedSharding(mesh, spec)))
+
+
+def _shard_files(step_dir: Path) -> dict[tuple[str, tuple[int, ...]], Path]:
+    """(array directory, chunk coordinates) -> shard file, for every shard file of a step."""
+    files = {}
+    state = step_dir / "state"
+    for path in state.rglob("*"):
+        if not path.is_file():
+            continue
+        parts = path.relative_to(state).parts
+        if len(parts) < 2 or not (parts[1] == "c" or parts[1].startswith("c.")):
+            continue  # not an array's shard file (commit_success.txt, a checksum file)
+        if parts[1] == "c" and len(parts) > 2:
+            coords = tuple(int(p) for p in parts[2:])
+        elif parts[1].startswith("c."):
+            coords = tuple(int(p) for p in parts[1].split(".")[1:])
+        else:
+            coords = ()
+        files[(parts[0], coords)] = path
+    return files
+
+
+def _new_files(before: Path, after: Path) -> set[tuple[str, tuple[int, ...]]]:
+    """The shard files of step `after` that are not the very files (inodes) of step `before`."""
+    old = {name: path.stat().st_ino for name, path in _shard_files(before).items()}
+    return {n for n, p in _shard_files(after).items() if old.get(n) != p.stat().st_ino}
+
+
+def _changed_files(before: Path, after: Path) -> set[tuple[str, tuple[int, ...]]]:
+    """The shard files of step `after` whose bytes differ from step `before`'s (the oracle)."""
+    old = _shard_files(before)
+    return {
+        name
+        for name, path in _shard_files(after).items()
+        if name not in old or old[name].read_bytes() != path.read_bytes()
+    }
+
+
+def _flip(variable: keras.Variable, rng: np.random.Generator, whole_element: bool) -> tuple:
+    """Changes one bit (or one whole element) of `variable`, keeping its sharding; returns the
+    element's index."""
+    value = variable.value
+    host = np.array(value)
+    index = tuple(int(rng.integers(n)) for n in host.shape)
+    element = np.array(host[index]).reshape(1)  # a copy, changed byte by byte
+    raw = element.reshape(-1).view(np.uint8)
+    if host.dtype == np.bool_:
+        raw[0] ^= 1  # a bool's only valid bits
+    elif whole_element:
+        old = raw.copy()
+        while np.array_equal(raw, old):
+            raw[:] = rng.integers(0, 256, raw.size, dtype=np.uint8)
+    else:
+        raw[int(rng.integers(raw.size))] ^= np.uint8(1 << int(rng.integers(8)))
+    host[index] = element[0]
+    variable.assign(jax.device_put(host, value.sharding))
+    return index
+
+
+def _arrays(model: keras.Model) -> dict[int, str]:
+    """id(variable) -> the directory of its array in a step."""
+    keyed = state_keys.keyed_state(model).variables
+    return {id(v): key.replace("/", ".") for key, v in keyed.items()}
+
+
+def _expected_file(
+    model: keras.Model, variable: keras.Variable, index: tuple, one_file: bool
+) -> tuple:
+    """(array directory, chunk coordinates) of the shard file holding `index` of `variable`."""
+    array = _arrays(model)[id(variable)]
+    if one_file:
+        return array, (0,) * len(index)
+    chunk = variable.value.sharding.shard_shape(tuple(variable.shape))
+    return array, tuple(i // n for i, n in zip(index, chunk, strict=True))
+
+
+@pytest.mark.parametrize("whole_element", [False, True], ids=["bit", "element"])
+@pytest.mark.parametrize("small_arrays", ["one_file", "per_shard"])
+def test_every_changed_shard_is_written_and_every_unchanged_one_linked(
+    tmp_path, monkeypatch, small_arrays, whole_element
+):
+    from keras_orbax._src.write import shard_writer
+
+    if small_arrays == "per_shard":  # the small arrays split into a file per shard as well
+        monkeypatch.setattr(shard_writer, "PACK_BYTES", -1)
+    rng = np.random.default_rng(7 + whole_element)
+    model = _mixed_model()
+    _shard_all(model, rng)
+    keras_orbax.save(model, tmp_path, step=1)
+    step = 1
+    for _ in range(3):  # three rounds: each compares with the step before it
+        expected = set()
+        for _ in range(int(rng.integers(1, 5))):
+            variable = model.variables[int(rng.integers(len(model.variables)))]
+            index = _flip(variable, rng, whole_element)
+            expected.add(_expected_file(model, variable, index, small_arrays == "one_file"))
+        keras_orbax.save(model, tmp_path, step=step + 1)
+        before, after = tmp_path / str(step), tmp_path / str(step + 1)
+        assert _changed_files(before, after) == expected
+        assert _new_files(before, after) == expected
+        keras_orbax.verify(tmp_path, step=step + 1)  # the linked files' CRC-32 recorded right
+        step += 1
+    restored = _mixed_model()
+    keras_orbax.restore_sharded(restored, tmp_path)
+    for saved, read in zip(model.variables, restored.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(read.value), np.asarray(saved.value))
+
+
+def _lora_model() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((32,))
+    x = keras.layers.Dense(256, use_bias=False, name="frozen_in")(inputs)
+    outputs = keras.layers.Dense(8, use_bias=False, name="frozen_out")(x)
+    model = keras.Model(inputs, outputs)
+    for name in ("frozen_in", "frozen_out"):
+        model.get_layer(name).enable_lora(2)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def test_keras_trainer_gives_frozen_weights_new_arrays():
+    """Why buffer identity cannot find the unchanged weights: after a train step a frozen kernel
+    is another `jax.Array` object, with the same values."""
+    model = _lora_model()
+    x, y = np.ones((4, 32), "float32"), np.ones((4, 8), "float32")
+    model.fit(x, y, epochs=1, verbose=0)
+    kernel = model.get_layer("frozen_in")._kernel
+    before, values = kernel.value, np.asarray(kernel.value).copy()
+    model.fit(x, y, epochs=1, verbose=0)
+    assert kernel.value is not before
+    np.testing.assert_array_equal(np.asarray(kernel.value), values)
+
+
+_RESTORE_SCRIPT = """
+import sys
+import keras
+import numpy as np
+import keras_orbax
+sys.path.insert(0, {tests!r})
+from test_incremental import _lora_model
+
+model = _lora_model()
+model.optimizer.build(model.trainable_variables)
+keras_orbax.restore_sharded(model, {directory!r})
+expected = np.load({expected!r})
+for i, v in enumerate(model.variables + model.optimizer.variables):
+    np.testing.assert_array_equal(np.asarray(v.value), expected[str(i)], err_msg=v.path)
+print("restored", len(expected.files))
+"""
+
+
+def test_lora_second_save_writes_only_what_training_changed(tmp_path):
+    model = _lora_model()
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16, 32), "float32"), rng.random((16, 8), "float32")
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[checkpoint], verbose=0)
+    first, second = step_dirs.committed_steps(tmp_path)
+    before, after = tmp_path / str(first), tmp_path / str(second)
+    new = _new_files(before, after)
+    assert new == _changed_files(before, after)
+    new_arrays = {array for array, _ in new}
+    record = {v.array: v for v in step_dirs.read_record(after).variables.values()}
+    # Only the LoRA factors, optimizer state and counters; never a frozen kernel.
+    assert {record[a].path for a in new_arrays if record[a].role == "model"} == {
+        "frozen_in/lora_kernel_a",
+        "frozen_in/lora_kernel_b",
+        "frozen_out/lora_kernel_a",
+        "frozen_out/lora_kernel_b",
+    }
+    frozen = {a for a, v in record.items() if v.path.endswith("/kernel")}
+    assert frozen and not frozen & new_arrays
+    files = _shard_files(after)
+    written = sum(files[name].stat().st_size for name in new)
+    frozen_bytes = sum(p.stat().st_size for (a, _), p in files.items() if a in frozen)
+    assert written < sum(p.stat().st_size for p in files.values()) - frozen_bytes + 1
+
+    # The later step stands alone: every earlier step deleted, a fresh process restores it.
+    expected = tmp_path / "expected.npz"
+    state = model.variables + model.optimizer.variables
+    np.savez(expected, **{str(i): np.asarray(v.value) for i, v in enumerate(state)})
+    shutil.rmtree(before)
+    keras_orbax.verify(tmp_path, step=second)
+    script = _RESTORE_SCRIPT.format(
+        tests=os.fspath(Path(__file__).parent),
+        directory=os.fspath(tmp_path),
+        expected=os.fspath(expected),
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restored" in done.stdout
+
+    # A frozen weight changed by hand is written; the other frozen one stays linked.
+    kernel = model.get_layer("frozen_in")._kernel
+    kernel.assign(kernel.value.at[0, 0].add(1.0))
+    keras_orbax.save(model, tmp_path, step=second + 1)
+    new = {a for a, _ in _new_files(after, tmp_path / str(second + 1))}
+    assert {record[a].path for a in new & frozen} == {"frozen_in/kernel"}
+
+
+def test_a_step_without_fingerprints_gives_a_full_save(tmp_path):
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    keras_orbax.save(model, tmp_path, step=1, incremental=False)
+    checksums = tmp_path / "1/state/keras_orbax_checksums/process_0.json"
+    assert "fingerprint" not in json.loads(checksums.read_text())  # as an older version wrote
+    keras_orbax.save(model, tmp_path, step=2)
+    assert _new_files(tmp_path / "1", tmp_path / "2") == set(_shard_files(tmp_path / "2"))
+    keras_orbax.save(model, tmp_path, step=3)  # step 2 has them: everything linked
+    assert _new_files(tmp_path / "2", tmp_path / "3") == set()
+    keras_orbax.save(model, tmp_path, step=4, incremental=False)  # the opt-out writes it all
+    assert _new_files(tmp_path / "3", tmp_path / "4") == set(_shard_files(tmp_path / "4"))
+
+
+def test_a_shard_whose_layout_changed_is_written(tmp_path):
+    model = _mixed_model()
+    _shard_all(model, np.random.default_rng(1))
+    keras_orbax.save(model, tmp_path, step=1)
+    moved = model.get_layer("mixed").weights[0]  # float32 (16, 32), same values, another mesh
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    moved.assign(jax.device_put(moved.value, NamedSharding(mesh, P("a", "b"))))
+    keras_orbax.save(model, tmp_path, step=2)
+    assert {a for a, _ in _new_files(tmp_path / "1", tmp_path / "2")} == {_arrays(model)[id(moved)]}
+
+
+def test_convert_links_what_the_destination_holds_already(tmp_path):
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    source = tmp_path / "model.weights.h5"
+    model.save_weights(source)
+    keras_orbax.convert(source, tmp_path / "ckpt", step=1)
+    keras_orbax.convert(source, tmp_path / "ckpt", step=2)
+    steps = tmp_path / "ckpt/1", tmp_path / "ckpt/2"
+    assert _shard_files(steps[1]) and _new_files(*steps) == set()
+    keras_orbax.convert(source, tmp_path / "ckpt", step=3, incremental=False)
+    assert _new_files(steps[1], tmp_path / "ckpt/3") == set(_shard_files(tmp_path / "ckpt/3"))
