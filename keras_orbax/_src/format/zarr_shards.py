@@ -140,8 +140,11 @@ class FastArray:
                 )
         if problems:
             raise CorruptCheckpointError(
-                f"Checkpoint array '{self.directory}' is damaged; {len(problems)} shard files are "
-                "missing or truncated:\n" + "\n".join(problems[:20]) + "\nNo variable was modified."
+                f"Checkpoint array '{self.directory}' is damaged; "
+                + ("1 shard file is" if len(problems) == 1 else f"{len(problems)} shard files are")
+                + " missing or truncated:\n"
+                + "\n".join(problems[:20])
+                + "\nNo variable was modified."
             )
 
     def blocks(self, index: Index) -> list[Block]:
