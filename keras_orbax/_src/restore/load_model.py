@@ -8,7 +8,7 @@ from typing import Any
 import keras
 
 from keras_orbax._src.model.deferred import deferred_init
-from keras_orbax._src.restore.restore import restore_sharded
+from keras_orbax._src.restore.restore import restore_source
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
 
@@ -65,7 +65,7 @@ def load_model(
         )
     if compile and compile_config:  # {} for a model that was never compiled
         compile_deferred(model, compile_config, custom_objects, safe_mode)
-    restore_sharded(model, source.label, strict=strict)
+    restore_source(model, source, strict=strict)
     return model
 
 

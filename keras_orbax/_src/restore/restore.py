@@ -149,6 +149,29 @@ def restore_sharded(
     # what it will read, then reads its shards; all raise if any fails, and only then does any
     # process change anything.
     source = resolve.open_on_every_process(directory, step, "restore_sharded")
+    return restore_source(
+        model,
+        source,
+        strict=strict,
+        verify=verify,
+        read_window_bytes=read_window_bytes,
+        single_replica_reads=single_replica_reads,
+        verbose=verbose,
+    )
+
+
+def restore_source(
+    model: keras.Model,
+    source: Source,
+    *,
+    strict: bool = True,
+    verify: bool = False,
+    read_window_bytes: int | None = None,
+    single_replica_reads: bool | None = None,
+    verbose: int = 0,
+) -> RestoreResult:
+    """`restore_sharded` from a source every process has opened already (`load_model` opens it
+    first, for its model config)."""
     share = replicas.enabled(
         single_replica_reads, object_storage=locations.is_remote(source.location)
     )
