@@ -55,6 +55,7 @@ __all__ = [
     "load_model",
     "restore_sharded",
     "save",
+    "save_to_preset",
     "save_weights",
     "verify",
 ]
@@ -75,6 +76,7 @@ _LAZY = {
     "load_model": "keras_orbax._src.restore.load_model",
     "restore_sharded": "keras_orbax._src.restore.restore",
     "save": "keras_orbax._src.write.step_writer",
+    "save_to_preset": "keras_orbax._src.export.preset",
     "save_weights": "keras_orbax._src.export.weights_h5",
     "verify": "keras_orbax._src.tools.verify_step",
 }

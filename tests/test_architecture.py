@@ -55,6 +55,7 @@ PUBLIC_NAMES = [
     "load_model",
     "restore_sharded",
     "save",
+    "save_to_preset",
     "save_weights",
     "verify",
 ]

@@ -89,3 +89,39 @@ def hub_safetensor_loader_class() -> type:
     for method in _LOADER_METHODS:
         method.get()
     return _SAFETENSOR_LOADER.get()
+
+
+# keras-hub's preset saver (`Backbone.save_to_preset`, `Task.save_to_preset`): the files a preset
+# holds and the writers of its config and metadata.
+_PRESET_UTILS = "keras_hub.src.utils.preset_utils"
+_PRESET_SAVER = Private("keras-hub", _PRESET_UTILS, "KerasPresetSaver")
+_PRESET_SAVER_METHODS = [
+    Private("keras-hub", _PRESET_UTILS, f"KerasPresetSaver.{name}")
+    for name in ("_save_serialized_object", "_save_metadata")
+]
+_PRESET_FILES = {
+    name: Private("keras-hub", _PRESET_UTILS, name)
+    for name in ("CONFIG_FILE", "MODEL_WEIGHTS_FILE", "TASK_CONFIG_FILE", "TASK_WEIGHTS_FILE")
+}
+
+
+def preset_file(name: str) -> str:
+    """The name keras-hub gives a preset's file (`CONFIG_FILE`: "config.json", `MODEL_WEIGHTS_FILE`,
+    `TASK_CONFIG_FILE`, `TASK_WEIGHTS_FILE`). Why private: `preset_utils` does not export them."""
+    return str(_PRESET_FILES[name].get())
+
+
+def save_preset_config(directory: str, obj: Any, config_file: str, *, metadata: bool) -> None:
+    """Writes `obj`'s config (a backbone's or a task's) into the preset `directory` as keras-hub's
+    `save_to_preset` writes it, and for a backbone `metadata.json`.
+
+    Why private: keras-hub's `KerasPresetSaver` writes them only inside `save_backbone` and
+    `save_task`, which then save the weights with Keras's `save_weights` (each variable fetched
+    whole to one host); its two writers, called alone, keep the files keras-hub's own.
+    """
+    for method in _PRESET_SAVER_METHODS:
+        method.get()
+    saver = _PRESET_SAVER.get()(directory)
+    saver._save_serialized_object(obj, config_file)
+    if metadata:
+        saver._save_metadata(obj)

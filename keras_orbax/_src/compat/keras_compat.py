@@ -416,3 +416,9 @@ def _optimizer_saver(optimizer: Any) -> Callable[[Any], None]:
             store[str(i)] = variable
 
     return save_own_variables
+
+
+def all_layers(layer: keras.Layer) -> list[keras.Layer]:
+    """`layer` and every layer nested in it. Why private: `Layer._flatten_layers` is the list
+    keras-hub's `Task.save_task_weights` skips (a task's own weights are the rest); not exported."""
+    return list(layer._flatten_layers())
