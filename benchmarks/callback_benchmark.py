@@ -10,10 +10,9 @@ variant, saving at every epoch end:
 - `keras_orbax sync`: `keras_orbax.ModelCheckpoint(save_on_background=False)`,
 - `keras OrbaxCheckpoint`: `keras.callbacks.OrbaxCheckpoint(save_on_background=True)` (Keras 3.15).
 
-Each callback is wrapped so that the wall time spent inside its hooks is measured: the time the
-training loop is blocked. Before `on_epoch_end`, the wrapper first waits, off the clock, for the
-epoch's last train step to finish computing (JAX dispatches it asynchronously; every variant must
-wait for it before reading the state, and the device is busy with it, not idle). "per save" is the
+Each callback is wrapped (`hook_timer.TimedCallback`) so that the wall time spent inside its hooks
+is measured: the time the training loop is blocked. Before `on_epoch_end`, the wrapper first waits,
+off the clock, for the epoch's last train step to finish computing. "per save" is the
 mean of the `on_epoch_end` hooks (where the saves start); `on_train_end` (waiting for the last
 background save and closing) is reported apart, as is the wall time of the whole `fit` against a
 `fit` without a callback. The same model keeps training across variants (compiled once); each
@@ -30,7 +29,6 @@ import shutil
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,51 +44,12 @@ sys.path.insert(0, str(REPO_ROOT))
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from hook_timer import TimedCallback  # noqa: E402
 
 import keras_orbax  # noqa: E402
 
 LAYERS = 4
 BATCH = 16
-
-
-class Timed(keras.callbacks.Callback):
-    """Runs `inner`'s hooks and records how long each call took."""
-
-    def __init__(self, inner: keras.callbacks.Callback) -> None:
-        super().__init__()
-        self.inner = inner
-        self.seconds: dict[str, list[float]] = defaultdict(list)
-
-    def set_model(self, model: keras.Model) -> None:
-        super().set_model(model)
-        self.inner.set_model(model)
-
-    def set_params(self, params: dict) -> None:
-        super().set_params(params)
-        self.inner.set_params(params)
-
-    def _time(self, hook: str, *args) -> None:
-        start = time.perf_counter()
-        getattr(self.inner, hook)(*args)
-        self.seconds[hook].append(time.perf_counter() - start)
-
-    def on_train_begin(self, logs=None):
-        self._time("on_train_begin", logs)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._time("on_epoch_begin", epoch, logs)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._time("on_train_batch_end", batch, logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        jax.block_until_ready(
-            [v.value for v in self.model.variables + self.model.optimizer.variables]
-        )
-        self._time("on_epoch_end", epoch, logs)
-
-    def on_train_end(self, logs=None):
-        self._time("on_train_end", logs)
 
 
 def build_model(width: int) -> keras.Model:
@@ -158,7 +117,7 @@ def main() -> None:
         "variants": {},
     }
     for name, callback in variants(WORK).items():
-        timed = Timed(callback)
+        timed = TimedCallback(callback)
         wall = fit([timed])
         per_save = timed.seconds["on_epoch_end"]
         results["variants"][name] = {

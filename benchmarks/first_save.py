@@ -54,13 +54,15 @@ def child(args: argparse.Namespace) -> None:
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     ).strip()
     sys.path.insert(0, str(REPO_ROOT))
+    import contextlib
     import cProfile
-    import gc
     import threading
+    from collections.abc import Iterator
 
     import jax
     import keras
     import numpy as np
+    from hook_timer import TimedCallback
 
     import keras_orbax
 
@@ -83,77 +85,37 @@ def child(args: argparse.Namespace) -> None:
     if args.compile_first:
         model.fit(xs, ys, batch_size=16, epochs=1, verbose=0)
 
-    collections: list[float] = []
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if info["generation"] == 2 and threading.current_thread() is threading.main_thread():
-            if phase == "start":
-                started[:] = [time.perf_counter()]
-            elif started:
-                collections.append(time.perf_counter() - started.pop())
-
-    gc.callbacks.append(on_gc)
     profile = cProfile.Profile() if args.profile else None  # one file per save: PATH.<epoch>
+    windows: list[list[float]] = []  # wall-clock span of each timed save, to find it in a trace
+    previous_save_waits: list[float] = []
 
-    class Timed(keras.callbacks.Callback):
-        def __init__(self, inner: keras.callbacks.Callback) -> None:
-            super().__init__()
-            self.inner = inner
-            self.seconds: dict[str, list[float]] = {}
+    def before_epoch_end(epoch: int) -> None:
+        # Off the clock: the previous background save, if still running (a save waits for it).
+        start = time.perf_counter()
+        if (pending := callback._pending) is not None:
+            pending.done.wait()
+        previous_save_waits.append(time.perf_counter() - start)
+        time.sleep(args.settle)
 
-        def set_model(self, model: keras.Model) -> None:
-            super().set_model(model)
-            self.inner.set_model(model)
-
-        def set_params(self, params: dict) -> None:
-            super().set_params(params)
-            self.inner.set_params(params)
-
-        def _time(self, hook: str, *hook_args) -> None:
-            collections.clear()
-            start, cpu = time.perf_counter(), time.thread_time()
-            getattr(self.inner, hook)(*hook_args)
-            self.seconds.setdefault(hook, []).append(time.perf_counter() - start)
-            self.seconds.setdefault(f"{hook}_cpu", []).append(time.thread_time() - cpu)
-            # Python's cyclic collections of the oldest generation in this hook, on this thread.
-            self.seconds.setdefault(f"{hook}_gc2", []).append(sum(collections))
-
-        def on_train_begin(self, logs=None):
-            self._time("on_train_begin", logs)
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self._time("on_epoch_begin", epoch, logs)
-
-        def on_train_batch_end(self, batch, logs=None):
-            self._time("on_train_batch_end", batch, logs)
-
-        def on_epoch_end(self, epoch, logs=None):
-            jax.block_until_ready([v.value for v in model.variables + model.optimizer.variables])
-            # Off the clock: the previous background save, if still running (a save waits for it).
-            start = time.perf_counter()
-            if (pending := self.inner._pending) is not None:
-                pending.done.wait()
-            self.seconds.setdefault("previous_save_wait", []).append(time.perf_counter() - start)
-            time.sleep(args.settle)
-            if profile is not None:
-                profile.enable()
-            begun = time.time()
-            self._time("on_epoch_end", epoch, logs)
-            self.seconds.setdefault("windows", []).append([begun, time.time()])
-            if profile is not None:
-                profile.disable()
-                profile.dump_stats(f"{args.profile}.{epoch}")
-                profile.clear()
-
-        def on_train_end(self, logs=None):
-            self._time("on_train_end", logs)
+    @contextlib.contextmanager
+    def around_epoch_end(epoch: int) -> Iterator[None]:
+        if profile is not None:
+            profile.enable()
+        begun = time.time()
+        yield
+        windows.append([begun, time.time()])
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(f"{args.profile}.{epoch}")
+            profile.clear()
 
     directory = Path(args.directory)
     start = time.perf_counter()
     callback = keras_orbax.ModelCheckpoint(directory / "async")
     construct_s = time.perf_counter() - start
-    timed = Timed(callback)
+    timed = TimedCallback(
+        callback, before_epoch_end=before_epoch_end, around_epoch_end=around_epoch_end
+    )
     model.fit(
         xs, ys, batch_size=16, epochs=args.epochs, verbose=0, shuffle=False, callbacks=[timed]
     )
@@ -174,10 +136,10 @@ def child(args: argparse.Namespace) -> None:
                 "blocked_s": timed.seconds["on_epoch_end"],
                 "blocked_cpu_s": timed.seconds["on_epoch_end_cpu"],
                 "blocked_gc2_s": timed.seconds["on_epoch_end_gc2"],
-                "save_windows_unix_s": timed.seconds["windows"],  # to find the saves in a trace
+                "save_windows_unix_s": windows,
                 "main_thread_id": threading.get_native_id(),
                 "on_train_end_s": timed.seconds["on_train_end"][0],
-                "previous_save_wait_s": timed.seconds["previous_save_wait"],
+                "previous_save_wait_s": previous_save_waits,
                 "sync_s": sync,
             }
         )
