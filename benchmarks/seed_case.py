@@ -1,0 +1,354 @@
+"""The seed's own case: a Gemma2 9B keras-hub preset loaded sharded on 8 CPU devices, against a cold
+read of its files and against keras-hub's own `from_preset`, each in a fresh process.
+
+    make     the preset (`gemma2_9b_en`'s configuration, pseudo-random bfloat16 weights) in the
+             files keras-hub's `save_to_preset` writes, never holding the model (`_seed_preset.py`)
+    read     every file of the preset read once by 8 threads, the page cache dropped first (floor)
+    ko       `keras_orbax.from_preset(GemmaBackbone, preset, dtype="bfloat16")` under `ModelParallel` with keras-hub's
+             `GemmaBackbone.get_layout_map(mesh)`, page cache dropped first; then a forward pass
+    build    the same model built deferred with no weight read: what `ko` spends building it
+    hub      keras-hub's own `GemmaBackbone.from_preset(preset, dtype="bfloat16")` under the same distribution; then
+             the same forward pass, if it got that far
+
+The parent imports no JAX: it runs each case in a child and polls the child's `VmHWM` (the
+kernel's peak RSS, exact between polls) and the machine's `MemAvailable`; a child that would take
+the machine's last `--reserve-gib` is killed by the parent before the kernel's OOM killer picks a
+process (on a shared machine, maybe another one) and is recorded as killed for memory, with the
+peak it had reached.
+
+Usage:
+    python benchmarks/seed_case.py [--config small|medium|2b|9b] [--dir DIR] [--skip-make]
+        [--meshes 1x8 2x4] [--repeats 1] [--no-hub] [--json PATH] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+GIB = 2**30
+TARGETS = {"time": 1.15, "peak": 1.05}  # issue 27: x the cold read, x the resident bytes
+
+
+def status_kib(pid: int | str, field: str) -> int | None:
+    """A `VmHWM`-style field of /proc/<pid>/status in KiB (None once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def mem_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def preset_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory))
+
+
+# ---------------------------------------------------------------- children (fresh processes)
+
+
+def child(case: str, args: argparse.Namespace) -> dict:
+    if case == "make":
+        import _seed_preset as sp
+
+        return sp.make(args.dir, sp.CONFIGS[args.config], max_shard_size=args.max_shard_size)
+    if case == "read":
+        clock = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            nbytes = sum(pool.map(read_file, preset_files(args.dir)))
+        return {"seconds": time.perf_counter() - clock, "bytes": nbytes}
+    return load_case(case, args)
+
+
+def read_file(path: str) -> int:
+    with open(path, "rb", buffering=0) as f:
+        return len(f.read())
+
+
+def load_case(case: str, args: argparse.Namespace) -> dict:
+    import jax
+    import keras
+    import keras_hub
+    import numpy as np
+
+    import keras_orbax
+
+    jax.devices()  # the CPU client and its 8 devices exist before the baseline is read
+    out: dict = {"rss_import": status_kib("self", "VmRSS") * 1024}
+    stage(args, case, "loading", out)
+    shape = tuple(int(n) for n in args.mesh.split("x"))
+    mesh = keras.distribution.DeviceMesh(
+        shape, ("batch", "model"), keras.distribution.list_devices()
+    )
+    cls = keras_hub.models.GemmaBackbone
+    layout_map = cls.get_layout_map(mesh)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    clock = time.perf_counter()
+    if case == "build":  # what the load spends building the model: no weight read
+        with keras_orbax.deferred_init():
+            cls.from_preset(args.dir, load_weights=False, dtype=args.dtype)
+        out["build_s"] = time.perf_counter() - clock
+        return out
+    if case == "ko":
+        model = keras_orbax.from_preset(cls, args.dir, dtype=args.dtype)
+    else:
+        model = cls.from_preset(args.dir, dtype=args.dtype)
+    jax.block_until_ready([v.value for v in model.variables])
+    out["load_s"] = time.perf_counter() - clock
+    out["peak_load"] = status_kib("self", "VmHWM") * 1024
+    out["rss_loaded"] = status_kib("self", "VmRSS") * 1024
+    out.update(model_bytes(model))
+    stage(args, case, "forward pass", out)
+    tokens = np.random.default_rng(0).integers(0, model.vocabulary_size, (2, 8), dtype=np.int32)
+    clock = time.perf_counter()
+    # Called eagerly, op by op: `predict` compiles the whole backbone into one XLA program whose
+    # temporaries (bfloat16 weights converted for the CPU's dots, gathered shards) outlived their
+    # layer: +2 GiB or more for the 1.8 GB `medium` preset, against +0.3 GiB called eagerly.
+    hidden = model({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}, training=False)
+    out["forward_s"] = time.perf_counter() - clock
+    hidden = np.asarray(hidden, np.float32)
+    out["finite"] = bool(np.isfinite(hidden).all())
+    out["output_shape"] = list(hidden.shape)
+    np.save(os.path.join(args.out_dir, f"{case}_{args.mesh}.npy"), hidden)
+    out["peak_end"] = status_kib("self", "VmHWM") * 1024
+    return out
+
+
+def stage(args: argparse.Namespace, case: str, name: str, out: dict) -> None:
+    """Where the case is, for the parent to read if the case is killed."""
+    with open(progress_path(args.out_dir, case, args.mesh), "w") as f:
+        json.dump({"stage": name, **out}, f)
+
+
+def progress_path(out_dir: str, case: str, mesh: str) -> str:
+    return os.path.join(out_dir, f"{case}_{mesh}.progress.json")
+
+
+def model_bytes(model) -> dict:
+    """The model's bytes: logical (each variable once), on the devices (replicas counted) and in
+    distinct host buffers (on CPU, devices holding the same shard can share one)."""
+    logical = devices = distinct = 0
+    seen = set()
+    for v in model.variables:
+        value = v.value
+        logical += value.nbytes
+        for shard in value.addressable_shards:
+            devices += shard.data.nbytes
+            pointer = shard.data.unsafe_buffer_pointer()
+            if pointer not in seen:
+                seen.add(pointer)
+                distinct += shard.data.nbytes
+    return {"logical_bytes": logical, "device_bytes": devices, "resident_bytes": distinct}
+
+
+# ---------------------------------------------------------------- parent
+
+
+def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | None = None) -> dict:
+    """Runs one case in a fresh process, polling its peak RSS and the machine's free memory."""
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--config",
+        args.config,
+        "--dir",
+        args.dir,
+    ]
+    command += ["--out-dir", args.out_dir, "--max-shard-size", str(args.max_shard_size)]
+    command += ["--dtype", args.dtype]
+    if mesh:
+        command += ["--mesh", mesh]
+    reserve = int(args.reserve_gib * GIB)
+    limit = int(args.limit_gib * GIB) if args.limit_gib else None
+    progress = progress_path(args.out_dir, case, mesh)
+    if os.path.exists(progress):
+        os.remove(progress)
+    clock = time.perf_counter()
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    peak = 0
+    lowest_available = mem_available_bytes()
+    killed_by_us = False
+    while process.poll() is None:
+        peak = max(peak, (status_kib(process.pid, "VmHWM") or 0) * 1024)
+        available = mem_available_bytes()
+        lowest_available = min(lowest_available, available)
+        rss = (status_kib(process.pid, "VmRSS") or 0) * 1024
+        if (available < reserve or (limit and rss > limit)) and not killed_by_us:
+            peak = max(peak, (status_kib(process.pid, "VmHWM") or 0) * 1024)
+            process.send_signal(signal.SIGKILL)
+            killed_by_us = True
+        time.sleep(0.1)
+    stdout, stderr = process.communicate()
+    result: dict = {"case": case, "mesh": mesh, "wall_s": time.perf_counter() - clock}
+    result.update(
+        peak_polled=peak, lowest_available=lowest_available, returncode=process.returncode
+    )
+    if process.returncode != 0 and os.path.exists(progress):
+        with open(progress) as f:
+            result.update(json.load(f))  # how far it got, and its RSS after the imports
+    where = f" while {result['stage']}" if "stage" in result else ""
+    if killed_by_us:
+        why = (
+            f"over {args.limit_gib} GiB"
+            if limit and peak > limit
+            else f"under {args.reserve_gib} GiB left"
+        )
+        result["outcome"] = f"killed for memory{where} at {peak / GIB:.1f} GiB ({why})"
+    elif process.returncode == -signal.SIGKILL:
+        result["outcome"] = (
+            f"killed (SIGKILL: the kernel's OOM killer?){where} at {peak / GIB:.1f} GiB or more"
+        )
+    elif process.returncode != 0:
+        result["outcome"] = "failed: " + error_line(stderr)
+    else:
+        result["outcome"] = "ok"
+        result.update(json.loads(stdout.strip().splitlines()[-1]))
+    print(f"  {case} {mesh}: {result['outcome']}, {result['wall_s']:.1f} s", file=sys.stderr)
+    return result
+
+
+def error_line(stderr: str) -> str:
+    """The exception's own line of a traceback (its message's first line), else the last line."""
+    lines = stderr.strip().splitlines() or ["(no output)"]
+    raised = [line for line in lines if line and not line[0].isspace() and "Error" in line]
+    return (raised or lines)[-1][-300:]
+
+
+def evict(directory: str) -> None:
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    from tests._page_cache import evict as evict_files
+
+    os.sync()
+    evict_files(preset_files(directory))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+    os.makedirs(args.out_dir, exist_ok=True)
+    started = time.time()
+    report: dict = {"config": args.config, "dir": args.dir, "machine": machine(), "runs": []}
+    report["load_before"] = os.getloadavg()
+    if not (args.skip_make and os.path.exists(os.path.join(args.dir, "config.json"))):
+        report["make"] = run_child("make", args)
+        if report["make"]["outcome"] != "ok":
+            raise SystemExit(f"make failed: {report['make']['outcome']}")
+    report["preset_bytes"] = sum(os.path.getsize(p) for p in preset_files(args.dir))
+    report["preset_files"] = [os.path.basename(p) for p in preset_files(args.dir)]
+    for mesh in args.meshes:
+        for _ in range(args.repeats):
+            for case in ("read", "ko"):  # alternating, each right after the other
+                evict(args.dir)
+                report["runs"].append(run_child(case, args, mesh))
+    for mesh in args.meshes:
+        report["runs"].append(run_child("build", args, mesh))
+    if not args.no_hub:
+        for mesh in args.meshes:
+            evict(args.dir)
+            report["runs"].append(run_child("hub", args, mesh))
+    report["load_after"] = os.getloadavg()
+    report["minutes"] = (time.time() - started) / 60
+    import _seed_render as render
+
+    report["summary"] = render.summarize(report, args.out_dir)
+    text = render.markdown(report)
+    print(text)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    if args.write_docs:
+        render.write_docs(report, text)
+
+
+def machine() -> dict:
+    import platform
+    import subprocess as sp
+    from importlib.metadata import version
+
+    pkgs = ("keras", "keras-hub", "jax", "orbax-checkpoint", "numpy", "h5py")
+    commit = sp.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    return {
+        "cpus": os.cpu_count(),
+        "mem_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB, 1),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in pkgs},
+        "commit": commit.stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", choices=("small", "medium", "2b", "9b"), default="9b")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="the preset's directory (default benchmarks/_work/seed_<config>)",
+    )
+    p.add_argument(
+        "--skip-make", action="store_true", help="use the preset in --dir if it is there"
+    )
+    p.add_argument("--meshes", nargs="+", default=["1x8", "2x4"])
+    p.add_argument("--repeats", type=int, default=1, help="read/ko pairs per mesh")
+    p.add_argument("--no-hub", action="store_true", help="skip keras-hub's own from_preset")
+    p.add_argument(
+        "--reserve-gib", type=float, default=1.5, help="kill a case leaving less free memory"
+    )
+    p.add_argument(
+        "--limit-gib", type=float, default=None, help="kill a case whose RSS passes this"
+    )
+    # keras-hub's `from_preset` casts float weights to Keras's default policy (float32) unless
+    # given a dtype: the 9B in float32 would be 37 GB. Both loads get the preset's own.
+    p.add_argument("--dtype", default="bfloat16", help="given to both from_preset calls")
+    p.add_argument("--max-shard-size", type=float, default=10, help="GB, as in save_to_preset")
+    p.add_argument("--json", default=None, help="default: <out-dir>/seed_case.json")
+    p.add_argument("--out-dir", default=None, help="outputs of the cases (default: next to --dir)")
+    p.add_argument(
+        "--write-docs", action="store_true", help="the section in docs/benchmarks.md + plot"
+    )
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mesh", default="1x8", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.dir = os.path.abspath(args.dir or os.path.join(HERE, "_work", f"seed_{args.config}"))
+    args.out_dir = os.path.abspath(args.out_dir or args.dir.rstrip("/") + "_out")
+    args.json = args.json or os.path.join(args.out_dir, "seed_case.json")
+    return args
+
+
+if __name__ == "__main__":
+    main()
