@@ -4,7 +4,8 @@
     keras-orbax diff A B [--values] [--json]          A, B: DIR, DIR@STEP, .weights.h5, .keras, ...
     keras-orbax plan DIR --model MODULE:FUNCTION [--mesh 2x4] [--axes batch,model]
                          [--layout-map MODULE:FUNCTION] [--processes P] [--step N] [--json]
-    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--json]
+    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--preset] [--json]
+                                                  DST: DIR, x.weights.h5, PRESET_DIR (--preset)
     keras-orbax verify SRC [--step N] [--json]
 
 Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
@@ -114,13 +115,23 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument("--json", action="store_true", help=json_help)
     dry.set_defaults(run=_plan)
 
-    write = commands.add_parser("convert", parents=[common], help="write a keras-orbax checkpoint")
+    write = commands.add_parser(
+        "convert", parents=[common], help="write a keras-orbax checkpoint, .weights.h5 or preset"
+    )
     write.add_argument("source", help=source)
-    write.add_argument("destination", help="checkpoint directory to write (local, gs:// or s3://)")
+    write.add_argument(
+        "destination",
+        help="checkpoint directory to write (local, gs:// or s3://), or a local x.weights.h5",
+    )
     write.add_argument(
         "--model", default=None, help=f"{model_help}, whose loader maps SRC onto its variables"
     )
     write.add_argument("--step", type=int, default=0, help="the step to write (default: 0)")
+    write.add_argument(
+        "--preset",
+        action="store_true",
+        help="write DST as a keras-hub preset directory (DST ending in .weights.h5: Keras's file)",
+    )
     write.add_argument("--json", action="store_true", help=json_help)
     write.set_defaults(run=_convert)
 
@@ -237,7 +248,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         step_dir = convert(
-            args.source, args.destination, model=model, step=args.step, on_write=on_write
+            args.source,
+            args.destination,
+            model=model,
+            step=args.step,
+            on_write=on_write,
+            preset=args.preset,
         )
     finally:
         if progress:
@@ -245,6 +261,8 @@ def _convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         if args.json:
             document = {"step_dir": str(step_dir), "step": args.step, "bytes": written[0]}
+            if args.preset or str(step_dir).endswith(".weights.h5"):  # an export: no step
+                document = {"path": str(step_dir), "bytes": written[0]}
             _emit(json.dumps(document))
         else:
             _emit(f"wrote {step_dir} ({human_bytes(written[0])})")

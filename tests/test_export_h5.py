@@ -6,6 +6,7 @@ equal what `model.save_weights` writes, and `model.load_weights` reads back exac
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -229,8 +230,6 @@ def test_host_memory_stays_within_the_window(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     (host, rss), (keras_host, keras_rss) = figures["ours"], figures["keras"]
     variable, window = 32 << 20, 1 << 20
@@ -263,3 +262,43 @@ def test_two_processes_write_one_file(tmp_path):
             variable.path
         )
     assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
+
+
+def test_convert_a_checkpoint_to_weights_h5(tmp_path, distribution, capsys):
+    """`convert CKPT x.weights.h5` (Python and command line): the model the step's config
+    describes, restored sharded, written as the file Keras writes for it."""
+    from keras_orbax import cli
+
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.full_model()
+    _models.fill_arange(model, limit=1000)
+    keras_orbax.save(model, tmp_path / "ckpt", step=3)
+    model.save_weights(tmp_path / "keras.weights.h5")
+    written = keras_orbax.convert(tmp_path / "ckpt", tmp_path / "py.weights.h5")
+    assert written == tmp_path / "py.weights.h5"
+    expected = h5_contents(tmp_path / "keras.weights.h5")
+    assert h5_contents(written) == expected
+    out = tmp_path / "cli.weights.h5"
+    assert cli.main(["convert", str(tmp_path / "ckpt"), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(out), "bytes": _nbytes(model)}
+    assert h5_contents(out) == expected
+
+
+def test_convert_a_weights_file_needs_the_model(tmp_path):
+    """A `.weights.h5` source describes no model: `convert` needs the architecture."""
+    source = tmp_path / "keras.weights.h5"
+    _models.mlp().save_weights(source)
+    with pytest.raises(keras_orbax.errors.UnsupportedSourceError, match="describes no model"):
+        keras_orbax.convert(source, tmp_path / "out.weights.h5")
+    model = _models.mlp()
+    keras_orbax.convert(source, tmp_path / "out.weights.h5", model=model)
+    datasets = [
+        {name: e for name, e in h5_contents(path).items() if "data" in e}  # groups name layers
+        for path in (tmp_path / "out.weights.h5", source)
+    ]
+    assert datasets[0] == datasets[1]
+    assert len(datasets[0]) == 4
+
+
+def _nbytes(model: keras.Model) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)

@@ -29,6 +29,7 @@ from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
+from keras_orbax._src.tools import convert_export
 from keras_orbax._src.write import array_writer, step_writer
 from keras_orbax.errors import StepExistsError
 
@@ -41,8 +42,10 @@ def convert(
     step: int = 0,
     on_write: Callable[[int, int], None] | None = None,
     incremental: bool = True,
+    preset: bool = False,
 ) -> Path:
-    """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`.
+    """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`,
+    or as a Keras `.weights.h5` file or a keras-hub preset (`convert_export`).
 
     The step is written as `save` writes one: shard files with checksums, under the writer lock,
     durable before this returns.
@@ -59,9 +62,12 @@ def convert(
         on_write: Called with `(nbytes, total)` after each array is written.
         incremental: Link each shard file unchanged since `destination`'s latest committed step
             before `step` instead of writing it (local destinations; docs/incremental.md).
+        preset: Write `destination` as a keras-hub preset directory (docs/exporting.md). A
+            `destination` ending in `.weights.h5` is written as Keras's weights file. Either
+            restores `source` into `model` (or the model `source` describes) first.
 
     Returns:
-        The step's directory.
+        The step's directory (the file or preset directory written, for an export).
 
     Example:
     ```python
@@ -70,7 +76,7 @@ def convert(
     ```
 
     Raises:
-        ValueError: `destination` names a Keras weights file (`.weights.h5`, `.keras`, ...).
+        ValueError: `destination` names a Keras file other than `.weights.h5` (`.keras`, ...).
         UnsupportedSourceError: `source` needs `model` (the message says why).
         StepExistsError: `destination` already holds `step`.
         StepLockedError: another writer is saving `step` to `destination` right now.
@@ -78,6 +84,10 @@ def convert(
         SaveFailedError: the write failed (e.g. a full disk). In every case nothing was
             committed and the committed steps are intact.
     """
+    if convert_export.names_an_export(destination, to_preset=preset):
+        return convert_export.export(
+            source, destination, model=model, to_preset=preset, on_write=on_write
+        )
     _refuse_keras_file(destination)
     if step in step_dirs.committed_steps(destination):  # before reading the source
         raise StepExistsError(
@@ -105,7 +115,7 @@ def convert(
     )
 
 
-_KERAS_FILES = (".weights.h5", ".h5", ".keras", ".weights.json")
+_KERAS_FILES = (".h5", ".keras", ".weights.json")  # `.weights.h5` is exported
 
 
 def _refuse_keras_file(destination: str | os.PathLike) -> None:
@@ -114,10 +124,11 @@ def _refuse_keras_file(destination: str | os.PathLike) -> None:
     suffix = next((s for s in _KERAS_FILES if name.lower().endswith(s)), None)
     if suffix is not None:
         raise ValueError(
-            f"convert writes a keras-orbax checkpoint directory, not a Keras '{suffix}' file. "
-            "To get a Keras weights file, convert to a directory, restore it with "
-            "`keras_orbax.restore_sharded(model, directory)` and call "
-            f"`model.save_weights(...)`. Received: destination={os.fspath(destination)!r}"
+            "convert writes a keras-orbax checkpoint directory, a `.weights.h5` file or a "
+            f"keras-hub preset (preset=True), not a Keras '{suffix}' file. To get one, restore "
+            "the state with `keras_orbax.restore_sharded(model, source)` and call Keras's "
+            f"`model.save_weights(...)` or `model.save(...)`. "
+            f"Received: destination={os.fspath(destination)!r}"
         )
 
 
