@@ -50,6 +50,7 @@ PUBLIC_NAMES = [
     "deferred_init",
     "diff",
     "errors",
+    "export_to_transformers",
     "from_preset",
     "inspect",
     "load_model",

@@ -91,6 +91,56 @@ def hub_safetensor_loader_class() -> type:
     return _SAFETENSOR_LOADER.get()
 
 
+# keras-hub's Hugging Face exporter (`Backbone.export_to_transformers`): its per-model tables and
+# the functions that write the non-weight files.
+_EXPORTER = "keras_hub.src.utils.transformers.export.hf_exporter"
+_HF_CONFIGS = Private("keras-hub", _EXPORTER, "MODEL_CONFIGS")
+_HF_WEIGHTS_MAPS = Private("keras-hub", _EXPORTER, "MODEL_EXPORTERS")
+_HF_FILE_WRITERS = {
+    name: Private("keras-hub", _EXPORTER, name)
+    for name in (
+        "export_tokenizer",
+        "export_image_converter",
+        "export_processor_config",
+        "export_generation_config",
+    )
+}
+
+
+def hf_export_functions(backbone_class: str) -> tuple[Any, Any] | None:
+    """keras-hub's `(get_config(backbone), get_weights_map(backbone, include_lm_head))` for a
+    backbone class name, or None where keras-hub exports no such model.
+
+    Why private: `export_to_transformers` runs them and then fetches every tensor whole to one host
+    (`np.array`), which fails for arrays that span processes and holds whole variables; keras-hub
+    exports only the whole call. Calling its per-model functions keeps the names, the tensor
+    arithmetic and the config keras-hub's own.
+    """
+    configs, weights_maps = _HF_CONFIGS.get(), _HF_WEIGHTS_MAPS.get()
+    if backbone_class not in configs or backbone_class not in weights_maps:
+        return None
+    return configs[backbone_class], weights_maps[backbone_class]
+
+
+def hf_exported_classes() -> list[str]:
+    """The backbone class names keras-hub exports to Hugging Face (see `hf_export_functions`)."""
+    return sorted(set(_HF_CONFIGS.get()) & set(_HF_WEIGHTS_MAPS.get()))
+
+
+def hf_write_extra_files(backbone: Any, tokenizer: Any, path: str) -> None:
+    """Writes the non-weight files keras-hub's `CausalLM.export_to_transformers` writes (image
+    converter, processor and generation configs; the tokenizer's files when given one).
+
+    Why private: keras-hub writes them only inside `export_to_safetensors`, together with the
+    weights it gathers (see `hf_export_functions`); these module functions are its own writers.
+    """
+    writers = {name: symbol.get() for name, symbol in _HF_FILE_WRITERS.items()}
+    for name in ("export_image_converter", "export_processor_config", "export_generation_config"):
+        writers[name](backbone, path)
+    if tokenizer is not None:
+        writers["export_tokenizer"](tokenizer, path)
+
+
 # keras-hub's preset saver (`Backbone.save_to_preset`, `Task.save_to_preset`): the files a preset
 # holds and the writers of its config and metadata.
 _PRESET_UTILS = "keras_hub.src.utils.preset_utils"

@@ -1,0 +1,117 @@
+"""Tiny keras-hub models for the Hugging Face export tests and their multi-process worker."""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+
+# keras-hub's Gemma export takes key/value kernels as `kernel[0]` (one key/value head) and assumes
+# heads * head_dim == hidden_dim; bfloat16 covers BF16 headers.
+GEMMA = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=1,
+    hidden_dim=32,
+    intermediate_dim=32,
+    head_dim=8,
+    dtype="bfloat16",
+)
+# Untied embeddings: a CausalLM export writes `lm_head.weight` too.
+LLAMA3 = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    hidden_dim=16,
+    intermediate_dim=32,
+    tie_word_embeddings=False,
+)
+
+
+def backbone_class(name: str) -> type:
+    import keras_hub
+
+    return {"gemma": keras_hub.models.GemmaBackbone, "llama3": keras_hub.models.Llama3Backbone}[
+        name
+    ]
+
+
+def causal_lm_class(name: str) -> type:
+    import keras_hub
+
+    return {"gemma": keras_hub.models.GemmaCausalLM, "llama3": keras_hub.models.Llama3CausalLM}[
+        name
+    ]
+
+
+def config(name: str) -> dict:
+    return {"gemma": GEMMA, "llama3": LLAMA3}[name]
+
+
+def model_parallel(
+    name: str, mesh_shape: tuple[int, int] = (2, 4)
+) -> keras.distribution.Distribution:
+    """keras-hub's own layout map on a `("batch", "model")` mesh of every device.
+
+    Gemma's single key/value head cannot be split over "model": its key/value kernels are split
+    along the hidden axis instead.
+    """
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
+    layout_map = backbone_class(name).get_layout_map(mesh)
+    if name == "gemma":
+        query_key_value = "decoder_block.*attention.*(query|key|value).kernel"
+        layout_map["decoder_block.*attention.*query.kernel"] = layout_map.pop(query_key_value)
+        layout_map["decoder_block.*attention.*(key|value).kernel"] = (None, "model", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def fill(model: keras.Model, seed: int = 0) -> None:
+    """Deterministic values for every variable (the same on every process)."""
+    rng = np.random.default_rng(seed)
+    for variable in model.variables:
+        if variable.path.endswith("seed_generator_state"):
+            continue
+        values = rng.standard_normal(tuple(variable.shape)).astype("float32")
+        variable.assign(values.astype(variable.dtype))
+
+
+def llama3_tokenizer() -> keras.layers.Layer:
+    """A Llama3 BPE tokenizer of 64 tokens: enough for keras-hub to write and read its files."""
+    import keras_hub
+
+    special = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+    vocabulary = {token: i for i, token in enumerate([*special, "<|eot_id|>", "a", "b", "ab"])}
+    vocabulary.update({f"t{i}": i for i in range(len(vocabulary), 64)})
+    return keras_hub.models.Llama3Tokenizer(vocabulary=vocabulary, merges=["a b"])
+
+
+def train_one_step(model: keras.Model, seed: int = 1) -> None:
+    """One SGD step of a CausalLM (no preprocessor) on fixed tokens."""
+    rng = np.random.default_rng(seed)
+    vocabulary = model.backbone.vocabulary_size
+    tokens = rng.integers(0, vocabulary, size=(2, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((2, 8), "int32")}
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy")
+    model.train_on_batch(x, tokens[:, 1:])
+
+
+def exported_arrays(backbone: keras.Model) -> dict[str, jax.Array]:
+    """The values each variable of a backbone without LoRA should get from an export of
+    `backbone`: its variables, with each LoRA layer's kernel merged as the layer computes it."""
+    values = {}
+    for layer in backbone._flatten_layers(include_self=False):
+        if getattr(layer, "lora_enabled", False):
+            # A model without LoRA stores the merge in the kernel's dtype (keras-hub's loader
+            # casts each tensor to its variable's).
+            values[layer._kernel.path] = keras.ops.cast(layer.kernel, layer._kernel.dtype)
+    for variable in backbone.variables:
+        if "lora_kernel" not in variable.path and variable.path not in values:
+            values[variable.path] = variable.value
+    return values
+
+
+def exported_values(backbone: keras.Model) -> dict[str, np.ndarray]:
+    """`exported_arrays` on the host (single process)."""
+    return {path: np.asarray(value) for path, value in exported_arrays(backbone).items()}

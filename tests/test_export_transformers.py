@@ -1,0 +1,218 @@
+"""`keras_orbax.export_to_transformers` against keras-hub's own exporter and loader.
+
+The oracles: keras-hub's `export_to_transformers` on the same model (files equal byte for byte:
+header, order, data, config, tokenizer files), the `safetensors` package's reader, and keras-hub's
+`from_preset` on the exported directory (values exactly those of the model).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax.errors import UnsupportedSourceError
+from tests import _hf_export
+from tests._harness import WORKERS_DIR, run_workers
+from tests._hub import import_keras_hub
+
+keras_hub = import_keras_hub()
+safetensors_numpy = import_keras_hub("safetensors.numpy")
+
+WORKER = WORKERS_DIR / "export_transformers.py"
+WINDOW = 64  # bytes: every variable is cut into many blocks, each written as its own runs
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def _assert_same_files(ours: Path, theirs: Path) -> None:
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    mine, keras_hubs = _header(ours / "model.safetensors"), _header(theirs / "model.safetensors")
+    assert list(mine) == list(keras_hubs)  # keys, in order, with dtype, shape and offsets
+    assert mine == keras_hubs
+    got = safetensors_numpy.load_file(ours / "model.safetensors")
+    want = safetensors_numpy.load_file(theirs / "model.safetensors")
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    for path in theirs.iterdir():
+        assert (ours / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def _sharded_backbone(name: str, distribution) -> keras.Model:
+    distribution(_hf_export.model_parallel(name))
+    backbone = _hf_export.backbone_class(name)(**_hf_export.config(name))
+    _hf_export.fill(backbone)
+    return backbone
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama3"])
+def test_a_sharded_backbone_gives_keras_hubs_files(tmp_path, distribution, name):
+    backbone = _sharded_backbone(name, distribution)
+    assert any(not v.value.is_fully_replicated for v in backbone.variables)
+    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
+    written = keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=WINDOW)
+    assert written == tmp_path / "ours"
+    _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
+
+
+def test_a_causal_lm_with_its_tokenizer_and_lora_gives_keras_hubs_files(tmp_path, distribution):
+    backbone = _sharded_backbone("llama3", distribution)
+    backbone.enable_lora(2)
+    _hf_export.fill(backbone, seed=3)  # LoRA factors too: merged kernels differ from the kernels
+    preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
+        tokenizer=_hf_export.llama3_tokenizer(), sequence_length=8
+    )
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=preprocessor)
+    task.export_to_transformers(str(tmp_path / "keras_hub"))
+    keras_orbax.export_to_transformers(task, tmp_path / "ours", window_bytes=WINDOW)
+    _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
+    assert "lm_head.weight" in _header(tmp_path / "ours" / "model.safetensors")
+    loaded = keras_hub.models.Llama3CausalLM.from_preset(str(tmp_path / "ours"))
+    assert loaded.preprocessor.tokenizer.vocabulary == preprocessor.tokenizer.vocabulary
+
+
+def test_parts_and_an_index_as_transformers_writes_them(tmp_path, distribution):
+    backbone = _sharded_backbone("llama3", distribution)
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)  # with lm_head
+    task.export_to_transformers(str(tmp_path / "keras_hub"))
+    keras_orbax.export_to_transformers(task, tmp_path / "ours", max_shard_bytes=4096)
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    parts = sorted(set(index["weight_map"].values()))
+    assert len(parts) > 2 and parts[-1] == f"model-{len(parts):05d}-of-{len(parts):05d}.safetensors"
+    assert not (tmp_path / "ours" / "model.safetensors").exists()
+    want = safetensors_numpy.load_file(tmp_path / "keras_hub" / "model.safetensors")
+    got = {}
+    for part in parts:
+        tensors = safetensors_numpy.load_file(tmp_path / "ours" / part)
+        assert sum(t.nbytes for t in tensors.values()) <= 4096 or len(tensors) == 1, part
+        assert {index["weight_map"][n] for n in tensors} == {part}
+        got.update(tensors)
+    assert sorted(got) == sorted(want) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in want.values())
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    loaded = keras_hub.models.Backbone.from_preset(str(tmp_path / "ours"))
+    for a, b in zip(loaded.variables, backbone.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=a.path)
+
+
+@pytest.mark.parametrize(
+    "name, lora", [("gemma", False), ("llama3", False), ("llama3", True)], ids=str
+)
+def test_round_trip_loaded_sharded_trained_exported_reloaded(tmp_path, distribution, name, lora):
+    """A keras-hub preset loaded sharded on (2, 4), trained one step, exported; keras-hub's own
+    `from_preset` reads back exactly the trained values (LoRA kernels merged)."""
+    original = _hf_export.backbone_class(name)(**_hf_export.config(name))
+    _hf_export.fill(original)
+    original.save_to_preset(str(tmp_path / "preset"))
+    distribution(_hf_export.model_parallel(name))
+    backbone = keras_orbax.from_preset(_hf_export.backbone_class(name), tmp_path / "preset")
+    if lora:
+        backbone.enable_lora(2)
+    task = _hf_export.causal_lm_class(name)(backbone=backbone, preprocessor=None)
+    before = _hf_export.exported_values(backbone)
+    _hf_export.train_one_step(task)
+    trained = _hf_export.exported_values(backbone)
+    assert any(not np.array_equal(trained[k], before[k]) for k in trained)
+    keras_orbax.export_to_transformers(task, tmp_path / "hf", window_bytes=WINDOW)
+    distribution(None)
+    reloaded = keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))
+    assert type(reloaded) is type(backbone)
+    values = {v.path: np.asarray(v.value) for v in reloaded.variables}
+    assert sorted(values) == sorted(trained)
+    for path, value in trained.items():
+        assert values[path].dtype == value.dtype, path
+        np.testing.assert_array_equal(values[path], value, err_msg=path)
+
+
+def test_gemma_lora_is_exported_as_keras_hub_exports_it_without_the_update(tmp_path, distribution):
+    """keras-hub's Gemma exporter reads `kernel` variables (`weights[0]`), not the LoRA-merged
+    `kernel` property that Llama3's reads: the LoRA update is not exported. Same files here."""
+    backbone = _sharded_backbone("gemma", distribution)
+    backbone.enable_lora(2)
+    _hf_export.fill(backbone, seed=3)
+    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
+    keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=WINDOW)
+    _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
+    value = backbone.get_layer("decoder_block_0").attention.value_dense
+    got = safetensors_numpy.load_file(tmp_path / "ours" / "model.safetensors")
+    v_proj = got["model.layers.0.self_attn.v_proj.weight"]
+    np.testing.assert_array_equal(v_proj, np.asarray(value._kernel.value)[0].T)
+    assert not np.array_equal(v_proj, np.asarray(value.kernel)[0].T.astype(v_proj.dtype))
+
+
+def test_a_model_keras_hub_does_not_export_is_refused(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)], name="plain")
+    with pytest.raises(UnsupportedSourceError, match=r"backbone or a CausalLM.*model='plain'"):
+        keras_orbax.export_to_transformers(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_disk_full_mid_export_leaves_no_weights_file(tmp_path):
+    """The file may not grow past 16 KiB (RLIMIT_FSIZE in a worker); the export fails and removes
+    its partial file, and the earlier export's weights in the same directory are gone too."""
+    [result] = run_workers(
+        WORKER, 1, 8, {"action": "disk_full", "directory": str(tmp_path / "hf")}, 300
+    )
+    assert "SaveFailedError" in result["error"] or "File too large" in result["error"]
+    assert result["had_weights_before"]
+    left = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert left == ["config.json"], left
+    with pytest.raises(Exception, match="safetensors"):
+        keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))
+
+
+def test_host_memory_stays_within_the_window(tmp_path):
+    """Largest variable 8 MiB, window 1 MiB: the export's peak RSS growth stays near the window,
+    while keras-hub's own export (measured in the same process) holds whole tensors."""
+    [result] = run_workers(WORKER, 1, 8, {"action": "memory", "directory": str(tmp_path)}, 300)
+    window, largest = 1 << 20, 8 << 20
+    assert result["largest_variable"] == largest
+    assert result["ours"] <= window + largest // 4, result
+    assert result["keras_hub"] >= largest, result
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("hf_multiprocess")
+    (root / "w").mkdir()
+    results = run_workers(
+        WORKER, 2, 4, {"action": "multiprocess", "directory": str(root)}, 600, workdir=root / "w"
+    )
+    return root, results
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama3"])
+def test_two_processes_write_keras_hubs_files(two_processes, name):
+    root, results = two_processes
+    assert all(r[name]["spans_processes"] for r in results)
+    _assert_same_files(root / name / "ours", root / name / "keras_hub")
+
+
+def test_two_processes_round_trip_a_trained_lora_model(two_processes):
+    root, _ = two_processes
+    reloaded = keras_hub.models.Backbone.from_preset(str(root / "trained" / "ours"))
+    want = np.load(root / "trained" / "expected.npz")
+    values = {v.path: np.asarray(v.value) for v in reloaded.variables}
+    assert sorted(values) == sorted(want.files)
+    for path in want.files:
+        np.testing.assert_array_equal(values[path], want[path], err_msg=path)
+
+
+def test_a_failure_on_one_process_fails_both_and_leaves_no_weights(two_processes):
+    root, results = two_processes
+    for process, result in enumerate(results):
+        error = result["failed"]["error"]
+        assert "failed on 1 of 2 processes" in error and "process 1" in error, (process, error)
+    left = sorted(p.name for p in (root / "failed").iterdir())
+    assert left == ["config.json"], left

@@ -1,0 +1,158 @@
+"""Worker for tests/test_export_transformers.py: exports in processes of their own.
+
+args: {"action": ..., "directory": ...}
+- "disk_full" (1 process): exports once, then again with no file allowed past 16 KiB
+  (RLIMIT_FSIZE, so writes fail with EFBIG); reports the error.
+- "memory" (1 process): a Llama3 backbone whose largest variable is 8 MiB, exported with a 1 MiB
+  window; reports the peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of
+  keras_orbax's export and of keras-hub's own.
+- "multiprocess" (2 processes x 4 devices): Gemma and Llama3 backbones on a (2, 4) mesh of all 8
+  devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
+  Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
+  expected values); then an export during which process 1 cannot write past 16 KiB.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+from pathlib import Path
+
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+
+import keras_orbax
+from tests import _hf_export
+from tests._worker_util import init_worker, write_result
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _growth(fn) -> int:
+    """Peak RSS growth, in bytes, while `fn()` runs."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _limit_file_size(nbytes: int) -> tuple[int, int]:
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    return old
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def disk_full(directory: Path) -> dict:
+    keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+    backbone = _hf_export.backbone_class("llama3")(**_hf_export.config("llama3"))
+    _hf_export.fill(backbone)
+    keras_orbax.export_to_transformers(backbone, directory)
+    had_weights = (directory / "model.safetensors").exists()
+    old = _limit_file_size(16 * 1024)
+    error = _error_of(lambda: keras_orbax.export_to_transformers(backbone, directory))
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    return {"error": error, "had_weights_before": had_weights}
+
+
+def memory(directory: Path) -> dict:
+    keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+    config = dict(_hf_export.LLAMA3, vocabulary_size=1024, num_layers=1, hidden_dim=256)
+    backbone = _hf_export.backbone_class("llama3")(**dict(config, intermediate_dim=8192))
+    _hf_export.fill(backbone)
+    window = 1 << 20
+    # Compiles the slices and loads the modules first, so that the figure is the export's alone.
+    keras_orbax.export_to_transformers(backbone, directory / "warm", window_bytes=window)
+    ours = _growth(
+        lambda: keras_orbax.export_to_transformers(
+            backbone, directory / "ours", window_bytes=window
+        )
+    )
+    theirs = _growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
+    largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
+    return {"ours": ours, "keras_hub": theirs, "largest_variable": largest}
+
+
+def multiprocess(root: Path, process_id: int) -> dict:
+    result: dict = {}
+    for name in ("gemma", "llama3"):
+        cls, config = _hf_export.backbone_class(name), _hf_export.config(name)
+        keras.distribution.set_distribution(_hf_export.model_parallel(name))
+        keras.utils.set_random_seed(0)  # the same initial values on every process
+        backbone = cls(**config)
+        _hf_export.fill(backbone)
+        keras_orbax.export_to_transformers(backbone, root / name / "ours", window_bytes=64)
+        spans = any(not v.value.is_fully_addressable for v in backbone.variables)
+        result[name] = {"spans_processes": spans}
+        if process_id == 0:  # keras-hub's export of the same values, on one device
+            keras.distribution.set_distribution(None)
+            reference = cls(**config)
+            _hf_export.fill(reference)
+            reference.export_to_transformers(str(root / name / "keras_hub"))
+
+    # Loaded sharded from a preset, LoRA-enabled, trained one step, exported.
+    keras.distribution.set_distribution(None)
+    if process_id == 0:
+        original = _hf_export.backbone_class("llama3")(**_hf_export.LLAMA3)
+        _hf_export.fill(original)
+        original.save_to_preset(str(root / "preset"))
+    multihost_utils.sync_global_devices("preset written")
+    keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+    backbone = keras_orbax.from_preset(_hf_export.backbone_class("llama3"), root / "preset")
+    keras.utils.set_random_seed(1)
+    backbone.enable_lora(2)
+    task = _hf_export.causal_lm_class("llama3")(backbone=backbone, preprocessor=None)
+    _hf_export.train_one_step(task)
+    keras_orbax.export_to_transformers(task, root / "trained" / "ours", window_bytes=64)
+    expected = _gathered(_hf_export.exported_arrays(backbone))
+    if process_id == 0:
+        np.savez(root / "trained" / "expected.npz", **expected)
+
+    # Process 1 cannot write past 16 KiB: both fail, no weights file is left.
+    old = _limit_file_size(16 * 1024) if process_id == 1 else None
+    error = _error_of(
+        lambda: keras_orbax.export_to_transformers(backbone, root / "failed", window_bytes=64)
+    )
+    if old is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    result["failed"] = {"error": error}
+    return result
+
+
+def _gathered(arrays: dict) -> dict[str, np.ndarray]:
+    return {
+        k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()
+    }
+
+
+def main() -> None:
+    ctx = init_worker()
+    action, directory = ctx.args["action"], Path(ctx.args.get("directory", "."))
+    if action == "disk_full":
+        write_result(disk_full(directory))
+    elif action == "memory":
+        write_result(memory(directory))
+    elif action == "multiprocess":
+        write_result(multiprocess(directory, ctx.process_id))
+    else:
+        raise ValueError(f"unknown action {action!r}")
+
+
+if __name__ == "__main__":
+    main()
