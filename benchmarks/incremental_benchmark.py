@@ -1,0 +1,248 @@
+"""Incremental saves: bytes written, save time and blocked time per `ModelCheckpoint` save, for LoRA
+and for a full fine-tune of the same model, with and without `incremental`.
+
+    .venv/bin/python benchmarks/incremental_benchmark.py [--frozen-gib 1] [--epochs 3] [--json PATH]
+
+The model: a stack of `Dense(--width, use_bias=False)` layers holding `--frozen-gib` GiB of float32
+kernels. "lora" calls `enable_lora(--rank)` on each (the kernels frozen: Adam's state and the
+updates are the LoRA factors'); "full" trains every kernel. Each of the four variants (lora/full x
+incremental on/off) trains `--epochs` epochs of `--steps` batches in a fresh directory with
+`keras_orbax.ModelCheckpoint` saving at every epoch end, once in the background (the default: the
+time `fit` is blocked in `on_epoch_end`) and once synchronously (`save_on_background=False`: the
+whole save, wall time, in `on_epoch_end`). Counted from the filesystem, for each save after the
+first: the bytes of new inodes ("written"), and the bytes of shard files whose content differs
+from the previous step's ("changed", comparing the files byte for byte: the bytes an ideal
+incremental save writes). "fingerprint" is the time SHA-256 takes over all of the state's bytes
+on one thread (the detection's CPU cost). The restore time of the last step is measured too (it
+should not depend on how the step was written).
+Results go to stdout and `--json` (default `benchmarks/_work/incremental/results.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORK = REPO_ROOT / "benchmarks" / "_work" / "incremental"
+
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(REPO_ROOT))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_orbax  # noqa: E402
+from keras_orbax._src.format import step_dirs  # noqa: E402
+
+
+class Blocked(keras.callbacks.Callback):
+    """Runs `inner`'s hooks, recording the wall time of each `on_epoch_end` (where saves start)."""
+
+    def __init__(self, inner: keras.callbacks.Callback) -> None:
+        super().__init__()
+        self.inner, self.epoch_ends = inner, []
+
+    def set_model(self, model: keras.Model) -> None:
+        super().set_model(model)
+        self.inner.set_model(model)
+
+    def set_params(self, params: dict) -> None:
+        super().set_params(params)
+        self.inner.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        self.inner.on_train_begin(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.inner.on_epoch_begin(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.inner.on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        state = self.model.variables + self.model.optimizer.variables
+        for v in state:  # the epoch's last step computed, off the clock
+            v.value.block_until_ready()
+        start = time.perf_counter()
+        self.inner.on_epoch_end(epoch, logs)
+        self.epoch_ends.append(time.perf_counter() - start)
+
+    def on_train_end(self, logs=None):
+        self.inner.on_train_end(logs)
+
+
+def build(kind: str, width: int, layers: int, rank: int) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    x = inputs
+    for i in range(layers):
+        x = keras.layers.Dense(width, use_bias=False, name=f"dense_{i}")(x)
+    model = keras.Model(inputs, x)
+    if kind == "lora":
+        for i in range(layers):
+            model.get_layer(f"dense_{i}").enable_lora(rank)
+    model.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return model
+
+
+def shard_files(step_dir: Path) -> dict[str, Path]:
+    state = step_dir / "state"
+    return {
+        os.fspath(p.relative_to(state)): p
+        for p in state.rglob("*")
+        if p.is_file()
+        and len(p.relative_to(state).parts) > 1
+        and p.parent.name != "_sharding"
+        and "keras_orbax_checksums" not in p.parts
+        and "array_metadatas" not in p.parts
+        and p.name != "zarr.json"
+        and not p.name.startswith("_")
+    }
+
+
+def per_save(directory: Path) -> list[dict[str, int]]:
+    """For each step after the first: bytes of new inodes, and of files whose content changed."""
+    steps = step_dirs.committed_steps(directory)
+    out = []
+    for before, after in itertools.pairwise(steps):
+        old = shard_files(directory / str(before))
+        new = shard_files(directory / str(after))
+        written = changed = 0
+        for name, path in new.items():
+            size = path.stat().st_size
+            prev = old.get(name)
+            if prev is None or prev.stat().st_ino != path.stat().st_ino:
+                written += size
+            if prev is None or not same_bytes(prev, path):
+                changed += size
+        out.append(
+            {
+                "written": written,
+                "changed": changed,
+                "total": sum(p.stat().st_size for p in new.values()),
+            }
+        )
+    return out
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(8 << 20), fb.read(8 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace) -> dict:
+    layers = max(1, round(args.frozen_gib * (1 << 30) / (args.width * args.width * 4)))
+    model = build(kind, args.width, layers, args.rank)
+    rng = np.random.default_rng(0)
+    n = args.steps * args.batch
+    x = rng.standard_normal((n, args.width), dtype="float32")
+    y = rng.standard_normal((n, args.width), dtype="float32")
+    directory = WORK / f"{kind}-{'inc' if incremental else 'full'}-{'bg' if background else 'sync'}"
+    shutil.rmtree(directory, ignore_errors=True)
+    checkpoint = keras_orbax.ModelCheckpoint(
+        directory,
+        max_to_keep=None,
+        incremental=incremental,
+        save_on_background=background,
+    )
+    timed = Blocked(checkpoint)
+    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, callbacks=[timed], verbose=0)
+    saves = per_save(directory)
+    restored = build(kind, args.width, layers, args.rank)
+    restored.optimizer.build(restored.trainable_variables)
+    start = time.perf_counter()
+    keras_orbax.restore_sharded(restored, directory)
+    restore_s = time.perf_counter() - start
+    result = {
+        "kind": kind,
+        "incremental": incremental,
+        "background": background,
+        "frozen_bytes": layers * args.width * args.width * 4,
+        "epoch_end_s": timed.epoch_ends,
+        "later_epoch_end_s": statistics.median(timed.epoch_ends[1:]),
+        "saves": saves,
+        "restore_s": restore_s,
+    }
+    shutil.rmtree(directory, ignore_errors=True)
+    return result
+
+
+def fingerprint_s(nbytes: int) -> float:
+    data = np.random.default_rng(0).integers(0, 255, min(nbytes, 256 << 20), dtype=np.uint8)
+    start = time.perf_counter()
+    hashlib.sha256(memoryview(data)).digest()
+    return (time.perf_counter() - start) * nbytes / data.nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frozen-gib", type=float, default=1.0)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--json", type=Path, default=WORK / "results.json")
+    args = parser.parse_args()
+    results = []
+    print(
+        f"{'variant':28} {'written MiB':>12} {'changed MiB':>12} {'of MiB':>8} "
+        f"{'on_epoch_end s':>15} {'restore s':>10}"
+    )
+    for kind in ("lora", "full"):
+        for background in (False, True):
+            for incremental in (True, False):
+                r = run(kind, incremental, background, args)
+                results.append(r)
+                later = r["saves"]
+                mib = 1 << 20
+                written = statistics.mean(s["written"] for s in later) / mib
+                changed = statistics.mean(s["changed"] for s in later) / mib
+                total = statistics.mean(s["total"] for s in later) / mib
+                name = (
+                    f"{kind} {'incremental' if incremental else 'full save'} "
+                    f"{'async' if background else 'sync'}"
+                )
+                print(
+                    f"{name:28} {written:12.1f} {changed:12.1f} {total:8.1f} "
+                    f"{r['later_epoch_end_s']:15.3f} {r['restore_s']:10.3f}",
+                    flush=True,
+                )
+    state_bytes = results[-1]["saves"][0]["total"]
+    fp = fingerprint_s(state_bytes)
+    print(
+        f"SHA-256 of the full fine-tune's {state_bytes / (1 << 20):.0f} MiB on one thread: "
+        f"{fp:.3f} s"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "args": vars(args) | {"json": str(args.json)},
+                "results": results,
+                "sha256_one_thread_s": fp,
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
