@@ -4,8 +4,9 @@
     keras-orbax diff A B [--values] [--json]          A, B: DIR, DIR@STEP, .weights.h5, .keras, ...
     keras-orbax plan DIR --model MODULE:FUNCTION [--mesh 2x4] [--axes batch,model]
                          [--layout-map MODULE:FUNCTION] [--processes P] [--step N] [--json]
-    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--preset] [--json]
-                                                  DST: DIR, x.weights.h5, PRESET_DIR (--preset)
+    keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--preset | --transformers]
+                                [--json]          DST: DIR, x.weights.h5, PRESET_DIR (--preset),
+                                                  HF_DIR (--transformers)
     keras-orbax verify SRC [--step N] [--json]
 
 Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
@@ -116,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     dry.set_defaults(run=_plan)
 
     write = commands.add_parser(
-        "convert", parents=[common], help="write a keras-orbax checkpoint, .weights.h5 or preset"
+        "convert",
+        parents=[common],
+        help="write a keras-orbax checkpoint, .weights.h5, preset or HF directory",
     )
     write.add_argument("source", help=source)
     write.add_argument(
@@ -131,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
         "--preset",
         action="store_true",
         help="write DST as a keras-hub preset directory (DST ending in .weights.h5: Keras's file)",
+    )
+    write.add_argument(
+        "--transformers",
+        action="store_true",
+        help="write DST as a Hugging Face directory (safetensors), as keras-hub exports it",
     )
     write.add_argument("--json", action="store_true", help=json_help)
     write.set_defaults(run=_convert)
@@ -254,6 +262,7 @@ def _convert(args: argparse.Namespace) -> int:
             step=args.step,
             on_write=on_write,
             preset=args.preset,
+            transformers=args.transformers,
         )
     finally:
         if progress:
@@ -261,7 +270,8 @@ def _convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         if args.json:
             document = {"step_dir": str(step_dir), "step": args.step, "bytes": written[0]}
-            if args.preset or str(step_dir).endswith(".weights.h5"):  # an export: no step
+            exported = args.preset or args.transformers or str(step_dir).endswith(".weights.h5")
+            if exported:  # an export: no step
                 document = {"path": str(step_dir), "bytes": written[0]}
             _emit(json.dumps(document))
         else:

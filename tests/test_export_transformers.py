@@ -151,6 +151,26 @@ def test_gemma_lora_is_exported_as_keras_hub_exports_it_without_the_update(tmp_p
     assert not np.array_equal(v_proj, np.asarray(value.kernel)[0].T.astype(v_proj.dtype))
 
 
+def test_convert_writes_a_hugging_face_directory_from_a_preset(tmp_path, capsys, distribution):
+    """What keras-hub's `from_preset` then `export_to_transformers` write (keras-hub loads the
+    bfloat16 preset as float32), here from a restore sharded on (2, 4)."""
+    from keras_orbax import cli
+
+    backbone = _hf_export.backbone_class("gemma")(**_hf_export.GEMMA)
+    _hf_export.fill(backbone)
+    backbone.save_to_preset(str(tmp_path / "preset"))
+    loaded = keras_hub.models.Backbone.from_preset(str(tmp_path / "preset"))
+    loaded.export_to_transformers(str(tmp_path / "keras_hub"))
+    distribution(_hf_export.model_parallel("gemma"))
+    written = keras_orbax.convert(tmp_path / "preset", tmp_path / "hf", transformers=True)
+    assert written == tmp_path / "hf"
+    _assert_same_files(tmp_path / "hf", tmp_path / "keras_hub")
+    command = ["convert", str(tmp_path / "preset"), str(tmp_path / "cli"), "--transformers"]
+    assert cli.main([*command, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "cli")
+    _assert_same_files(tmp_path / "cli", tmp_path / "keras_hub")
+
+
 def test_a_model_keras_hub_does_not_export_is_refused(tmp_path):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)], name="plain")
     with pytest.raises(UnsupportedSourceError, match=r"backbone or a CausalLM.*model='plain'"):

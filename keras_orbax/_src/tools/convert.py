@@ -43,6 +43,7 @@ def convert(
     on_write: Callable[[int, int], None] | None = None,
     incremental: bool = True,
     preset: bool = False,
+    transformers: bool = False,
 ) -> Path:
     """Writes the state `source` holds as step `step` of the keras-orbax checkpoint `destination`,
     or as a Keras `.weights.h5` file or a keras-hub preset (`convert_export`).
@@ -65,6 +66,8 @@ def convert(
         preset: Write `destination` as a keras-hub preset directory (docs/exporting.md). A
             `destination` ending in `.weights.h5` is written as Keras's weights file. Either
             restores `source` into `model` (or the model `source` describes) first.
+        transformers: Write `destination` as a Hugging Face directory, as keras-hub's
+            `export_to_transformers` does (a keras-hub backbone or CausalLM; docs/exporting.md).
 
     Returns:
         The step's directory (the file or preset directory written, for an export).
@@ -84,9 +87,14 @@ def convert(
         SaveFailedError: the write failed (e.g. a full disk). In every case nothing was
             committed and the committed steps are intact.
     """
-    if convert_export.names_an_export(destination, to_preset=preset):
+    if convert_export.names_an_export(destination, to_preset=preset, to_transformers=transformers):
         return convert_export.export(
-            source, destination, model=model, to_preset=preset, on_write=on_write
+            source,
+            destination,
+            model=model,
+            to_preset=preset,
+            on_write=on_write,
+            to_transformers=transformers,
         )
     _refuse_keras_file(destination)
     if step in step_dirs.committed_steps(destination):  # before reading the source

@@ -14,6 +14,7 @@ from pathlib import Path
 import keras
 
 from keras_orbax._src.export import preset as preset_sink
+from keras_orbax._src.export import transformers as transformers_sink
 from keras_orbax._src.export import weights_h5
 from keras_orbax._src.restore import load_model, preset, restore
 from keras_orbax._src.sources import resolve
@@ -21,9 +22,15 @@ from keras_orbax._src.sources import resolve
 _HUB_KINDS = ("keras-preset", "transformers")
 
 
-def names_an_export(destination: str | os.PathLike, *, to_preset: bool) -> bool:
+def names_an_export(
+    destination: str | os.PathLike, *, to_preset: bool, to_transformers: bool = False
+) -> bool:
     """Whether `convert` writes `destination` through an export sink rather than as a checkpoint."""
-    return to_preset or os.fspath(destination).rstrip("/").endswith(weights_h5.SUFFIX)
+    return (
+        to_preset
+        or to_transformers
+        or os.fspath(destination).rstrip("/").endswith(weights_h5.SUFFIX)
+    )
 
 
 def export(
@@ -33,18 +40,27 @@ def export(
     model: keras.Model | None,
     to_preset: bool,
     on_write: Callable[[int, int], None] | None = None,
+    to_transformers: bool = False,
 ) -> Path:
     """Restores `source` into `model` (or the model it describes) and writes it to `destination`.
 
     Raises:
         UnsupportedSourceError: there is no `model` and `source` does not describe one.
         ValueError: `to_preset` and the model is not a keras-hub backbone or task.
+        UnsupportedSourceError: `to_transformers` and keras-hub does not export the model.
     """
+    if to_preset and to_transformers:
+        raise ValueError(
+            "convert writes one format: a keras-hub preset or a Hugging Face directory. "
+            "Received: preset=True, transformers=True"
+        )
     if model is None:
-        model = _described_model(source, to_preset)
+        model = _described_model(source, to_preset or to_transformers)
     else:
         restore.restore_sharded(model, source)
-    if to_preset:
+    if to_transformers:
+        written = transformers_sink.export_to_transformers(model, destination)
+    elif to_preset:
         written = preset_sink.save_to_preset(model, destination)
     else:
         written = weights_h5.save_weights(model, destination)
