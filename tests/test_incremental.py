@@ -311,3 +311,27 @@ def test_convert_links_what_the_destination_holds_already(tmp_path):
     assert _shard_files(steps[1]) and _new_files(*steps) == set()
     keras_orbax.convert(source, tmp_path / "ckpt", step=3, incremental=False)
     assert _new_files(steps[1], tmp_path / "ckpt/3") == set(_shard_files(tmp_path / "ckpt/3"))
+
+
+def test_a_file_written_into_after_its_step_is_not_passed_on(tmp_path):
+    """`cp` or `rsync --inplace` over a committed step writes into its files (same size): the next
+    save writes that shard afresh instead of linking the damaged file."""
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    keras_orbax.save(model, tmp_path, step=1)
+    key = ("layers.dense.vars.0", (0, 0))  # frozen_in's kernel, one file
+    damaged = _shard_files(tmp_path / "1")[key]
+    with open(damaged, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # The kernel's clock ticks in jiffies: a write right after the save may carry the save's time.
+    recorded = tmp_path / "1/state/keras_orbax_checksums/process_0.json"
+    later = recorded.stat().st_mtime_ns + 1_000_000_000
+    os.utime(damaged, ns=(later, later))
+    keras_orbax.save(model, tmp_path, step=2)
+    assert _new_files(tmp_path / "1", tmp_path / "2") == {key}
+    keras_orbax.verify(tmp_path, step=2)
+    with pytest.raises(keras_orbax.errors.CorruptCheckpointError, match="layers/dense/vars/0"):
+        keras_orbax.verify(tmp_path, step=1)

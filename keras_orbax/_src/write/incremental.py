@@ -13,8 +13,10 @@ the previous step's record:
   or not, sharding) followed by the shard's bytes, kept to its first 128 bits. Two different
   contents share one with probability 2**-128 per shard compared (docs/incremental.md);
 - a shard is linked only if the previous step recorded the same file name with the same
-  fingerprint, and its file there has the recorded size; it then gets the recorded CRC-32, so the
-  new step's checksum file is complete and `verify` reads it as any other;
+  fingerprint, and its file there has the recorded size and was last modified no later than the
+  step's checksum files were written (a file written into since, by `cp` or `rsync --inplace`
+  over the step, is not passed on); it then gets the recorded CRC-32, so the new step's checksum
+  file is complete and `verify` reads it as any other;
 - anything else (no previous step, one written without fingerprints or in object storage, a
   link the filesystem refuses, a file gone or resized) writes the file in full.
 
@@ -60,9 +62,12 @@ class Plan:
     """What one save compares its shards with: the previous committed step's recorded files
     (`None`: that step has no fingerprints, or there is none), and counts of what it did."""
 
-    def __init__(self, previous_state: str | None, recorded: dict[str, _Recorded]) -> None:
+    def __init__(
+        self, previous_state: str | None, recorded: dict[str, _Recorded], recorded_ns: int = 0
+    ) -> None:
         self.previous_state = previous_state
         self._recorded = recorded
+        self._recorded_ns = recorded_ns  # when the last of its checksum files was written
         self.linked = 0
         self.written = 0
 
@@ -89,8 +94,9 @@ class Plan:
     def _link(self, relative: str, target: str, nbytes: int) -> bool:
         source = f"{self.previous_state}/{relative}"
         try:
-            if os.stat(source).st_size != nbytes:  # damaged since: write this step's own
-                return False
+            found = os.stat(source)
+            if found.st_size != nbytes or found.st_mtime_ns > self._recorded_ns:
+                return False  # written into since it was recorded: this step gets its own
             os.link(source, target)
         except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
             return False
@@ -132,15 +138,18 @@ def plan_for(directory: Any, step: int) -> Plan | None:
     if not earlier:
         return Plan(None, {})
     state = locations.as_path(directory) / str(earlier[-1]) / STATE
-    return Plan(os.fspath(state), _recorded(state))
+    return Plan(os.fspath(state), *_recorded(state))
 
 
-def _recorded(state: Any) -> dict[str, _Recorded]:
+def _recorded(state: Any) -> tuple[dict[str, _Recorded], int]:
     """Every process's recorded shard files of a step's `state/` with their fingerprints ({} for a
-    step written without them, or whose checksum files cannot be read: a full save)."""
+    step written without them, or whose checksum files cannot be read: a full save), and the
+    modification time of the latest checksum file (ns)."""
     found: dict[str, _Recorded] = {}
+    latest_ns = 0
     for path in sorted((state / checksum.CHECKSUMS_DIR).glob("process_*.json")):
         try:
+            latest_ns = max(latest_ns, os.stat(path).st_mtime_ns)
             content = json.loads(path.read_text())
             if (
                 content.get(ENTRY_KEY) != ALGORITHM
@@ -154,7 +163,7 @@ def _recorded(state: Any) -> dict[str, _Recorded]:
                     )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # unreadable: its files are written again, and verify reports the step
-    return found
+    return found, latest_ns
 
 
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
