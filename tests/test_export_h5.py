@@ -246,10 +246,10 @@ def test_two_processes_write_one_file(tmp_path):
         _harness.WORKERS_DIR / "export_h5.py",
         num_processes=2,
         devices_per_process=4,
-        args={"path": str(destination)},
+        args={"path": str(destination), "fail_on": None},
         timeout=300,
     )
-    assert [r["spans_processes"] for r in results] == [True, True]
+    assert [(r["spans_processes"], r["error"]) for r in results] == [(True, None), (True, None)]
     model = _models.compile_adam(_models.full_model())
     model.optimizer.build(model.trainable_variables)
     model.load_weights(destination)
@@ -302,3 +302,22 @@ def test_convert_a_weights_file_needs_the_model(tmp_path):
 
 def _nbytes(model: keras.Model) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+
+
+@pytest.mark.parametrize("fail_on", [0, 1])
+def test_a_failure_on_one_process_fails_all_and_leaves_no_file(tmp_path, fail_on):
+    destination = tmp_path / "m.weights.h5"
+    results = _harness.run_workers(
+        _harness.WORKERS_DIR / "export_h5.py",
+        num_processes=2,
+        devices_per_process=4,
+        args={"path": str(destination), "fail_on": fail_on},
+        timeout=300,
+    )
+    for result in results:
+        assert result["error"] is not None
+        assert (
+            f"failed on 1 of 2 processes:\nprocess {fail_on}: OSError: disk gone"
+            in (result["error"])
+        )
+    assert list(tmp_path.iterdir()) == []
