@@ -28,6 +28,7 @@ from keras_orbax import errors  # noqa: E402  (cheap: imports nothing of ours)
 
 if TYPE_CHECKING:
     from keras_orbax._src.export.preset import save_to_preset
+    from keras_orbax._src.export.transformers import export_to_transformers
     from keras_orbax._src.export.weights_h5 import save_weights
     from keras_orbax._src.model.deferred import deferred_init
     from keras_orbax._src.restore.load_model import load_model
