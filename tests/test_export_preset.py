@@ -35,7 +35,8 @@ def _tokens(batch: int = 8, length: int = 8) -> dict[str, np.ndarray]:
 def _same_preset_files(ours: Path, theirs: Path, *, same_model: bool = True) -> None:
     """The same files, the weights with the same datasets and attributes, the same JSON (but the
     date `metadata.json` records). Of another instance of the model (`same_model=False`), the
-    groups' `name` attributes differ (Keras numbers each layer's name per process: `dropout_3`)."""
+    groups' `name` attributes and the config's `name` differ (Keras numbers each layer's name per
+    process: `dropout_3`)."""
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
     for path in sorted(theirs.iterdir()):
         if path.name.endswith(".h5"):
@@ -49,6 +50,8 @@ def _same_preset_files(ours: Path, theirs: Path, *, same_model: bool = True) -> 
             expected, got = json.loads(path.read_text()), json.loads((ours / path.name).read_text())
             if path.name == "metadata.json":
                 expected.pop("date_saved"), got.pop("date_saved")
+            if not same_model and path.name == "config.json":  # and so is the model's
+                expected["config"].pop("name"), got["config"].pop("name")
             assert got == expected, path.name
 
 
@@ -172,3 +175,52 @@ def test_round_trip_from_two_processes(tmp_path):
         "metadata.json",
         "model.weights.h5",
     ]
+
+
+def test_convert_a_hugging_face_directory_to_a_preset(tmp_path, distribution):
+    """`convert HF_DIR DIR --preset`: the keras-hub model of a Hugging Face directory, as the
+    preset keras-hub writes for the model its own `from_preset` reads from that directory."""
+    from tests import _hf_export
+
+    keras.utils.set_random_seed(4)
+    gemma = keras_hub.models.GemmaBackbone(**_hf_export.GEMMA)  # bfloat16
+    gemma.export_to_transformers(str(tmp_path / "hf"))
+    theirs = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "hf"))
+    theirs.save_to_preset(str(tmp_path / "theirs"))
+    distribution(_hf_export.model_parallel("gemma"))
+    keras_orbax.convert(tmp_path / "hf", tmp_path / "ours", preset=True)
+    _same_preset_files(tmp_path / "ours", tmp_path / "theirs", same_model=False)
+    distribution(None)
+    reloaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "ours"))
+    for original, loaded in zip(gemma.weights, reloaded.weights, strict=True):
+        assert np.array_equal(np.asarray(original.value), np.asarray(loaded.value)), original.path
+
+
+def test_a_task_with_its_preprocessor(tmp_path, distribution):
+    """A Llama3 CausalLM with its preprocessor and tokenizer: keras-hub's own writers give the
+    preprocessor, tokenizer and assets files, equal to its `save_to_preset`'s."""
+    from tests import _hf_export
+
+    distribution(_hf_export.model_parallel("llama3"))
+    keras.utils.set_random_seed(5)
+    preprocessor = keras_hub.models.Llama3CausalLMPreprocessor(
+        tokenizer=_hf_export.llama3_tokenizer(), sequence_length=8
+    )
+    backbone = keras_hub.models.Llama3Backbone(**_hf_export.LLAMA3)
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=preprocessor)
+    keras_orbax.save_to_preset(task, tmp_path / "ours")
+    task.save_to_preset(str(tmp_path / "theirs"))
+    _same_preset_files(tmp_path / "ours", tmp_path / "theirs")
+    assets = sorted(p.relative_to(tmp_path / "theirs") for p in (tmp_path / "theirs").rglob("*"))
+    assert assets == sorted(
+        p.relative_to(tmp_path / "ours") for p in (tmp_path / "ours").rglob("*")
+    )
+    assert any(p.parts[0] == "assets" for p in assets)
+    for name in assets:
+        if (tmp_path / "theirs" / name).is_file() and name.parts[0] == "assets":
+            assert (tmp_path / "ours" / name).read_bytes() == (
+                tmp_path / "theirs" / name
+            ).read_bytes()
+    distribution(None)
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "ours"))
+    assert loaded.preprocessor.tokenizer.vocabulary == preprocessor.tokenizer.vocabulary
