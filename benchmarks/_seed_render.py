@@ -144,11 +144,18 @@ def markdown(report: dict) -> str:
             f"| {fmt(r['hub_peak'] - hub_import if hub_import else None, '.2f', GIB)} "
             f"| {fmt(r.get('hub_peak_x'), '.2f')} | {equal[r.get('hub_equal')]} |"
         )
+    for r in report["runs"]:
+        if r.get("exit_after_answer"):
+            lines.append(
+                f"- `{r['case']}` {r['mesh']} exited abnormally after its figures: "
+                f"{r['exit_after_answer']}"
+            )
     lines += [
         "",
         "`load s`: `from_preset` until every array is ready, page cache dropped first; "
         "`of it building`: the same model built deferred, no weight read (another process); "
-        "`cold read s`: every file of the preset read once by 8 threads, page cache dropped first "
+        "`cold read s`: every byte of the preset's files read once, 16 MiB at a time by 8 threads, "
+        "page cache dropped first "
         "(medians of `n` alternating pairs, fresh processes). `peak`: the process's peak RSS "
         "(`VmHWM`) up to the end of the load (keras-hub: or when it was killed, by this benchmark "
         "before the machine ran out or by the kernel); `- import`: less its RSS once JAX and its 8 "

@@ -3,12 +3,14 @@ read of its files and against keras-hub's own `from_preset`, each in a fresh pro
 
     make     the preset (`gemma2_9b_en`'s configuration, pseudo-random bfloat16 weights) in the
              files keras-hub's `save_to_preset` writes, never holding the model (`_seed_preset.py`)
-    read     every file of the preset read once by 8 threads, the page cache dropped first (floor)
-    ko       `keras_orbax.from_preset(GemmaBackbone, preset, dtype="bfloat16")` under `ModelParallel` with keras-hub's
-             `GemmaBackbone.get_layout_map(mesh)`, page cache dropped first; then a forward pass
+    read     every byte of the preset's files read once, 16 MiB at a time by 8 threads, the page
+             cache dropped first (the floor)
+    ko       `keras_orbax.from_preset(GemmaBackbone, preset, dtype="bfloat16")` under
+             `ModelParallel` with keras-hub's `GemmaBackbone.get_layout_map(mesh)`, page cache
+             dropped first; then a forward pass
     build    the same model built deferred with no weight read: what `ko` spends building it
-    hub      keras-hub's own `GemmaBackbone.from_preset(preset, dtype="bfloat16")` under the same distribution; then
-             the same forward pass, if it got that far
+    hub      keras-hub's own `GemmaBackbone.from_preset(preset, dtype="bfloat16")` under the same
+             distribution; then the same forward pass, if it got that far
 
 The parent imports no JAX: it runs each case in a child and polls the child's `VmHWM` (the
 kernel's peak RSS, exact between polls) and the machine's `MemAvailable`; a child that would take
@@ -19,6 +21,7 @@ peak it had reached.
 Usage:
     python benchmarks/seed_case.py [--config small|medium|2b|9b] [--dir DIR] [--skip-make]
         [--meshes 1x8 2x4] [--repeats 1] [--no-hub] [--json PATH] [--write-docs]
+    python benchmarks/seed_case.py --render RUN.json [--write-docs]
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
@@ -73,15 +78,36 @@ def child(case: str, args: argparse.Namespace) -> dict:
         return sp.make(args.dir, sp.CONFIGS[args.config], max_shard_size=args.max_shard_size)
     if case == "read":
         clock = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            nbytes = sum(pool.map(read_file, preset_files(args.dir)))
+        nbytes = read_files(preset_files(args.dir))
         return {"seconds": time.perf_counter() - clock, "bytes": nbytes}
     return load_case(case, args)
 
 
-def read_file(path: str) -> int:
-    with open(path, "rb", buffering=0) as f:
-        return len(f.read())
+def read_files(paths: list[str], threads: int = 8, piece: int = 16 * 2**20) -> int:
+    """Every byte of the files read once, in `piece`-sized reads by `threads` threads into a
+    buffer each thread reuses: the disk's pace for these files, without holding them (the 9B's
+    first part is 10 GiB)."""
+    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
+    pieces = [
+        (fds[path], offset, min(piece, size - offset))
+        for path in paths
+        for size in [os.path.getsize(path)]
+        for offset in range(0, size, piece)
+    ]
+    local = threading.local()
+
+    def read(job: tuple[int, int, int]) -> int:
+        fd, offset, length = job
+        if not hasattr(local, "buffer"):
+            local.buffer = bytearray(piece)
+        return os.preadv(fd, [memoryview(local.buffer)[:length]], offset)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(read, pieces))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def load_case(case: str, args: argparse.Namespace) -> dict:
@@ -187,9 +213,10 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
     if os.path.exists(progress):
         os.remove(progress)
     clock = time.perf_counter()
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    # Output to files, not pipes: a pipe nobody reads while polling would stall a talkative child.
+    logs = [os.path.join(args.out_dir, f"{case}_{mesh or 'all'}.{n}") for n in ("out", "err")]
+    with open(logs[0], "w") as out, open(logs[1], "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
     peak = 0
     lowest_available = mem_available_bytes()
     killed_by_us = False
@@ -203,12 +230,14 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
             process.send_signal(signal.SIGKILL)
             killed_by_us = True
         time.sleep(0.1)
-    stdout, stderr = process.communicate()
+    process.wait()
+    stdout, stderr = (Path(path).read_text() for path in logs)
     result: dict = {"case": case, "mesh": mesh, "wall_s": time.perf_counter() - clock}
     result.update(
         peak_polled=peak, lowest_available=lowest_available, returncode=process.returncode
     )
-    if process.returncode != 0 and os.path.exists(progress):
+    answer = _answer(stdout)
+    if process.returncode != 0 and os.path.exists(progress) and answer is None:
         with open(progress) as f:
             result.update(json.load(f))  # how far it got, and its RSS after the imports
     where = f" while {result['stage']}" if "stage" in result else ""
@@ -223,19 +252,35 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
         result["outcome"] = (
             f"killed (SIGKILL: the kernel's OOM killer?){where} at {peak / GIB:.1f} GiB or more"
         )
-    elif process.returncode != 0:
-        result["outcome"] = "failed: " + error_line(stderr)
+    elif answer is None:
+        result["outcome"] = f"failed (exit {process.returncode}): " + error_line(stderr)
+        result["stderr_tail"] = stderr[-4000:]
     else:
         result["outcome"] = "ok"
-        result.update(json.loads(stdout.strip().splitlines()[-1]))
+        result.update(answer)
+        if process.returncode != 0:  # seen once: an abort in XLA's teardown, after the answer
+            result["exit_after_answer"] = f"exit {process.returncode}: " + error_line(stderr)
     print(f"  {case} {mesh}: {result['outcome']}, {result['wall_s']:.1f} s", file=sys.stderr)
     return result
+
+
+def _answer(stdout: str) -> dict | None:
+    """The child's JSON line, if it printed one."""
+    lines = stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
 
 
 def error_line(stderr: str) -> str:
     """The exception's own line of a traceback (its message's first line), else the last line."""
     lines = stderr.strip().splitlines() or ["(no output)"]
-    raised = [line for line in lines if line and not line[0].isspace() and "Error" in line]
+    raised = [
+        line
+        for line in lines
+        if line and not line[0].isspace() and ("Error" in line or line.startswith("F0"))
+    ]
     return (raised or lines)[-1][-300:]
 
 
@@ -258,6 +303,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, REPO_ROOT)
     if args.child:
         print(json.dumps(child(args.child, args)))
+        return
+    if args.render:
+        import _seed_render as render
+
+        with open(args.render) as f:
+            report = json.load(f)
+        text = render.markdown(report)
+        print(text)
+        if args.write_docs:
+            render.write_docs(report, text)
         return
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.time()
@@ -341,6 +396,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--write-docs", action="store_true", help="the section in docs/benchmarks.md + plot"
     )
+    p.add_argument("--render", default=None, help="only render this JSON of an earlier run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mesh", default="1x8", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
