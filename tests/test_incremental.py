@@ -335,3 +335,22 @@ def test_a_file_written_into_after_its_step_is_not_passed_on(tmp_path):
     keras_orbax.verify(tmp_path, step=2)
     with pytest.raises(keras_orbax.errors.CorruptCheckpointError, match="layers/dense/vars/0"):
         keras_orbax.verify(tmp_path, step=1)
+
+
+def test_each_process_links_its_own_unchanged_shards(tmp_path):
+    from tests._harness import WORKERS_DIR, run_workers
+
+    directory = tmp_path / "ckpt"
+    args = {"directory": os.fspath(directory)}
+    run_workers(WORKERS_DIR / "incremental_multihost.py", 2, 4, args, timeout=600, workdir=tmp_path)
+    before, after = directory / "1", directory / "2"
+    assert _changed_files(before, after) == {("layers.dense.vars.0", (0, 0))}
+    assert _new_files(before, after) == {("layers.dense.vars.0", (0, 0))}
+    keras_orbax.verify(directory, step=2)
+    old = {p.stat().st_ino for p in _shard_files(before).values()}
+    for process in (0, 1):  # each process's record lists shard files it linked
+        listed = json.loads(
+            (after / f"state/keras_orbax_checksums/process_{process}.json").read_text()
+        )
+        linked = [n for n in listed["files"] if (after / "state" / n).stat().st_ino in old]
+        assert linked and all("fingerprint" in listed["files"][n] for n in linked)
