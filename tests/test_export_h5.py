@@ -321,3 +321,29 @@ def test_a_failure_on_one_process_fails_all_and_leaves_no_file(tmp_path, fail_on
             in (result["error"])
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sharded_weights_as_keras_writes_them(tmp_path, distribution):
+    """`max_shard_size`: the `.weights.json` index and its parts, cut where Keras cuts them."""
+    distribution(_models.model_parallel((2, 4)))
+    model = _trained(_models.full_model)
+    shard_gb = 4096 / 1024**3  # a few variables per part; a group spans two parts
+    (tmp_path / "keras").mkdir()
+    model.save_weights(tmp_path / "keras" / "m.weights.json", max_shard_size=shard_gb)
+    written = keras_orbax.save_weights(
+        model, tmp_path / "ours" / "m.weights.json", window_bytes=64, max_shard_size=shard_gb
+    )
+    assert written == tmp_path / "ours" / "m.weights.json"
+    names = sorted(p.name for p in (tmp_path / "keras").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == names
+    assert len(names) > 3
+    index = json.loads((tmp_path / "keras" / "m.weights.json").read_text())
+    assert any(isinstance(parts, list) for parts in index["weight_map"].values())
+    assert json.loads(written.read_text()) == index
+    for name in (n for n in names if n.endswith(".h5")):
+        assert h5_contents(tmp_path / "ours" / name) == h5_contents(tmp_path / "keras" / name)
+    fresh = _models.compile_adam(_models.full_model())
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(written)
+    for saved, loaded in zip(model.weights, fresh.weights, strict=True):
+        assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path

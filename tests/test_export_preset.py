@@ -224,3 +224,20 @@ def test_a_task_with_its_preprocessor(tmp_path, distribution):
     distribution(None)
     loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "ours"))
     assert loaded.preprocessor.tokenizer.vocabulary == preprocessor.tokenizer.vocabulary
+
+
+def test_a_backbone_above_max_shard_size_is_sharded_as_keras_hub_shards_it(tmp_path, distribution):
+    distribution(_mesh_distribution((2, 4)))
+    keras.utils.set_random_seed(6)
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    shard_gb = 4096 / 1024**3
+    keras_orbax.save_to_preset(backbone, tmp_path / "ours", max_shard_size=shard_gb)
+    backbone.save_to_preset(str(tmp_path / "theirs"), max_shard_size=shard_gb)
+    _same_preset_files(tmp_path / "ours", tmp_path / "theirs")
+    names = [p.name for p in (tmp_path / "ours").iterdir()]
+    assert "model.weights.json" in names and "model.weights.h5" not in names
+    assert sum(n.startswith("model_") for n in names) > 2
+    distribution(None)
+    reloaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "ours"))
+    for saved, loaded in zip(backbone.weights, reloaded.weights, strict=True):
+        assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path

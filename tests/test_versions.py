@@ -20,7 +20,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from keras_orbax._src.compat import hub_compat, keras_compat, loading_compat, orbax_compat
+from keras_orbax._src.compat import (
+    hub_compat,
+    keras_compat,
+    loading_compat,
+    orbax_compat,
+    saving_compat,
+)
 from keras_orbax._src.compat.versions import DECLARED, SUPPORTED, Private, attribute, set_attribute
 from keras_orbax.errors import KerasOrbaxError, UnsupportedVersionError
 from tests._hub import import_keras_hub
@@ -29,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_declared_private_symbol_resolves_in_the_installed_versions():
-    assert {keras_compat, loading_compat, orbax_compat, hub_compat}  # their symbols are declared
+    assert {keras_compat, loading_compat, orbax_compat, hub_compat, saving_compat}  # declared
     by_distribution: dict[str, list[Private]] = {}
     for symbol in DECLARED:
         by_distribution.setdefault(symbol.distribution, []).append(symbol)

@@ -147,17 +147,24 @@ _PRESET_UTILS = "keras_hub.src.utils.preset_utils"
 _PRESET_SAVER = Private("keras-hub", _PRESET_UTILS, "KerasPresetSaver")
 _PRESET_SAVER_METHODS = [
     Private("keras-hub", _PRESET_UTILS, f"KerasPresetSaver.{name}")
-    for name in ("_save_serialized_object", "_save_metadata")
+    for name in ("_save_serialized_object", "_save_metadata", "_get_variables_size_in_bytes")
 ]
 _PRESET_FILES = {
     name: Private("keras-hub", _PRESET_UTILS, name)
-    for name in ("CONFIG_FILE", "MODEL_WEIGHTS_FILE", "TASK_CONFIG_FILE", "TASK_WEIGHTS_FILE")
+    for name in (
+        "CONFIG_FILE",
+        "MODEL_WEIGHTS_FILE",
+        "SHARDED_MODEL_WEIGHTS_CONFIG_FILE",
+        "TASK_CONFIG_FILE",
+        "TASK_WEIGHTS_FILE",
+    )
 }
 
 
 def preset_file(name: str) -> str:
     """The name keras-hub gives a preset's file (`CONFIG_FILE`: "config.json", `MODEL_WEIGHTS_FILE`,
-    `TASK_CONFIG_FILE`, `TASK_WEIGHTS_FILE`). Why private: `preset_utils` does not export them."""
+    `SHARDED_MODEL_WEIGHTS_CONFIG_FILE`, `TASK_CONFIG_FILE`, `TASK_WEIGHTS_FILE`). Why private:
+    `preset_utils` does not export them."""
     return str(_PRESET_FILES[name].get())
 
 
@@ -175,3 +182,15 @@ def save_preset_config(directory: str, obj: Any, config_file: str, *, metadata: 
     saver._save_serialized_object(obj, config_file)
     if metadata:
         saver._save_metadata(obj)
+
+
+def preset_weights_bytes(directory: str, backbone: Any) -> float:
+    """The size keras-hub's `save_backbone` compares with `max_shard_size` to decide whether a
+    backbone's weights are one `model.weights.h5` or a `model.weights.json` with parts.
+
+    Why private: `KerasPresetSaver._get_variables_size_in_bytes` is that rule (each variable once,
+    bits of its dtype); keras-hub does not export it.
+    """
+    for method in _PRESET_SAVER_METHODS:
+        method.get()
+    return float(_PRESET_SAVER.get()(directory)._get_variables_size_in_bytes(backbone.variables))

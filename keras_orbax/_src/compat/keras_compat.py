@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -43,13 +43,6 @@ _KerasSaveable: type = Private("keras", "keras.src.saving.keras_saveable", "Kera
 Private("keras", "keras.src.saving.keras_saveable", "KerasSaveable._obj_type").get()
 _to_snake_case: Callable[[str], str] = Private(
     "keras", "keras.src.utils.naming", "to_snake_case"
-).get()
-# Why private: see `save_state`.
-_H5IOStore: Any = Private("keras", _SAVING, "H5IOStore").get()
-Private("keras", _SAVING, "H5IOStore._create_h5_group").get()
-_save_state: Callable[..., Any] = Private("keras", _SAVING, "_save_state").get()
-_BASE_SAVE_OWN_VARIABLES = Private(
-    "keras", "keras.src.optimizers.base_optimizer", "BaseOptimizer.save_own_variables"
 ).get()
 # Methods called on each variable (a subclass may override them): the class still defines them.
 # Why private: see `set_value` and `initialize_deferred`.
@@ -340,85 +333,3 @@ def drop_train_steps(
     if executions > 0:
         model.train_function = drop
     return put_back
-
-
-class _ArrayStore(_H5IOStore):
-    """A write-mode `H5IOStore` that hands each array it is given (a variable, a JAX array) to
-    `write(group, key, value)` instead of fetching it whole; other values (numbers, NumPy arrays)
-    are stored as Keras stores them."""
-
-    def __init__(self, path_or_io: Any, write: Callable[[Any, str, Any], None]) -> None:
-        super().__init__(path_or_io, mode="w")
-        self._write = write
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        import jax
-
-        if not isinstance(value, keras.Variable | jax.Array):
-            super().__setitem__(key, value)
-            return
-        if not attribute(self, "_h5_entry_initialized"):  # as `H5IOStore.__setitem__`
-            self._create_h5_group(attribute(self, "_h5_entry_path"))
-        self._write(attribute(self, "_h5_entry_group"), key, value)
-
-
-def save_state(
-    model: Any,
-    path_or_io: Any,
-    write: Callable[[Any, str, Any], None],
-    skip: Sequence[Any] = (),
-) -> None:
-    """Keras's own `save_weights` walk into the h5 file `path_or_io`, each array handed to
-    `write(group, key, value)` (an h5py group, the dataset's name, the variable or array).
-
-    Why private: `saving_lib._save_state` is the walk `save_weights` runs (each object's
-    `save_own_variables`, groups named as Keras names them, the `name` attributes it sets), and it
-    accepts only Keras's own store classes (`isinstance`); a subclass of `H5IOStore` that writes
-    each array region by region, instead of `H5IOStore.__setitem__` converting it whole to NumPy,
-    keeps every name, group and attribute Keras's. `skip`: objects not saved (their children
-    neither), as `save_weights(objects_to_skip=...)`.
-    """
-    store = _ArrayStore(path_or_io, write)
-    optimizers = _fetching_optimizers(model)
-    try:
-        for optimizer in optimizers:
-            object.__setattr__(optimizer, "save_own_variables", _optimizer_saver(optimizer))
-        _save_state(
-            model,
-            weights_store=store,
-            assets_store=None,
-            inner_path="",
-            visited_saveables={id(obj) for obj in skip},
-        )
-    finally:
-        for optimizer in optimizers:
-            object.__delattr__(optimizer, "save_own_variables")
-        store.close()
-
-
-def _fetching_optimizers(model: Any) -> list[Any]:
-    """The model's optimizers whose `save_own_variables` is Keras's base one, which stores
-    `variable.numpy()`: each slot fetched whole to the host, which under `jax.distributed` fails on
-    a slot that spans other processes. For the walk, each gets the same method storing the
-    variable itself (the same names and values), set on the instance and removed afterwards."""
-    found = []
-    optimizer = getattr(model, "optimizer", None)
-    while isinstance(optimizer, keras.optimizers.Optimizer):
-        if type(optimizer).save_own_variables is _BASE_SAVE_OWN_VARIABLES:
-            found.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)  # a LossScaleOptimizer's
-    return found
-
-
-def _optimizer_saver(optimizer: Any) -> Callable[[Any], None]:
-    def save_own_variables(store: Any) -> None:
-        for i, variable in enumerate(optimizer.variables):
-            store[str(i)] = variable
-
-    return save_own_variables
-
-
-def all_layers(layer: keras.Layer) -> list[keras.Layer]:
-    """`layer` and every layer nested in it. Why private: `Layer._flatten_layers` is the list
-    keras-hub's `Task.save_task_weights` skips (a task's own weights are the rest); not exported."""
-    return list(layer._flatten_layers())

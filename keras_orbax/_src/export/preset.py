@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from keras_orbax._src.compat import hub_compat, keras_compat
+from keras_orbax._src.compat import hub_compat, saving_compat
 from keras_orbax._src.export import regions, weights_h5
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import locations
@@ -25,6 +25,7 @@ def save_to_preset(
     directory: str | os.PathLike,
     *,
     window_bytes: int = regions.DEFAULT_WINDOW_BYTES,
+    max_shard_size: float | None = 10,
 ) -> Path:
     """Writes a keras-hub backbone or task as a preset, without fetching any variable whole.
 
@@ -32,13 +33,13 @@ def save_to_preset(
     `model.weights.h5`; for a task also `task.json`, `task.weights.h5` where the task has weights of
     its own, and its preprocessor's files), and keras-hub's `from_preset` reads them back. Call on
     every process: each process's own shards are read window by window; process 0 writes the files.
-    The weights are one `model.weights.h5` whatever their size (keras-hub splits a backbone above
-    `max_shard_size`, 10 GB, into `model.weights.json` and parts; both load the same).
 
     Args:
         model: A built keras-hub `Backbone` or `Task`, sharded or not.
         directory: The preset directory (local; created if missing, its files replaced).
         window_bytes: The most bytes of one array copied to the host at a time (256 MiB).
+        max_shard_size: As keras-hub's: a backbone larger than this many GB is written as
+            `model.weights.json` and parts of at most this size; None: one `model.weights.h5`.
 
     Returns:
         The preset directory (absolute).
@@ -69,17 +70,25 @@ def save_to_preset(
         )
     destination: Path = locations.as_path(text)
     if isinstance(model, keras_hub.models.Task):
-        _save_task(model, destination, window_bytes)
+        _save_task(model, destination, window_bytes, max_shard_size)
     else:
-        _save_backbone(model, destination, window_bytes)
+        _save_backbone(model, destination, window_bytes, max_shard_size)
     return destination
 
 
-def _save_backbone(backbone: Any, directory: Path, window_bytes: int) -> None:
-    """As keras-hub's `KerasPresetSaver.save_backbone`: the weights first, so that a preset whose
-    export failed has no config and never loads."""
-    weights = directory / hub_compat.preset_file("MODEL_WEIGHTS_FILE")
-    weights_h5.write(backbone, weights, window_bytes=window_bytes)
+def _save_backbone(
+    backbone: Any, directory: Path, window_bytes: int, max_shard_size: float | None
+) -> None:
+    """As keras-hub's `KerasPresetSaver.save_backbone`: one weights file, or an index and parts
+    where the backbone is larger than `max_shard_size` GB. The weights first, so that a preset
+    whose export failed has no config and never loads."""
+    size = hub_compat.preset_weights_bytes(str(directory), backbone) / 1024**3
+    if max_shard_size is not None and size > max_shard_size:
+        index = directory / hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE")
+        weights_h5.write(backbone, index, window_bytes=window_bytes, max_shard_size=max_shard_size)
+    else:
+        weights = directory / hub_compat.preset_file("MODEL_WEIGHTS_FILE")
+        weights_h5.write(backbone, weights, window_bytes=window_bytes)
     _on_primary(
         "save_to_preset config",
         lambda: hub_compat.save_preset_config(
@@ -88,14 +97,14 @@ def _save_backbone(backbone: Any, directory: Path, window_bytes: int) -> None:
     )
 
 
-def _save_task(task: Any, directory: Path, window_bytes: int) -> None:
+def _save_task(task: Any, directory: Path, window_bytes: int, max_shard_size: float | None) -> None:
     """As keras-hub's `KerasPresetSaver.save_task`: task weights (only the task's own layers),
     the backbone, the task config and the preprocessor's files."""
     if task.has_task_weights():
         weights = directory / hub_compat.preset_file("TASK_WEIGHTS_FILE")
-        skip = keras_compat.all_layers(task.backbone)  # as `Task.save_task_weights`
+        skip = saving_compat.all_layers(task.backbone)  # as `Task.save_task_weights`
         weights_h5.write(task, weights, window_bytes=window_bytes, skip=skip)
-    _save_backbone(task.backbone, directory, window_bytes)
+    _save_backbone(task.backbone, directory, window_bytes, max_shard_size)
 
     def configs() -> None:
         config_file = hub_compat.preset_file("TASK_CONFIG_FILE")

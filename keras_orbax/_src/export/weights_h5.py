@@ -28,12 +28,13 @@ import jax
 import keras
 import numpy as np
 
-from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.export import regions
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import durable, locations
 
 SUFFIX = ".weights.h5"
+SHARDED_SUFFIX = ".weights.json"
 
 
 def save_weights(
@@ -42,6 +43,7 @@ def save_weights(
     *,
     window_bytes: int = regions.DEFAULT_WINDOW_BYTES,
     objects_to_skip: Sequence[Any] = (),
+    max_shard_size: float | None = None,
 ) -> Path:
     """Writes `model`'s weights as Keras's `.weights.h5`, without fetching any variable whole.
 
@@ -55,6 +57,8 @@ def save_weights(
         window_bytes: The most bytes of one array copied to the host at a time (256 MiB).
         objects_to_skip: Layers (or other saveables) whose state is not written, as in
             `keras.saving.save_weights`.
+        max_shard_size: If given (in GB), `path` ends in `.weights.json` and is written, with
+            its `_NNNNN.weights.h5` parts, as `save_weights(path, max_shard_size=...)` writes it.
 
     Returns:
         The file written (absolute).
@@ -66,27 +70,33 @@ def save_weights(
     ```
 
     Raises:
-        ValueError: `path` does not end in `.weights.h5` or is an object-store URL, or `model` is
-            not built.
+        ValueError: `path` does not end in `.weights.h5` (`.weights.json` with `max_shard_size`)
+            or is an object-store URL, or `model` is not built.
         OSError: the file could not be written; nothing was left at `path`.
     """
-    destination = _local_destination(path)
+    destination = _local_destination(path, SUFFIX if max_shard_size is None else SHARDED_SUFFIX)
     if not model.built:
         raise ValueError(
             "save_weights needs a built model: call it on data or `build()` it first. "
             f"Received: model={model.name!r}"
         )
-    return write(model, destination, window_bytes=window_bytes, skip=objects_to_skip)
+    return write(
+        model,
+        destination,
+        window_bytes=window_bytes,
+        skip=objects_to_skip,
+        max_shard_size=max_shard_size,
+    )
 
 
-def _local_destination(path: str | os.PathLike) -> Path:
+def _local_destination(path: str | os.PathLike, suffix: str) -> Path:
     text = os.fspath(path)
     if locations.is_remote(text):
         raise ValueError(
             f"save_weights writes a local file; write it locally, then copy it. Received: path={text!r}"
         )
-    if not text.endswith(SUFFIX):
-        raise ValueError(f"The file name must end in `{SUFFIX}`. Received: path={text!r}")
+    if not text.endswith(suffix):
+        raise ValueError(f"The file name must end in `{suffix}`. Received: path={text!r}")
     destination: Path = locations.as_path(text)
     return destination
 
@@ -97,9 +107,16 @@ def write(
     *,
     window_bytes: int = regions.DEFAULT_WINDOW_BYTES,
     skip: Sequence[Any] = (),
+    max_shard_size: float | None = None,
 ) -> Path:
-    """Writes `destination` (absolute) as `save_weights` does; collective under `jax.distributed`."""
-    partial = destination.with_name(f".{destination.name}.partial")
+    """Writes `destination` (absolute) as `save_weights` does; collective under `jax.distributed`.
+
+    Sharded (`max_shard_size`), the index and its parts are written into a hidden directory, then
+    moved into place: the old index removed first, the parts, the new index last, so that a failure
+    part-way leaves no index that names a part of another export.
+    """
+    sharded = max_shard_size is not None
+    partial = destination.with_name(f".{destination.name}.partial")  # a directory if sharded
     staging = destination.with_name(f".{destination.name}.staging")
     primary = multihost.is_primary()
     shared = multihost.process_count() > 1
@@ -109,24 +126,26 @@ def write(
         try:
             destination.parent.mkdir(parents=True, exist_ok=True)
             _remove(partial, staging)
+            if sharded:
+                partial.mkdir()
             if shared:
                 staging.mkdir()
         except OSError as failed:
             error = failed
     multihost.agree(f"{name}: prepare", error)
     writer = _Writer(window_bytes, staging, primary)
+    target: Any = (partial / destination.name if sharded else partial) if primary else io.BytesIO()
     try:
-        try:
-            keras_compat.save_state(model, partial if primary else io.BytesIO(), writer, skip)
+        try:  # other processes only stage their regions: one plain store, in memory
+            shards = max_shard_size if primary else None
+            saving_compat.save_state(model, target, writer, skip, max_shard_size=shards)
         except Exception as failed:  # reported to every process by `agree`, which re-raises
             error = failed
         multihost.agree(f"{name}: regions", error)
         if primary:
             try:
-                writer.copy_staged(partial)
-                durable.fsync_path(partial)
-                partial.replace(destination)
-                durable.fsync_path(destination.parent)
+                writer.copy_staged()
+                _move_into_place(partial, destination, sharded)
             except Exception as failed:
                 error = failed
         multihost.agree(f"{name}: commit", error)
@@ -134,6 +153,21 @@ def write(
         if primary:
             _remove(partial, staging)
     return destination
+
+
+def _move_into_place(partial: Path, destination: Path, sharded: bool) -> None:
+    """fsyncs what `partial` holds, then renames it (a sharded export's parts, then its index)."""
+    if not sharded:
+        durable.fsync_path(partial)
+        partial.replace(destination)
+    else:
+        files = sorted(partial.iterdir(), key=lambda f: f.name == destination.name)  # index last
+        for file in files:
+            durable.fsync_path(file)
+        destination.unlink(missing_ok=True)
+        for file in files:
+            file.replace(destination.parent / file.name)
+    durable.fsync_path(destination.parent)
 
 
 class _Writer:
@@ -144,12 +178,13 @@ class _Writer:
         self.window_bytes = window_bytes
         self.staging = staging
         self.primary = primary
-        self.datasets: list[str] = []  # h5 paths, in the walk's order (the same on every process)
+        # (file, h5 path) of each dataset, in the walk's order (the same on every process)
+        self.datasets: list[tuple[str, str]] = []
 
     def __call__(self, group: h5py.Group, key: str, value: Any) -> None:
         array = value.value if isinstance(value, keras.Variable) else value
         number = len(self.datasets)
-        self.datasets.append(f"{group.name}/{key}")
+        self.datasets.append((str(group.file.filename), f"{group.name}/{key}"))
         dataset = None
         if self.primary:
             dataset = group.create_dataset(key, shape=array.shape, dtype=np.dtype(array.dtype))
@@ -161,17 +196,20 @@ class _Writer:
             else:
                 np.save(self.staging / _staged_name(number, region.index), region.block)
 
-    def copy_staged(self, file: Path) -> None:
-        """Writes the regions other processes staged into `file` (process 0), one window at a time."""
+    def copy_staged(self) -> None:
+        """Writes the regions other processes staged into the files (process 0), one window at a
+        time."""
         if not self.staging.is_dir():
             return
-        staged = sorted(self.staging.iterdir())
-        if not staged:
-            return
-        with h5py.File(file, "r+") as h5:
-            for path in staged:
-                number, index = _parse_staged(path.name)
-                h5[self.datasets[number]][index] = np.load(path)
+        by_file: dict[str, list[tuple[str, Path]]] = {}
+        for path in sorted(self.staging.iterdir()):
+            number, _ = _parse_staged(path.name)
+            file, dataset = self.datasets[number]
+            by_file.setdefault(file, []).append((dataset, path))
+        for file, staged in by_file.items():
+            with h5py.File(file, "r+") as h5:
+                for dataset, path in staged:
+                    h5[dataset][_parse_staged(path.name)[1]] = np.load(path)
 
 
 def _shards_to_write(array: jax.Array) -> list[jax.Shard]:
