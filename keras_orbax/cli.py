@@ -133,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     write.add_argument(
         "--preset",
         action="store_true",
-        help="write DST as a keras-hub preset directory (DST ending in .weights.h5: Keras's file)",
+        help="write DST as a keras-hub preset directory (a DST ending in .weights.h5 is written "
+        "as Keras's weights file without it)",
     )
     write.add_argument(
         "--transformers",
