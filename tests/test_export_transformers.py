@@ -18,7 +18,7 @@ import pytest
 import keras_orbax
 from keras_orbax.errors import UnsupportedSourceError
 from tests import _hf_export
-from tests._harness import WORKERS_DIR, run_workers
+from tests._harness import WORKERS_DIR, run_workers, start_workers
 from tests._hub import import_keras_hub
 
 keras_hub = import_keras_hub()
@@ -236,3 +236,22 @@ def test_a_failure_on_one_process_fails_both_and_leaves_no_weights(two_processes
         assert "failed on 1 of 2 processes" in error and "process 1" in error, (process, error)
     left = sorted(p.name for p in (root / "failed").iterdir())
     assert left == ["config.json"], left
+
+
+def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
+    """Process 1 dies (SIGXFSZ) at its first write past 16 KiB; process 0 gives up on it."""
+    args = {"action": "killed", "directory": str(tmp_path / "hf")}
+    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "10"}  # how long process 0 waits for process 1
+    (tmp_path / "w").mkdir()
+    with start_workers(WORKER, 2, 4, args, workdir=tmp_path / "w", env=env) as workers:
+        first, second = workers.wait(300, expect_failure={0, 1})
+    assert second is None  # killed
+    if first is not None:  # process 0 lived to report (else the coordination service ended it)
+        assert "ProcessSyncError" in first["error"] or "process 1" in first["error"], first
+    left = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "model.safetensors" not in left and set(left) <= {
+        "config.json",
+        ".model.safetensors.partial",
+    }
+    with pytest.raises(Exception, match="safetensors"):
+        keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))

@@ -10,6 +10,8 @@ args: {"action": ..., "directory": ...}
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
   Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
   expected values); then an export during which process 1 cannot write past 16 KiB.
+- "killed" (2 processes x 4 devices): process 1 is killed by SIGXFSZ at its first write past
+  16 KiB, mid-export; process 0 reports the error it got, if it lives to.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.experimental import multihost_utils
 
 import keras_orbax
 from tests import _hf_export
-from tests._worker_util import init_worker, write_result
+from tests._worker_util import exit_now, init_worker, write_result
 
 
 def _status_kib(field: str) -> int:
@@ -135,6 +137,21 @@ def multiprocess(root: Path, process_id: int) -> dict:
     return result
 
 
+def killed(directory: Path, process_id: int) -> dict:
+    keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+    keras.utils.set_random_seed(0)
+    backbone = _hf_export.backbone_class("llama3")(**_hf_export.LLAMA3)
+    _hf_export.fill(backbone)
+    if process_id == 1:
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # the write past the limit kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, old[1]))
+    error = _error_of(
+        lambda: keras_orbax.export_to_transformers(backbone, directory, window_bytes=64)
+    )
+    return {"error": error}
+
+
 def _gathered(arrays: dict) -> dict[str, np.ndarray]:
     return {
         k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in arrays.items()
@@ -148,6 +165,9 @@ def main() -> None:
         write_result(disk_full(directory))
     elif action == "memory":
         write_result(memory(directory))
+    elif action == "killed":
+        write_result(killed(directory, ctx.process_id))
+        exit_now(0)  # the peer is dead: no shutdown barrier
     elif action == "multiprocess":
         write_result(multiprocess(directory, ctx.process_id))
     else:
