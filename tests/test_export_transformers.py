@@ -8,6 +8,7 @@ header, order, data, config, tokenizer files), the `safetensors` package's reade
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -255,3 +256,41 @@ def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
     }
     with pytest.raises(Exception, match="safetensors"):
         keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))
+
+
+def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
+    """Header bytes, tensor order (by dtype, then name) and data equal `safetensors.numpy.save`'s,
+    with boxes written one at a time (a scalar and an empty tensor too)."""
+    import ml_dtypes
+
+    from keras_orbax._src.export import safetensors_writer
+
+    rng = np.random.default_rng(0)
+    dtypes = ["bool", "uint8", "int8", "int16", "uint16", "float16", ml_dtypes.bfloat16, "int32"]
+    dtypes += ["uint32", "float32", "float64", "int64", "uint64"]
+    tensors = {
+        f"t{len(dtypes) - i}.{np.dtype(d).name}": (rng.random((3, 5)) * 100).astype(d)
+        for i, d in enumerate(dtypes)
+    }
+    tensors["scalar"] = np.array(7, "int64")
+    tensors["empty"] = np.zeros((0, 4), "float32")
+    specs = [safetensors_writer.TensorSpec(n, t.shape, t.dtype) for n, t in tensors.items()]
+    layout = safetensors_writer.plan_file("model.safetensors", specs)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(layout.prefix)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for name, value in tensors.items():  # row by row; the scalar whole; the empty: nothing
+            width = value.shape[-1] if value.ndim else 0
+            rows = (
+                [(slice(i, i + 1), slice(0, width)) for i in range(len(value))]
+                if value.ndim
+                else [()]
+            )
+            for box in rows:
+                block = np.asarray(value[box])
+                safetensors_writer.write_box(fd, layout.offsets[name], value.shape, box, block)
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == layout.size
+    assert path.read_bytes() == safetensors_numpy.save(tensors, metadata={"format": "pt"})
