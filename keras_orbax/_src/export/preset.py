@@ -123,4 +123,4 @@ def _on_primary(name: str, write: Any) -> None:
             write()
         except Exception as failed:  # reported to every process by `agree`, which re-raises
             error = failed
-    multihost.agree(name, error)
+    multihost.agree(name, error, unchanged=multihost.NOTHING_EXPORTED)

@@ -96,11 +96,20 @@ def export_to_transformers(
                 hub_compat.hf_write_extra_files(backbone, tokenizer, os.fspath(directory))
 
     try:
-        multihost.run_collectively(f"{name}: prepare", prepare)
+        abandoned = multihost.NOTHING_EXPORTED
+        multihost.run_collectively(f"{name}: prepare", prepare, unchanged=abandoned)
         multihost.run_collectively(
-            f"{name}: write", _write_regions, directory, tensors, layouts, window_bytes
+            f"{name}: write",
+            _write_regions,
+            directory,
+            tensors,
+            layouts,
+            window_bytes,
+            unchanged=abandoned,
         )
-        multihost.run_collectively(f"{name}: commit", _commit_if_primary, directory, layouts)
+        multihost.run_collectively(
+            f"{name}: commit", _commit_if_primary, directory, layouts, unchanged=abandoned
+        )
     except BaseException:
         if multihost.is_primary():
             _remove_weights(directory)

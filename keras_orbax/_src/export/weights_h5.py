@@ -132,7 +132,7 @@ def write(
                 staging.mkdir()
         except OSError as failed:
             error = failed
-    multihost.agree(f"{name}: prepare", error)
+    multihost.agree(f"{name}: prepare", error, unchanged=multihost.NOTHING_EXPORTED)
     writer = _Writer(window_bytes, staging, primary)
     target: Any = (partial / destination.name if sharded else partial) if primary else io.BytesIO()
     try:
@@ -141,14 +141,14 @@ def write(
             saving_compat.save_state(model, target, writer, skip, max_shard_size=shards)
         except Exception as failed:  # reported to every process by `agree`, which re-raises
             error = failed
-        multihost.agree(f"{name}: regions", error)
+        multihost.agree(f"{name}: regions", error, unchanged=multihost.NOTHING_EXPORTED)
         if primary:
             try:
                 writer.copy_staged()
                 _move_into_place(partial, destination, sharded)
             except Exception as failed:
                 error = failed
-        multihost.agree(f"{name}: commit", error)
+        multihost.agree(f"{name}: commit", error, unchanged=multihost.NOTHING_EXPORTED)
     finally:
         if primary:
             _remove(partial, staging)

@@ -39,6 +39,11 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+# What a process that stops waiting for the others has left as it was, by what they were doing.
+NOTHING_RESTORED = "no variable was modified here"
+NOTHING_EXPORTED = "the export is abandoned, and no complete file is left at the destination"
+
+
 def primary_decision(decision: bool) -> bool:
     """Process 0's decision, on every process, so that all enter a collective save together."""
     if process_count() == 1:
@@ -46,7 +51,13 @@ def primary_decision(decision: bool) -> bool:
     return bool(multihost_utils.broadcast_one_to_all(np.int32(decision)))
 
 
-def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def agree(
+    name: str,
+    error: BaseException | None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    unchanged: str = NOTHING_RESTORED,
+) -> None:
     """Every process reports how its part of `name` went; all raise if any failed.
 
     Single-process: re-raises `error` if given. Multi-process: each process publishes its outcome
@@ -56,7 +67,8 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
     Raises:
         The failing process's error type (from `keras_orbax.errors`), with a message that names
         each failed process and its details (a mismatch's `problems` too), on every process;
-        `ProcessSyncError` naming the processes that did not report in time.
+        `ProcessSyncError` naming the processes that did not report in time, and ending with
+        `unchanged`: what this process left as it was.
     """
     if process_count() == 1:
         if error is not None:
@@ -77,7 +89,7 @@ def agree(name: str, error: BaseException | None, *, timeout_s: float = DEFAULT_
     if missing:
         late = ProcessSyncError(
             f"Processes {missing} did not reach '{name}' within {timeout_s:.0f} s (this is process "
-            f"{me}). They may have crashed or be stuck; no variable was modified here."
+            f"{me}). They may have crashed or be stuck; {unchanged}."
         )
         raise _mark(late) from error
     if failures:
@@ -139,8 +151,11 @@ def _get(client: Any, key: str, deadline: float) -> dict[str, Any] | None:
         return None
 
 
-def run_collectively(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """Runs `fn(*args)` on this process, then `agree`s: returns only if it succeeded everywhere.
+def run_collectively(
+    name: str, fn: Callable[..., T], *args: Any, unchanged: str = NOTHING_RESTORED
+) -> T:
+    """Runs `fn(*args)` on this process, then `agree`s (`unchanged` as there): returns only if it
+    succeeded everywhere.
 
     An error that `fn` got from an `agree` of its own is raised as it is: the processes have
     reported already.
@@ -150,9 +165,9 @@ def run_collectively(name: str, fn: Callable[..., T], *args: Any) -> T:
     except Exception as error:  # reported to every process by `agree`, which re-raises
         if error in _agreed:
             raise
-        agree(name, error)
+        agree(name, error, unchanged=unchanged)
         raise
-    agree(name, None)
+    agree(name, None, unchanged=unchanged)
     return result
 
 
