@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import keras_orbax
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
+from keras_orbax._src.write import incremental
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int32", "bool", "uint8"]
 
@@ -106,6 +107,20 @@ def _changed_files(before: Path, after: Path) -> set[tuple[str, tuple[int, ...]]
     }
 
 
+def _linkable(step_dir: Path) -> set[tuple[str, tuple[int, ...]]]:
+    """The shard files of a step that the next save may link: fingerprinted, and not written at
+    so many saves in a row that the next one writes them without looking (the record's rule)."""
+    names = {
+        os.fspath(p.relative_to(step_dir / "state")): n for n, p in _shard_files(step_dir).items()
+    }
+    linkable = set()
+    for path in (step_dir / "state/keras_orbax_checksums").glob("process_*.json"):
+        for name, entry in json.loads(path.read_text())["files"].items():
+            if "fingerprint" in entry and incremental.fingerprinted_after(entry["written"]):
+                linkable.add(names[name])
+    return linkable
+
+
 def _flip(variable: keras.Variable, rng: np.random.Generator, whole_element: bool) -> tuple:
     """Changes one bit (or one whole element) of `variable`, keeping its sharding; returns the
     element's index."""
@@ -166,8 +181,11 @@ def test_every_changed_shard_is_written_and_every_unchanged_one_linked(
             expected.add(_expected_file(model, variable, index, small_arrays == "one_file"))
         keras_orbax.save(model, tmp_path, step=step + 1)
         before, after = tmp_path / str(step), tmp_path / str(step + 1)
-        assert _changed_files(before, after) == expected
-        assert _new_files(before, after) == expected
+        changed, new = _changed_files(before, after), _new_files(before, after)
+        assert changed == expected
+        assert changed <= new  # every change written
+        # and every unchanged file linked, but for those written at every recent save
+        assert new == changed | (set(_shard_files(after)) - _linkable(before))
         keras_orbax.verify(tmp_path, step=step + 1)  # the linked files' CRC-32 recorded right
         step += 1
     restored = _mixed_model()
@@ -354,3 +372,25 @@ def test_each_process_links_its_own_unchanged_shards(tmp_path):
         )
         linked = [n for n in listed["files"] if (after / "state" / n).stat().st_ino in old]
         assert linked and all("fingerprint" in listed["files"][n] for n in linked)
+
+
+def test_a_shard_that_changes_at_every_save_is_fingerprinted_every_16_saves(tmp_path):
+    """A full fine-tune's shards change at every save: written without a fingerprint from the
+    third save in a row, fingerprinted at the 16th and 17th; linked again once it stops."""
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    factor = model.get_layer("frozen_out").lora_kernel_b
+    array = _arrays(model)[id(factor)]
+    fingerprinted = []
+    for step in range(18):
+        if 0 < step < 17:  # changed before saves 1 to 16, the same at 17
+            factor.assign(factor.value + 1.0)
+        keras_orbax.save(model, tmp_path, step=step)
+        checksums = tmp_path / f"{step}/state/keras_orbax_checksums/process_0.json"
+        files = json.loads(checksums.read_text())["files"]
+        (entry,) = [entry for name, entry in files.items() if name.startswith(f"{array}/")]
+        fingerprinted.append("fingerprint" in entry)
+    # Saves 0 (the first) and 1 look; 2-15 write without looking; 16 records; 17 compares, links.
+    assert fingerprinted == [True, True] + [False] * 14 + [True, True]
+    assert _new_files(tmp_path / "16", tmp_path / "17") == set()
+    assert {a for a, _ in _new_files(tmp_path / "15", tmp_path / "16")} == {array}
