@@ -19,8 +19,9 @@ process (on a shared machine, maybe another one) and is recorded as killed for m
 peak it had reached.
 
 Usage:
-    python benchmarks/seed_case.py [--config small|medium|2b|9b] [--dir DIR] [--skip-make]
-        [--meshes 1x8 2x4] [--repeats 1] [--no-hub] [--json PATH] [--write-docs]
+    python benchmarks/seed_case.py [--config small|medium|2b|9b] [--dir DIR]
+        [--skip-make | --make-only] [--meshes 1x8 2x4] [--repeats 1] [--no-hub] [--json PATH]
+        [--limit-gib G] [--reserve-gib G] [--write-docs]
     python benchmarks/seed_case.py --render RUN.json [--write-docs]
 """
 
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
         report["make"] = run_child("make", args)
         if report["make"]["outcome"] != "ok":
             raise SystemExit(f"make failed: {report['make']['outcome']}")
+        print(f"made {args.dir} in {report['make']['seconds']:.0f} s", file=sys.stderr)
+    if args.make_only:
+        return
     report["preset_bytes"] = sum(os.path.getsize(p) for p in preset_files(args.dir))
     report["preset_files"] = [os.path.basename(p) for p in preset_files(args.dir)]
     for mesh in args.meshes:
@@ -389,6 +393,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--skip-make", action="store_true", help="use the preset in --dir if it is there"
     )
+    p.add_argument("--make-only", action="store_true", help="make the preset, measure nothing")
     p.add_argument("--meshes", nargs="+", default=["1x8", "2x4"])
     p.add_argument("--repeats", type=int, default=1, help="read/ko pairs per mesh")
     p.add_argument("--no-hub", action="store_true", help="skip keras-hub's own from_preset")
