@@ -78,7 +78,7 @@ def fingerprinted_after(written: int) -> bool:
 
 class Plan:
     """What one save compares its shards with: the previous committed step's recorded files
-    (`None`: that step has no fingerprints, or there is none), and counts of what it did."""
+    (none: that step has no fingerprints, or there is no such step)."""
 
     def __init__(
         self, previous_state: str | None, recorded: dict[str, _Recorded], recorded_ns: int = 0
@@ -86,8 +86,6 @@ class Plan:
         self.previous_state = previous_state
         self._recorded = recorded
         self._recorded_ns = recorded_ns  # when the last of its checksum files was written
-        self.linked = 0
-        self.written = 0
 
     def write_or_link(self, root: str, shard: Any, write: WriteShard) -> tuple[str, dict[str, Any]]:
         """Links `shard`'s file under `root` (a step's `state/`) to the previous step's, if that
@@ -98,13 +96,11 @@ class Plan:
         streak = 0 if recorded is None else recorded.written
         if not fingerprinted_after(streak):  # it changed at every recent save: write it
             name, entry = write(root, shard)
-            self.written += 1
             return name, {**entry, WRITTEN_KEY: streak + 1}
         digest = fingerprint(shard.layout, shard.data)
         if recorded is not None and recorded.fingerprint == digest:
             linked = self._link(relative, f"{root}/{relative}", recorded.nbytes)
             if linked:
-                self.linked += 1
                 return relative, {
                     checksum.ALGORITHM: recorded.crc,
                     "bytes": recorded.nbytes,
@@ -112,7 +108,6 @@ class Plan:
                     WRITTEN_KEY: 0,
                 }
         name, entry = write(root, shard)
-        self.written += 1
         return name, {**entry, ENTRY_KEY: digest, WRITTEN_KEY: streak + 1}
 
     def _link(self, relative: str, target: str, nbytes: int) -> bool:
