@@ -2,14 +2,15 @@
 
 The backbone is built under `keras_orbax.deferred_init()` (no variable allocated); keras-hub's own
 preset saver writes `config.json` and `metadata.json`; Keras's own save traversal
-(`saving_lib._save_state`) walks the layers and calls each one's `save_own_variables` into a store
-that makes each h5 dataset from the variable's shape and dtype alone and fills it a window at a
+walks the layers and calls each one's `save_own_variables` into a store that makes each h5
+dataset from the variable's shape and dtype alone and fills it a window at a
 time from a generator seeded by the dataset's name. So the files are those `save_to_preset` writes
 (`model.weights.h5`, or `model.weights.json` and its parts past `max_shard_size` GB), and making a
 preset of 18.5 GB takes a few MiB of memory besides the interpreter's.
 
-Private Keras and keras-hub symbols are used here (a benchmark, not the package) so that the
-traversal, the group names and the preset's non-weight files are theirs, not a copy.
+Private keras-hub symbols are used here (a benchmark, not the package) so that the preset's
+non-weight files are keras-hub's, not a copy; Keras's walk and stores are those
+`keras_orbax.save_weights` writes through (`compat.saving_compat.save_state`).
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def make(
     """Writes the preset of `GemmaBackbone(**backbone_args)` into `directory`, as keras-hub's
     `save_to_preset(directory, max_shard_size)` would, with pseudo-random weights."""
     import keras_hub
-    from keras.src.saving import saving_lib
+    from jax import numpy as jnp
     from keras_hub.src.utils import preset_utils
 
     import keras_orbax
+    from keras_orbax._src.compat import saving_compat
+    from keras_orbax._src.export import weights_h5
 
     clock = time.perf_counter()
     with keras_orbax.deferred_init():
@@ -114,105 +117,38 @@ def make(
     sharded = max_shard_size is not None and size_gb > max_shard_size
     if sharded:
         path = os.path.join(directory, preset_utils.SHARDED_MODEL_WEIGHTS_CONFIG_FILE)
-        store: Any = _ShardedStore(path, max_shard_size, mode="w")
     else:
-        store = _Store(os.path.join(directory, preset_utils.MODEL_WEIGHTS_FILE), mode="w")
-    store.window_bytes = window_bytes
-    saving_lib._save_state(
-        backbone, weights_store=store, assets_store=None, inner_path="", visited_saveables=set()
-    )
-    store.close()
-    _flush(store.written_files)
-    return {
-        "seconds": time.perf_counter() - clock,
-        "bytes": store.bytes_written,
-        "datasets": store.datasets,
-        "sharded": sharded,
-        "files": sorted(os.listdir(directory)),
-    }
+        path = os.path.join(directory, preset_utils.MODEL_WEIGHTS_FILE)
+        max_shard_size = None
+    written = {"bytes": 0, "datasets": 0, "unflushed": 0}
 
-
-def _keras_classes() -> tuple[type, type]:
-    from keras.src.saving.saving_lib import H5IOStore, ShardedH5IOStore
-
-    return H5IOStore, ShardedH5IOStore
-
-
-_H5IOStore, _ShardedH5IOStore = _keras_classes()
-
-
-class _Streaming(_H5IOStore):  # type: ignore[misc, valid-type]
-    """`H5IOStore.__setitem__` with the value made, not given: the dataset is created from the
-    variable's shape and dtype (bfloat16 marked as Keras marks it) and filled a window at a time."""
-
-    window_bytes = WINDOW_BYTES
-
-    def _stream(self, key: str, variable: Any) -> int:
-        if not self._h5_entry_initialized:
-            self._create_h5_group(self._h5_entry_path)
-        dtype = np_dtype(variable)
-        dataset = self._h5_entry_group.create_dataset(key, shape=tuple(variable.shape), dtype=dtype)
-        if dtype.name == "bfloat16":
-            dataset.attrs["dtype"] = "bfloat16"
-        fill(dataset, dtype, self.window_bytes)
-        self.bytes_written = getattr(self, "bytes_written", 0) + dataset.nbytes
-        self.datasets = getattr(self, "datasets", 0) + 1
-        self.written_files = getattr(self, "written_files", set()) | {self.h5_file.filename}
-        self._unflushed = getattr(self, "_unflushed", 0) + dataset.nbytes
-        if self._unflushed >= FLUSH_BYTES:
+    def write(group: Any, key: str, variable: Any) -> None:
+        """The dataset Keras would make for `variable`, filled from Philox (its value is never
+        made: the backbone is deferred)."""
+        dataset = weights_h5.create_dataset(group, key, variable.shape, variable.dtype)
+        fill(dataset, np.dtype(jnp.dtype(variable.dtype)), window_bytes)  # h5py says V2 for bf16
+        written["bytes"] += dataset.nbytes
+        written["datasets"] += 1
+        written["unflushed"] += dataset.nbytes
+        if written["unflushed"] >= FLUSH_BYTES:
             # Without this the page cache would fill with the preset's dirty pages; on a machine
             # shared with other work, what is written is written back and dropped as it goes.
-            self.h5_file.flush()
-            _flush([self.h5_file.filename])
-            self._unflushed = 0
-        return dataset.nbytes
+            group.file.flush()
+            _flush([group.file.filename])
+            written["unflushed"] = 0
 
-
-class _Store(_Streaming):
-    def __setitem__(self, key: str, variable: Any) -> None:
-        self._stream(key, variable)
-
-
-class _ShardedStore(_ShardedH5IOStore, _Streaming):  # type: ignore[misc, valid-type]
-    """`ShardedH5IOStore.__setitem__`'s bookkeeping (its lines, in its order) around `_stream`:
-    Keras's own method would first copy the variable to numpy, the very thing avoided here."""
-
-    def __setitem__(self, key: str, variable: Any) -> None:
-        from keras.src import backend
-        from keras.src.utils import dtype_utils
-
-        self._restore_h5_file()
-        dtype = backend.standardize_dtype(variable.dtype)
-        value_size = math.prod(variable.shape) * dtype_utils.dtype_size(dtype) / 8
-        self.total_shard_size += value_size
-        if value_size > self.max_shard_size:
-            raise ValueError(f"The size of {key} exceeds the maximum shard size.")
-        self.current_shard_size += value_size
-        if self.current_shard_size > self.max_shard_size:
-            self.close()
-            self.h5_file = self._create_new_shard_file()
-            self.current_shard_size = value_size
-        self._stream(key, variable)
-        variable_path = self._h5_entry_group.name
-        shard_filename = self.current_shard_path.name
-        weight_map = self.sharding_config["weight_map"]
-        if variable_path not in weight_map:
-            weight_map[variable_path] = shard_filename
-        else:
-            if not isinstance(weight_map[variable_path], list):
-                weight_map[variable_path] = [weight_map[variable_path]]
-            if shard_filename not in weight_map[variable_path]:
-                weight_map[variable_path].append(shard_filename)
-
-
-def np_dtype(variable: Any) -> np.dtype:
-    """The numpy dtype Keras's `convert_to_numpy` gives the variable's value (ml_dtypes for
-    bfloat16), read from the variable's dtype alone."""
-    import keras
-    import ml_dtypes
-
-    name = keras.backend.standardize_dtype(variable.dtype)
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    # Keras's own walk and stores (those keras_orbax.save_weights writes through), each array
+    # handed to `write` instead of fetched.
+    saving_compat.save_state(backbone, path, write, max_shard_size=max_shard_size)
+    files = sorted(os.listdir(directory))
+    _flush(os.path.join(directory, f) for f in files if f.endswith(".h5"))
+    return {
+        "seconds": time.perf_counter() - clock,
+        "bytes": written["bytes"],
+        "datasets": written["datasets"],
+        "sharded": sharded,
+        "files": files,
+    }
 
 
 def fill(dataset: Any, dtype: np.dtype, window_bytes: int = WINDOW_BYTES) -> None:

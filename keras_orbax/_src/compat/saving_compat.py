@@ -69,9 +69,9 @@ class _ShardedArrayStore(_ShardedH5IOStore):
             super().__setitem__(key, value)
             return
         self._restore_h5_file()
-        array = value.value if isinstance(value, keras.Variable) else value
-        dtype = keras.backend.standardize_dtype(array.dtype)
-        size = math.prod(array.shape) * _dtype_size(dtype) / 8
+        # From the shape and dtype alone: a deferred variable (no value yet) is sized too.
+        dtype = keras.backend.standardize_dtype(value.dtype)
+        size = math.prod(value.shape) * _dtype_size(dtype) / 8
         self.total_shard_size += size
         if size > self.max_shard_size:
             raise ValueError(

@@ -170,6 +170,17 @@ def _move_into_place(partial: Path, destination: Path, sharded: bool) -> None:
     durable.fsync_path(destination.parent)
 
 
+def create_dataset(group: h5py.Group, key: str, shape: Sequence[int], dtype: Any) -> h5py.Dataset:
+    """The empty dataset Keras's `H5IOStore.__setitem__` would store an array of `shape` and
+    `dtype` (a JAX, NumPy or Keras dtype) in: bfloat16 marked by its `dtype` attribute."""
+    name = keras.backend.standardize_dtype(dtype)
+    numpy_dtype = np.dtype(jax.numpy.dtype(name))  # bfloat16: ml_dtypes', as JAX gives it
+    dataset = group.create_dataset(key, shape=tuple(shape), dtype=numpy_dtype)
+    if name == "bfloat16":
+        dataset.attrs["dtype"] = "bfloat16"
+    return dataset
+
+
 class _Writer:
     """Called by Keras's walk with each array: creates its dataset as Keras would (process 0) and
     writes, or stages, the regions this process is the one to write."""
@@ -187,9 +198,7 @@ class _Writer:
         self.datasets.append((str(group.file.filename), f"{group.name}/{key}"))
         dataset = None
         if self.primary:
-            dataset = group.create_dataset(key, shape=array.shape, dtype=np.dtype(array.dtype))
-            if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
-                dataset.attrs["dtype"] = "bfloat16"  # as `H5IOStore.__setitem__` marks it
+            dataset = create_dataset(group, key, array.shape, array.dtype)
         for region in regions.shard_regions(array, _shards_to_write(array), self.window_bytes):
             if dataset is not None:
                 dataset[region.index] = region.block
