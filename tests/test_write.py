@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import keras_orbax
 from keras_orbax._src.format import checksum
-from keras_orbax._src.write import shard_writer, step_writer
+from keras_orbax._src.write import shard_files, shard_writer, step_writer
 from tests import _models
 
 
@@ -200,7 +200,7 @@ def test_the_same_zarr_json_is_written_once_and_linked(tmp_path, distribution):
 def test_a_content_whose_first_file_is_gone_is_written_again(tmp_path):
     """Where the link fails (here its source was removed; elsewhere a filesystem without hard
     links), the file is written with its content instead."""
-    once = shard_writer._Once()
+    once = shard_files.Once()
     a, b, c = (str(tmp_path / name) for name in "abc")
     once.write(a, b"{}")
     os.unlink(a)

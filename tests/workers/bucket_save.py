@@ -22,7 +22,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras
 
 import keras_orbax
-from keras_orbax._src.write import shard_writer
+from keras_orbax._src.write import shard_files
 from tests import _models
 
 args = json.loads(sys.argv[1])
@@ -32,8 +32,8 @@ _models.fill_arange(model)
 keras_orbax.save(model, args["directory"], step=1)
 
 # The objects' bytes are sent by tensorstore (C++, invisible to audit hooks); keras-orbax's
-# `_put_shard` returns once one is written: the one Python-level point after an object is stored.
-put_shard = shard_writer._put_shard
+# `put_shard` returns once one is written: the one Python-level point after an object is stored.
+put_shard = shard_files.put_shard
 
 
 def put_shard_then_die(store: Any, shard: Any) -> Any:
@@ -41,6 +41,6 @@ def put_shard_then_die(store: Any, shard: Any) -> Any:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-shard_writer._put_shard = put_shard_then_die
+shard_files.put_shard = put_shard_then_die
 keras_orbax.save(model, args["directory"], step=2)
-print("step 2 committed: no shard object was written through _put_shard", flush=True)
+print("step 2 committed: no shard object was written through put_shard", flush=True)

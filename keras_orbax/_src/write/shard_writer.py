@@ -14,7 +14,7 @@ shard's own buffer (on CPU, the device buffer itself) by a pool of threads, chec
 piece while it is written, fsync-ed, and every directory is fsync-ed once at the end; a metadata
 file whose content another has already (the same `zarr.json` for arrays of one shape, chunk and
 dtype) is a hard link to it. The step stays atomic: nothing is visible until Orbax renames the
-temporary step directory.
+temporary step directory. Each single file's write is `shard_files`'.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
-import dataclasses
 import functools
-import json
 import os
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -36,10 +34,9 @@ import jax
 import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
-from keras_orbax._src.format import checksum
-from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.storage import durable, locations
-from keras_orbax._src.write import incremental, staging
+from keras_orbax._src.write import incremental, shard_files, staging
+from keras_orbax._src.write.shard_files import Shard
 from keras_orbax._src.write.shard_metadata import SavedArray, array_files, step_files
 
 # Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
@@ -52,7 +49,7 @@ _WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
 # 3.8 x -> 2.05 x the write floor, docs/benchmarks.md).
 PACK_BYTES = 1 << 20
 _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
-_STAGED: contextvars.ContextVar[Mapping[str, list[_Shard]] | None] = contextvars.ContextVar(
+_STAGED: contextvars.ContextVar[Mapping[str, list[Shard]] | None] = contextvars.ContextVar(
     "keras_orbax_staged_shards", default=None
 )
 
@@ -71,19 +68,19 @@ def shards_stay_unchanged() -> Iterator[None]:
         _COPY_SHARDS.reset(token)
 
 
-def stage(values: Mapping[str, Any]) -> dict[str, list[_Shard]]:
+def stage(values: Mapping[str, Any]) -> dict[str, list[Shard]]:
     """Host copies, taken now, of the shards this process writes for `values` (Orbax parameter
     name -> array): a save started later under `from_staged` writes these, whatever has become of
     the arrays' buffers since (a train step donates them)."""
     params = [_Param(name, value) for name, value in values.items() if _writable(value)]
-    staged: dict[str, list[_Shard]] = {p.name: [] for p in params}
+    staged: dict[str, list[Shard]] = {p.name: [] for p in params}
     for shard in _host_shards(params, copy=True):
         staged[shard.array].append(shard)
     return staged
 
 
 @contextlib.contextmanager
-def from_staged(staged: Mapping[str, list[_Shard]]) -> Iterator[None]:
+def from_staged(staged: Mapping[str, list[Shard]]) -> Iterator[None]:
     """Within it, a save writes the shards `stage` copied instead of reading the arrays."""
     token = _STAGED.set(staged)
     try:
@@ -95,19 +92,6 @@ def from_staged(staged: Mapping[str, list[_Shard]]) -> Iterator[None]:
 class _Param(NamedTuple):
     name: str
     value: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shard:
-    array: str  # Orbax parameter name: the array's directory
-    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
-    data: np.ndarray  # C-contiguous host bytes
-    packed: bool = False
-    layout: str = ""  # what its fingerprint says besides the bytes (`incremental.layout_of`)
-
-    @property
-    def relative(self) -> str:
-        return f"{self.array}/{chunk_key(self.coords, ONE_FILE_SEPARATOR if self.packed else '/')}"
 
 
 class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[misc]
@@ -138,7 +122,7 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         return write()
 
 
-def shards_of(name: str, value: jax.Array) -> tuple[list[SavedArray], list[_Shard]]:
+def shards_of(name: str, value: jax.Array) -> tuple[list[SavedArray], list[Shard]]:
     """What `ArrayFiles.add` takes to write `value` under the Orbax parameter name `name`: its
     description and the shards this process writes (on CPU, views of its device buffers: `value`
     must not change until they are written).
@@ -177,7 +161,7 @@ def is_packed(value: jax.Array) -> bool:
     return value.nbytes <= PACK_BYTES and len({d.process_index for d in devices}) == 1
 
 
-def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
+def _host_shards(params: Sequence[Any], *, copy: bool) -> list[Shard]:
     """Replica 0 of every shard this process's devices hold, on the host (one copy each on an
     accelerator; on CPU a view of the device buffer unless `copy`); a packed array's shards
     assembled into one."""
@@ -194,7 +178,7 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
     host = _on_host([s.data for _, s in picked])
     fetched = iter(_on_host([s.data for _, shards in whole for s in shards]))
     assembled = [
-        _Shard(
+        Shard(
             p.name,
             (0,) * p.value.ndim,
             _assemble(p.value, shards, fetched),
@@ -218,7 +202,7 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[_Shard]:
             (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
         )
         layout = _layout(values[name], chunk, packed=False)
-        shards.append(_Shard(name, coords, data, layout=layout))
+        shards.append(Shard(name, coords, data, layout=layout))
     return shards + assembled
 
 
@@ -248,7 +232,7 @@ def _assemble(value: jax.Array, shards: Sequence[Any], datas: Iterator[np.ndarra
 def write_arrays(
     directory: Any,
     arrays: list[SavedArray],
-    shards: list[_Shard],
+    shards: list[Shard],
     plan: incremental.Plan | None = None,
 ) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
@@ -296,7 +280,7 @@ class ArrayFiles:
         self._root = os.fspath(directory)
         self._store = locations.kvstore(directory) if self._remote else None
         self._pool = ThreadPoolExecutor(workers)
-        self._once = _Once()
+        self._once = shard_files.Once()
         self._made: dict[str, None] = {}  # directories made (relative), parents first
         self._arrays: list[SavedArray] = []
         self._checksums: dict[str, dict[str, Any]] = {}
@@ -309,7 +293,7 @@ class ArrayFiles:
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def add(self, arrays: list[SavedArray], shards: list[_Shard]) -> None:
+    def add(self, arrays: list[SavedArray], shards: list[Shard]) -> None:
         """Writes the shard files and `zarr.json` of `arrays` (`shards`: this process's)."""
         self._arrays += arrays
         nbytes = sum(s.data.nbytes for s in shards)
@@ -327,14 +311,14 @@ class ArrayFiles:
         self._pending.append((self._write(step_files(self._arrays), []), 0))
         while self._pending:
             self._collect_oldest()
-        name = _checksums_name()
-        content = _checksums_json(self._checksums, fingerprinted=self._plan is not None)
+        name = shard_files.checksums_name()
+        content = shard_files.checksums_json(self._checksums, fingerprinted=self._plan is not None)
         if self._store is not None:
             self._store.write(name, content).result()
             return
         for relative in _ancestors(name):
             self._make_dir(relative)
-        _write_file(f"{self._root}/{name}", content)
+        shard_files.write_file(f"{self._root}/{name}", content)
         written = [*self._once.written, *(f"{self._root}/{relative}" for relative in self._made)]
         list(self._pool.map(durable.fsync_path, written))
 
@@ -346,21 +330,25 @@ class ArrayFiles:
                 self._checksums[written[0]] = written[1]
         self._in_flight -= nbytes
 
-    def _write(self, files: list[tuple[str, bytes]], shards: list[_Shard]) -> list[Future[Any]]:
+    def _write(self, files: list[tuple[str, bytes]], shards: list[Shard]) -> list[Future[Any]]:
         """Starts writing `shards` (each future gives its name and checksum) and writes or starts
         writing `files`."""
         if self._store is not None:
             store = self._store
-            started = [self._pool.submit(_put_shard, store, shard) for shard in shards]
-            return started + [self._pool.submit(_put_file, store, *file) for file in files]
+            started = [self._pool.submit(shard_files.put_shard, store, shard) for shard in shards]
+            return started + [
+                self._pool.submit(shard_files.put_file, store, *file) for file in files
+            ]
         # Each file's write by its directory (relative to `directory`, "" for itself); the
         # directories to make are those and every one above them.
         writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
         for shard in shards:
             if self._plan is not None:
-                write = functools.partial(self._plan.write_or_link, self._root, shard, _write_shard)
+                write = functools.partial(
+                    self._plan.write_or_link, self._root, shard, shard_files.write_shard
+                )
             else:
-                write = functools.partial(_write_shard, self._root, shard)
+                write = functools.partial(shard_files.write_shard, self._root, shard)
             writes[_parent(shard.relative)].append(write)
         metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         for name, content in files:
@@ -370,7 +358,7 @@ class ArrayFiles:
         # Directories are made here one by one (a parent's lock orders them anyway; 5000 arrays:
         # 0.1-1 ms of kernel CPU each), and the shard files of each written by the pool as soon
         # as it exists, overlapping the two (5000 Dense(64): 9.7 -> 6.8 s, medians of 10
-        # alternating); the metadata files here, each content once (`_Once`).
+        # alternating); the metadata files here, each content once (`shard_files.Once`).
         started = []
         for relative in dirs:
             self._make_dir(relative)
@@ -386,29 +374,6 @@ class ArrayFiles:
             self._made[relative] = None
 
 
-class _Once:
-    """Writes small files, each distinct content once: a file whose content was written before is a
-    hard link to that file (a model's thousands of arrays have a few distinct `zarr.json`, and each
-    file costs an inode and its own write-back; 5000 Dense(64): save 5.08 -> 4.29 s, medians of 6
-    alternating). Where the filesystem refuses the link (some FUSE and network filesystems have no
-    hard links; ext4 allows 65,000 per file) the content is written again. Nothing is fsync-ed:
-    the caller fsyncs `written` and the directories."""
-
-    def __init__(self) -> None:
-        self._sources: dict[bytes, str] = {}
-        self.written: list[str] = []
-
-    def write(self, path: str, content: bytes) -> None:
-        source = self._sources.get(content)
-        if source is not None:
-            with contextlib.suppress(OSError):
-                os.link(source, path)
-                return
-        _write_file(path, content, sync=False)
-        self._sources[content] = path
-        self.written.append(path)
-
-
 def _parent(relative: str) -> str:
     return relative.rpartition("/")[0]
 
@@ -418,64 +383,3 @@ def _ancestors(relative: str) -> list[str]:
     before the file and fsync-ed after it (`c/0/1/2` of a 3-D array has three below the array's)."""
     parts = relative.split("/")[:-1]
     return ["/".join(parts[:n]) for n in range(len(parts) + 1)]
-
-
-def _checksums_name() -> str:
-    return f"{checksum.CHECKSUMS_DIR}/process_{jax.process_index()}.json"
-
-
-def _checksums_json(checksums: dict[str, dict[str, Any]], *, fingerprinted: bool) -> bytes:
-    content: dict[str, Any] = {"algorithm": checksum.ALGORITHM}
-    if fingerprinted:  # each entry's fingerprint (`incremental`): older readers ignore it
-        content[incremental.ENTRY_KEY] = incremental.ALGORITHM
-    return json.dumps({**content, "files": checksums}).encode()
-
-
-def _put_shard(store: Any, shard: _Shard) -> tuple[str, dict[str, int]]:
-    """Writes one shard as an object (copied once into the request body); its name and checksum."""
-    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
-    index = checksum.shard_index(len(view))
-    crc = checksum.update(checksum.update(0, view), index)
-    store.write(shard.relative, b"".join((view, index))).result()
-    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
-
-
-def _put_file(store: Any, name: str, content: bytes) -> None:
-    store.write(name, content).result()
-
-
-def _write_shard(root: str, shard: _Shard) -> tuple[str, dict[str, int]]:
-    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
-    name and checksum."""
-    path = f"{root}/{shard.relative}"
-    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
-    index = checksum.shard_index(len(view))
-    crc = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        for start in range(0, len(view), checksum.PIECE_BYTES):
-            piece = view[start : start + checksum.PIECE_BYTES]
-            crc = checksum.update(crc, piece)
-            _write_all(fd, piece)
-        crc = checksum.update(crc, index)
-        _write_all(fd, memoryview(index))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
-
-
-def _write_file(path: str, content: bytes, sync: bool = True) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        _write_all(fd, memoryview(content))
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:])

@@ -1,0 +1,124 @@
+"""The files of the `"fast"` format, one at a time: a shard file (local, or an object), a small
+metadata file, and this process's checksum file.
+
+`shard_writer.ArrayFiles` decides which files a step has and writes them concurrently; these are
+the single writes it hands to its threads. A local shard file is written once, straight from the
+shard's buffer, checksummed piece by piece while still in cache, and fsync-ed; an object is sent
+in one request (an object is durable once written). Nothing here fsyncs a directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_orbax._src.format import checksum
+from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.write import incremental
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One shard file's content: the host bytes of one chunk of an array."""
+
+    array: str  # Orbax parameter name: the array's directory
+    coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
+    data: np.ndarray  # C-contiguous host bytes
+    packed: bool = False
+    layout: str = ""  # what its fingerprint says besides the bytes (`incremental.layout_of`)
+
+    @property
+    def relative(self) -> str:
+        return f"{self.array}/{chunk_key(self.coords, ONE_FILE_SEPARATOR if self.packed else '/')}"
+
+
+class Once:
+    """Writes small files, each distinct content once: a file whose content was written before is a
+    hard link to that file (a model's thousands of arrays have a few distinct `zarr.json`, and each
+    file costs an inode and its own write-back; 5000 Dense(64): save 5.08 -> 4.29 s, medians of 6
+    alternating). Where the filesystem refuses the link (some FUSE and network filesystems have no
+    hard links; ext4 allows 65,000 per file) the content is written again. Nothing is fsync-ed:
+    the caller fsyncs `written` and the directories."""
+
+    def __init__(self) -> None:
+        self._sources: dict[bytes, str] = {}
+        self.written: list[str] = []
+
+    def write(self, path: str, content: bytes) -> None:
+        source = self._sources.get(content)
+        if source is not None:
+            with contextlib.suppress(OSError):
+                os.link(source, path)
+                return
+        write_file(path, content, sync=False)
+        self._sources[content] = path
+        self.written.append(path)
+
+
+def checksums_name() -> str:
+    """This process's checksum file, relative to a step's `state/`."""
+    return f"{checksum.CHECKSUMS_DIR}/process_{jax.process_index()}.json"
+
+
+def checksums_json(checksums: dict[str, dict[str, Any]], *, fingerprinted: bool) -> bytes:
+    """The content of this process's checksum file listing `checksums` (name -> entry)."""
+    content: dict[str, Any] = {"algorithm": checksum.ALGORITHM}
+    if fingerprinted:  # each entry's fingerprint (`incremental`): older readers ignore it
+        content[incremental.ENTRY_KEY] = incremental.ALGORITHM
+    return json.dumps({**content, "files": checksums}).encode()
+
+
+def put_shard(store: Any, shard: Shard) -> tuple[str, dict[str, int]]:
+    """Writes one shard as an object (copied once into the request body); its name and checksum."""
+    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
+    index = checksum.shard_index(len(view))
+    crc = checksum.update(checksum.update(0, view), index)
+    store.write(shard.relative, b"".join((view, index))).result()
+    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+
+def put_file(store: Any, name: str, content: bytes) -> None:
+    store.write(name, content).result()
+
+
+def write_shard(root: str, shard: Shard) -> tuple[str, dict[str, int]]:
+    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
+    name and checksum."""
+    path = f"{root}/{shard.relative}"
+    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
+    index = checksum.shard_index(len(view))
+    crc = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        for start in range(0, len(view), checksum.PIECE_BYTES):
+            piece = view[start : start + checksum.PIECE_BYTES]
+            crc = checksum.update(crc, piece)
+            _write_all(fd, piece)
+        crc = checksum.update(crc, index)
+        _write_all(fd, memoryview(index))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+
+
+def write_file(path: str, content: bytes, sync: bool = True) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        _write_all(fd, memoryview(content))
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
