@@ -92,7 +92,7 @@ def child(args: argparse.Namespace) -> None:
     def before_epoch_end(epoch: int) -> None:
         # Off the clock: the previous background save, if still running (a save waits for it).
         start = time.perf_counter()
-        if (pending := callback._pending) is not None:
+        if (pending := callback._saves.pending) is not None:
             pending.done.wait()
         previous_save_waits.append(time.perf_counter() - start)
         time.sleep(args.settle)

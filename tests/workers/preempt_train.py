@@ -11,6 +11,8 @@ then writes what `fit` returned to RESULT_FILE as JSON and exits normally.
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import sys
 import threading
@@ -61,8 +63,19 @@ def main() -> None:
             arrived.set()
 
         signal.signal(signal.SIGTERM, on_sigterm)
-        Path(ready).write_text("epoch 1, batch 3")  # a `tests._beacons.Beacon`
-        if not arrived.wait(120):
+        # Any thread may receive the signal (XLA's too), and then nothing interrupts a wait of the
+        # main thread: the signal's byte on the wakeup fd does.
+        wakeup, wakeup_writer = os.pipe()
+        os.set_blocking(wakeup_writer, False)
+        previous_fd = signal.set_wakeup_fd(wakeup_writer)
+        try:
+            Path(ready).write_text("epoch 1, batch 3")  # a `tests._beacons.Beacon`
+            select.select([wakeup], [], [], 120)
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            os.close(wakeup)
+            os.close(wakeup_writer)
+        if not arrived.wait(60):  # the handler runs in this thread, at its next Python call
             raise TimeoutError("no SIGTERM within 120 s")
         assert checkpoint._watcher.requested  # the callback's handler took the notice
 

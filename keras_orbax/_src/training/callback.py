@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import warnings
-from typing import Any, NoReturn
+from typing import Any
 
-import jax
 import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.model import state_keys
 from keras_orbax._src.restore.restore import RestoreResult
-from keras_orbax._src.runtime import multihost, quiet
-from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.runtime import multihost
 from keras_orbax._src.training.callback_args import validate
-from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.preemption import PreemptionWatcher
 from keras_orbax._src.training.resume import ResumePoint, resume
 from keras_orbax._src.training.retention import Retention, loggable, metric
-from keras_orbax._src.write import shard_writer, step_writer
-from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
+from keras_orbax._src.training.saving import Saves
+from keras_orbax._src.write import step_writer
+from keras_orbax.errors import KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
 
@@ -141,16 +137,20 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         """True once a preemption notice made this callback save and stop `fit`."""
         self.restored: RestoreResult | None = None
         """What `resume=True` restored when `fit` started; None if nothing was."""
-        self._checkpointer: ocp.training.Checkpointer | None = None
-        self._pending: PendingSave | None = None
+        self._saves = Saves(
+            self.directory,
+            self._retention,
+            format=format,
+            background=save_on_background,
+            weights_only=save_weights_only,
+            incremental=incremental,
+        )
         self._last_saved_step: int | None = None
         self._candidates: list[float] = []
         self._watcher = PreemptionWatcher()
-        self._saves: Collector | None = None
         self._set_epoch = False
         self._warned_missing = False
         self._resume_point: ResumePoint | None = None
-        self._notices = contextlib.ExitStack()
         self._step = 0
         self._epoch = 0
         self._last_batch: int | None = None
@@ -158,25 +158,15 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     # -- fit hooks -------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.preempted, self.restored, self._pending = False, None, None
+        self.preempted, self.restored = False, None
         self._resume_point = None
-        self._notices.close()  # left open by a fit that raised before on_train_end
-        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
-        # No preservation policy: Orbax would delete old steps before the new one is durable;
-        # `_prune` deletes them once it is (retention.py).
-        self._checkpointer = step_writer.open_checkpointer(self.directory, self.format)
+        checkpointer = self._saves.open(self.model)
         try:
-            self._begin_in_directory(self._checkpointer)
+            self._begin_in_directory(checkpointer)
         except BaseException:
             self._close(failing=True)
             raise
-        if self.save_on_background and self._saves is None:
-            self._saves = Collector()
-            unpacked = (v for v in self._state_values() if not shard_writer.is_packed(v))
-            self._saves.staging.prepare(unpacked)  # a packed array is assembled, not staged
-        # Here rather than in the first save, which would block the loop for it (seconds where
-        # TensorFlow is installed). Not in a thread: a short first epoch would end before it does.
-        step_writer.warm_up()
+        self._saves.start(self.model)
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -249,17 +239,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         Raises:
             SaveFailedError: it failed; the previous committed step is intact.
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        error = pending.join()
-        if isinstance(error, SaveFailedError):  # the step committed; retention's deletion failed
+        try:
+            self._saves.wait()
+        except BaseException:
             self._close(failing=True)
-            raise error
-        if error is not None:
-            self._fail(
-                f"Saving step {pending.step} to '{self.directory}' failed in the background", error
-            )
+            raise
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -302,66 +286,22 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if step == self._last_saved_step:
             return  # nothing was trained since: that step holds this very state
         self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
-        self.wait_until_finished()
         epoch, batch = self._position(at_epoch_end)
-        if self._checkpointer is None:
-            raise SaveFailedError(
-                f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
-                "on_train_begin has not run."
+        try:
+            self._saves.save(
+                self.model,
+                step=step,
+                epoch=epoch,
+                batch=batch,
+                metrics=metrics,
+                reason=reason,
+                blocking=blocking,
             )
-        staging: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if not blocking and self._saves is not None:  # the shards are copied into warm buffers
-            staging = self._saves.staging.active()
-        with contextlib.ExitStack() as lock:
-            try:
-                lock.enter_context(writer_lock(self.directory, step))
-                with staging:
-                    response = step_writer.write_step(
-                        self._checkpointer,
-                        self.model,
-                        step=step,
-                        epoch=epoch,
-                        batch=batch,
-                        metrics=metrics,
-                        extra={"reason": reason},
-                        blocking=blocking,
-                        weights_only=self.save_weights_only,
-                        incremental=self.incremental,
-                        # Orbax's part of the save runs in the background too. Not for compact
-                        # arrays (Orbax's own serializer reads the live arrays), nor across
-                        # processes (its collectives would interleave with the train step's).
-                        start_later=self.format == "fast" and jax.process_count() == 1,
-                    )
-            except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
-                self._close(failing=True)
-                raise
-            except Exception as error:
-                self._fail(f"Saving step {step} to '{self.directory}' failed", error)
-            # Older steps are deleted only once this one is durable, its Orbax metadata files and
-            # rename included (DurableResponse.result has returned).
-            if blocking:
-                try:
-                    self._prune(step)
-                except SaveFailedError:
-                    self._close(failing=True)
-                    raise
-            else:  # the lock is held until the background save commits or fails
-                assert self._saves is not None, "on_train_begin starts the collector"
-                self._pending = self._saves.submit(
-                    step, response, lock.pop_all().close, then=lambda: self._prune(step)
-                )
+        except BaseException:
+            self._close(failing=True)
+            raise
         self._last_saved_step = step
         self._report(step, epoch, batch, reason, note)
-
-    def _state_values(self) -> list[Any]:
-        """The arrays a save of this model writes (for the background saves' host buffers)."""
-        state = state_keys.keyed_state(self.model)
-        variables = state.of_role(state_keys.MODEL) if self.save_weights_only else state.variables
-        return [
-            keras_compat.current_value(v)
-            for v in variables.values()
-            if keras_compat.is_allocated(v)
-        ]
 
     def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
         """(epoch, batch) to record: the next epoch to run, or the batches done in this one.
@@ -389,22 +329,6 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if resumed is not None:
             self.restored, self._resume_point = resumed.restored, resumed.point
             self._set_epoch = self._resume_point is not None
-
-    def _prune(self, step: int) -> None:
-        """Deletes the steps retention no longer keeps: call once `step`, the newest, is durable.
-
-        Raises:
-            SaveFailedError: a deletion failed; `step` is committed and durable.
-        """
-        if self._checkpointer is None:
-            return
-        try:
-            self._retention.prune(self._checkpointer)
-        except Exception as error:
-            raise SaveFailedError(
-                f"Step {step} of '{self.directory}' is committed and durable, but deleting the "
-                f"steps retention no longer keeps failed: {type(error).__name__}: {error}"
-            ) from error
 
     def _ensure_monitor_op(self) -> None:
         """Settles the monitor's direction, and folds in the best value stored in the directory."""
@@ -438,45 +362,13 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self.verbose > 0:
             print(line, flush=True)
 
-    def _intact_note(self) -> str:
-        steps = step_dirs.committed_steps(self.directory)
-        if not steps:
-            return "No step is committed in the directory."
-        return f"The last committed step, {steps[-1]}, is intact."
-
-    def _fail(self, what: str, error: BaseException) -> NoReturn:
-        """Raises SaveFailedError after closing: Orbax re-raises the same failure at every later
-        save, and fit calls no on_train_end when a callback raises."""
-        failure = SaveFailedError(f"{what}: {type(error).__name__}: {error}. {self._intact_note()}")
-        self._close(failing=True)
-        raise failure from error
-
     def _close(self, *, failing: bool) -> None:
-        """Closes the checkpointer and puts back what on_train_begin changed."""
-        checkpointer, self._checkpointer = self._checkpointer, None
+        """Puts back what on_train_begin changed, and closes the saves (`Saves.close`)."""
         self._watcher.stop()
-        if self._saves is not None:
-            self._saves.close()
-            self._saves = None
         if self._set_epoch:
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
         if self._resume_point is not None:
             self._resume_point.close()
             self._resume_point = None
-        if checkpointer is None:
-            return
-        try:
-            checkpointer.close()
-        except Exception as error:
-            self._notices.close()
-            if failing:  # the save failure already being raised is the one to report
-                logger.warning(
-                    "Closing the checkpointer of '%s' failed too: %s", self.directory, error
-                )
-                return
-            raise SaveFailedError(
-                f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
-                f"{error}. {self._intact_note()}"
-            ) from error
-        self._notices.close()  # every save has finished logging
+        self._saves.close(failing=failing)

@@ -1,0 +1,230 @@
+"""The writing side of `ModelCheckpoint`: one directory's checkpointer, its saves (in the
+background or not), retention's deletions once a step is durable, and what a failure leaves.
+
+The callback decides when to save and what to record; `Saves` writes and commits. Every error it
+raises is a `KerasOrbaxError` (`SaveFailedError` naming the last committed step, or the writer's
+own, e.g. `StepLockedError`), raised after it has closed itself: Orbax re-raises a failure at
+every later save, and `fit` calls no `on_train_end` once a callback has raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, NoReturn
+
+import jax
+import keras
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.runtime import quiet
+from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.training.pending import Collector, PendingSave
+from keras_orbax._src.training.retention import Retention
+from keras_orbax._src.write import shard_writer, step_writer
+from keras_orbax.errors import KerasOrbaxError, SaveFailedError
+
+logger = logging.getLogger("keras_orbax")
+
+
+class Saves:
+    """The checkpoints one `fit` writes into `directory`.
+
+    Example (what `ModelCheckpoint` does):
+
+        saves = Saves(directory, retention, format="fast", background=True,
+                      weights_only=False, incremental=True)
+        checkpointer = saves.open(model)               # on_train_begin
+        saves.save(model, step=8, epoch=1, batch=None, metrics={}, reason="epoch")
+        saves.close(failing=False)                     # on_train_end, after `wait`
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        retention: Retention,
+        *,
+        format: step_writer.SaveFormat,
+        background: bool,
+        weights_only: bool,
+        incremental: bool,
+    ) -> None:
+        self.directory = directory
+        self.retention = retention
+        self.format = format
+        self.background = background
+        self.weights_only = weights_only
+        self.incremental = incremental
+        self.checkpointer: ocp.training.Checkpointer | None = None
+        self.pending: PendingSave | None = None
+        self._collector: Collector | None = None
+        self._notices = contextlib.ExitStack()
+
+    def open(self, model: keras.Model) -> ocp.training.Checkpointer:
+        """Opens the directory's checkpointer, and readies what background saves need."""
+        self.pending = None
+        self._notices.close()  # left open by a fit that raised before on_train_end
+        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
+        # No preservation policy: Orbax would delete old steps before the new one is durable;
+        # `prune` deletes them once it is (retention.py).
+        self.checkpointer = step_writer.open_checkpointer(self.directory, self.format)
+        return self.checkpointer
+
+    def start(self, model: keras.Model) -> None:
+        """What the first save would otherwise do on the loop: the background collector and its
+        host buffers, and Keras's first serialization."""
+        if self.background and self._collector is None:
+            self._collector = Collector()
+            unpacked = (v for v in self._state_values(model) if not shard_writer.is_packed(v))
+            self._collector.staging.prepare(unpacked)  # a packed array is assembled, not staged
+        # Here rather than in the first save, which would block the loop for it (seconds where
+        # TensorFlow is installed). Not in a thread: a short first epoch would end before it does.
+        step_writer.warm_up()
+
+    def save(
+        self,
+        model: keras.Model,
+        *,
+        step: int,
+        epoch: int,
+        batch: int | None,
+        metrics: dict[str, float] | None,
+        reason: str,
+        blocking: bool,
+    ) -> None:
+        """Writes `step`, in the background unless `blocking`; retention deletes older steps
+        once it is durable. Waits for the save in progress first."""
+        self.wait()
+        if self.checkpointer is None:
+            raise SaveFailedError(
+                f"ModelCheckpoint('{self.directory}') is closed: an earlier save failed, or "
+                "on_train_begin has not run."
+            )
+        staging: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if not blocking and self._collector is not None:  # the shards are copied into warm buffers
+            staging = self._collector.staging.active()
+        with contextlib.ExitStack() as lock:
+            try:
+                lock.enter_context(writer_lock(self.directory, step))
+                with staging:
+                    response = step_writer.write_step(
+                        self.checkpointer,
+                        model,
+                        step=step,
+                        epoch=epoch,
+                        batch=batch,
+                        metrics=metrics,
+                        extra={"reason": reason},
+                        blocking=blocking,
+                        weights_only=self.weights_only,
+                        incremental=self.incremental,
+                        # Orbax's part of the save runs in the background too. Not for compact
+                        # arrays (Orbax's own serializer reads the live arrays), nor across
+                        # processes (its collectives would interleave with the train step's).
+                        start_later=self.format == "fast" and jax.process_count() == 1,
+                    )
+            except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
+                self.close(failing=True)
+                raise
+            except Exception as error:
+                self.fail(f"Saving step {step} to '{self.directory}' failed", error)
+            # Older steps are deleted only once this one is durable, its Orbax metadata files and
+            # rename included (DurableResponse.result has returned).
+            if blocking:
+                try:
+                    self.prune(step)
+                except SaveFailedError:
+                    self.close(failing=True)
+                    raise
+            else:  # the lock is held until the background save commits or fails
+                assert self._collector is not None, "`start` starts the collector"
+                self.pending = self._collector.submit(
+                    step, response, lock.pop_all().close, then=lambda: self.prune(step)
+                )
+
+    def wait(self) -> None:
+        """Blocks until the save in progress, if any, is committed.
+
+        Raises:
+            SaveFailedError: it failed; the previous committed step is intact.
+        """
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        error = pending.join()
+        if isinstance(error, SaveFailedError):  # the step committed; retention's deletion failed
+            self.close(failing=True)
+            raise error
+        if error is not None:
+            self.fail(
+                f"Saving step {pending.step} to '{self.directory}' failed in the background", error
+            )
+
+    def prune(self, step: int) -> None:
+        """Deletes the steps retention no longer keeps: call once `step`, the newest, is durable.
+
+        Raises:
+            SaveFailedError: a deletion failed; `step` is committed and durable.
+        """
+        if self.checkpointer is None:
+            return
+        try:
+            self.retention.prune(self.checkpointer)
+        except Exception as error:
+            raise SaveFailedError(
+                f"Step {step} of '{self.directory}' is committed and durable, but deleting the "
+                f"steps retention no longer keeps failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def fail(self, what: str, error: BaseException) -> NoReturn:
+        """Raises SaveFailedError, naming the last committed step, after closing."""
+        failure = SaveFailedError(f"{what}: {type(error).__name__}: {error}. {self.intact_note()}")
+        self.close(failing=True)
+        raise failure from error
+
+    def intact_note(self) -> str:
+        steps = step_dirs.committed_steps(self.directory)
+        if not steps:
+            return "No step is committed in the directory."
+        return f"The last committed step, {steps[-1]}, is intact."
+
+    def close(self, *, failing: bool) -> None:
+        """Closes the collector and the checkpointer (waiting for Orbax's last writes).
+
+        Raises:
+            SaveFailedError: closing failed, unless `failing` (a failure already being raised is
+                the one to report; this one is logged).
+        """
+        checkpointer, self.checkpointer = self.checkpointer, None
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
+        if checkpointer is None:
+            return
+        try:
+            checkpointer.close()
+        except Exception as error:
+            self._notices.close()
+            if failing:
+                logger.warning(
+                    "Closing the checkpointer of '%s' failed too: %s", self.directory, error
+                )
+                return
+            raise SaveFailedError(
+                f"Finishing the saves to '{self.directory}' failed: {type(error).__name__}: "
+                f"{error}. {self.intact_note()}"
+            ) from error
+        self._notices.close()  # every save has finished logging
+
+    def _state_values(self, model: keras.Model) -> list[Any]:
+        """The arrays a save of this model writes (for the background saves' host buffers)."""
+        state = state_keys.keyed_state(model)
+        variables = state.of_role(state_keys.MODEL) if self.weights_only else state.variables
+        return [
+            keras_compat.current_value(v)
+            for v in variables.values()
+            if keras_compat.is_allocated(v)
+        ]
