@@ -1,7 +1,8 @@
 """How long each background save of a `fit` blocks the loop in a fresh process, the first included.
 
     .venv/bin/python benchmarks/first_save.py [--runs 3] [--tf-site DIR] [--layers 8] [--width 2048]
-        [--epochs 4] [--steps 4] [--settle 0] [--json PATH] [--profile PATH]
+        [--epochs 4] [--steps 4] [--settle 0] [--incremental 1] [--json PATH]
+        [--profile PATH]
 
 Each run is a fresh process: a Dense stack (`--layers` Dense(`--width`), Adam: three times the
 parameters in state) under ModelParallel on 8 virtual CPU devices is compiled by one `fit` without a
@@ -11,8 +12,10 @@ the process before that `fit`, so its first save is the first save of the proces
 each hook, as `callback_benchmark.py` does; before `on_epoch_end` it waits, off the clock, for the
 epoch's last train step to finish computing and for the previous background save to commit (a save
 waits for the one before: that is saving more often than a save takes, not a cost of starting one).
-After that `fit`, the same process times three sync `keras_orbax.save` calls of the same state and
-each save's blocked time is given as a ratio to their median.
+After that `fit`, the same process times three sync `keras_orbax.save(..., incremental=False)` calls
+of the same state (full saves: saved again incrementally, an unchanged state is all hard links) and
+each save's blocked time is given as a ratio to their median. `--incremental 0` turns incremental
+saves off in the callback too (a full fine-tune changes every shard anyway; see docs/incremental.md).
 
 Keras's first serialization in a process tries to import TensorFlow, so where TensorFlow is installed
 the first save can cost seconds. `--tf-site DIR` runs every run a second time with DIR on the
@@ -111,7 +114,7 @@ def child(args: argparse.Namespace) -> None:
 
     directory = Path(args.directory)
     start = time.perf_counter()
-    callback = keras_orbax.ModelCheckpoint(directory / "async")
+    callback = keras_orbax.ModelCheckpoint(directory / "async", incremental=bool(args.incremental))
     construct_s = time.perf_counter() - start
     timed = TimedCallback(
         callback, before_epoch_end=before_epoch_end, around_epoch_end=around_epoch_end
@@ -123,7 +126,8 @@ def child(args: argparse.Namespace) -> None:
     for i in range(3):
         jax.block_until_ready([v.value for v in model.variables + model.optimizer.variables])
         start = time.perf_counter()
-        keras_orbax.save(model, directory / "sync", step=i)
+        # Full saves: the same state saved again would be all hard links (incremental).
+        keras_orbax.save(model, directory / "sync", step=i, incremental=False)
         sync.append(time.perf_counter() - start)
     state = model.variables + model.optimizer.variables
     print(
@@ -161,6 +165,7 @@ def run_child(args: argparse.Namespace, run: int, tf_site: str | None) -> dict:
         "mesh",
         "compile_first",
         "settle",
+        "incremental",
     ):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.profile and run == 0:
@@ -214,6 +219,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--settle", type=float, default=0.0, help="seconds slept before each save, off the clock"
+    )
+    parser.add_argument(
+        "--incremental", type=int, default=1, help="ModelCheckpoint(incremental=...): 1 or 0"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--directory", default=None, help=argparse.SUPPRESS)
