@@ -40,45 +40,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from hook_timer import TimedCallback  # noqa: E402
 
 import keras_orbax  # noqa: E402
 from keras_orbax._src.format import step_dirs  # noqa: E402
-
-
-class Blocked(keras.callbacks.Callback):
-    """Runs `inner`'s hooks, recording the wall time of each `on_epoch_end` (where saves start)."""
-
-    def __init__(self, inner: keras.callbacks.Callback) -> None:
-        super().__init__()
-        self.inner, self.epoch_ends = inner, []
-
-    def set_model(self, model: keras.Model) -> None:
-        super().set_model(model)
-        self.inner.set_model(model)
-
-    def set_params(self, params: dict) -> None:
-        super().set_params(params)
-        self.inner.set_params(params)
-
-    def on_train_begin(self, logs=None):
-        self.inner.on_train_begin(logs)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.inner.on_epoch_begin(epoch, logs)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.inner.on_train_batch_end(batch, logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        state = self.model.variables + self.model.optimizer.variables
-        for v in state:  # the epoch's last step computed, off the clock
-            v.value.block_until_ready()
-        start = time.perf_counter()
-        self.inner.on_epoch_end(epoch, logs)
-        self.epoch_ends.append(time.perf_counter() - start)
-
-    def on_train_end(self, logs=None):
-        self.inner.on_train_end(logs)
 
 
 def build(kind: str, width: int, layers: int, rank: int) -> keras.Model:
@@ -162,7 +127,7 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
         incremental=incremental,
         save_on_background=background,
     )
-    timed = Blocked(checkpoint)
+    timed = TimedCallback(checkpoint)
     model.fit(x, y, batch_size=args.batch, epochs=args.epochs, callbacks=[timed], verbose=0)
     saves = per_save(directory)
     restored = build(kind, args.width, layers, args.rank)
@@ -175,10 +140,10 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
         "incremental": incremental,
         "background": background,
         "frozen_bytes": layers * args.width * args.width * 4,
-        "epoch_end_s": timed.epoch_ends,
+        "epoch_end_s": timed.seconds["on_epoch_end"],
         # From the third save on: a full fine-tune's shards, written at each of the last 2 saves
         # or more, are written without a fingerprint (but at 2 saves of every 16).
-        "later_epoch_end_s": statistics.median(timed.epoch_ends[2:]),
+        "later_epoch_end_s": statistics.median(timed.seconds["on_epoch_end"][2:]),
         "saves": saves,
         "restore_s": restore_s,
     }

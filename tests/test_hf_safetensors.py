@@ -20,6 +20,7 @@ from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.sources import hub_convert, safetensors_files
 from keras_orbax._src.sources.hub_hooks import HookKind, classify
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
+from tests._hf_export import GEMMA
 from tests._hub import import_keras_hub
 
 keras_hub = import_keras_hub()
@@ -34,18 +35,6 @@ LLAMA = dict(
     hidden_dim=16,
     intermediate_dim=32,
     tie_word_embeddings=True,  # keras-hub's export leaves out lm_head
-)
-# keras-hub's Gemma export keeps one key/value head (multi-query) and assumes heads * head_dim ==
-# hidden_dim; bfloat16 covers the BF16 path.
-GEMMA = dict(
-    vocabulary_size=64,
-    num_layers=2,
-    num_query_heads=4,
-    num_key_value_heads=1,
-    hidden_dim=32,
-    intermediate_dim=32,
-    head_dim=8,
-    dtype="bfloat16",
 )
 
 
