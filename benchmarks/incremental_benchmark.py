@@ -3,9 +3,11 @@ and for a full fine-tune of the same model, with and without `incremental`.
 
     .venv/bin/python benchmarks/incremental_benchmark.py [--frozen-gib 1] [--epochs 6] [--json PATH]
 
-The model: a stack of `Dense(--width, use_bias=False)` layers holding `--frozen-gib` GiB of float32
-kernels. "lora" calls `enable_lora(--rank)` on each (the kernels frozen: Adam's state and the
-updates are the LoRA factors'); "full" trains every kernel. Each of the four variants (lora/full x
+The model (`--model gemma`, the default): a keras-hub `GemmaBackbone` of width `--width` (float32)
+with as many decoder blocks as make `--frozen-gib` GiB, trained to map tokens to zeros; "lora"
+calls keras-hub's own `backbone.enable_lora(--rank)` (the query and value kernels get LoRA factors,
+everything else is frozen: Adam's state and the updates are the factors'), "full" trains it all.
+`--model dense`: a stack of `Dense(--width, use_bias=False)` layers instead, `enable_lora` on each. Each of the four variants (lora/full x
 incremental on/off) trains `--epochs` epochs of `--steps` batches in a fresh directory with
 `keras_orbax.ModelCheckpoint` saving at every epoch end, once in the background (the default: the
 time `fit` is blocked in `on_epoch_end`) and once synchronously (`save_on_background=False`: the
@@ -44,6 +46,43 @@ from hook_timer import TimedCallback  # noqa: E402
 
 import keras_orbax  # noqa: E402
 from keras_orbax._src.format import step_dirs  # noqa: E402
+
+GEMMA_VOCABULARY, GEMMA_SEQUENCE = 32000, 16
+
+
+def build_gemma(kind: str, width: int, layers: int, rank: int) -> keras.Model:
+    """A keras-hub `GemmaBackbone` of `layers` decoder blocks of `width` (float32), trained to map
+    tokens to zeros; "lora": keras-hub's own `enable_lora(rank)` (query and value kernels)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=GEMMA_VOCABULARY,
+        num_layers=layers,
+        num_query_heads=8,
+        num_key_value_heads=8,
+        hidden_dim=width,
+        intermediate_dim=4 * width,
+        head_dim=width // 8,
+    )
+    if kind == "lora":
+        backbone.enable_lora(rank)
+    backbone.compile(optimizer=keras.optimizers.Adam(1e-4), loss="mse")
+    return backbone
+
+
+def gemma_data(n: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, GEMMA_VOCABULARY, (n, GEMMA_SEQUENCE), dtype=np.int32)
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    return x, np.zeros((n, GEMMA_SEQUENCE, width), "float32")
+
+
+def gemma_layers(frozen_gib: float, width: int) -> int:
+    """Decoder blocks for `frozen_gib` GiB of float32 (4 attention and 3 feed-forward kernels)."""
+    per_block = (4 * width * width + 3 * width * 4 * width) * 4
+    embedding = GEMMA_VOCABULARY * width * 4
+    return max(1, round((frozen_gib * (1 << 30) - embedding) / per_block))
 
 
 def build(kind: str, width: int, layers: int, rank: int) -> keras.Model:
@@ -113,12 +152,18 @@ def same_bytes(a: Path, b: Path) -> bool:
 
 
 def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace) -> dict:
-    layers = max(1, round(args.frozen_gib * (1 << 30) / (args.width * args.width * 4)))
-    model = build(kind, args.width, layers, args.rank)
-    rng = np.random.default_rng(0)
     n = args.steps * args.batch
-    x = rng.standard_normal((n, args.width), dtype="float32")
-    y = rng.standard_normal((n, args.width), dtype="float32")
+    if args.model == "gemma":
+        layers = gemma_layers(args.frozen_gib, args.width)
+        make = build_gemma
+        x, y = gemma_data(n, args.width)
+    else:
+        layers = max(1, round(args.frozen_gib * (1 << 30) / (args.width * args.width * 4)))
+        make = build
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((n, args.width), dtype="float32")
+        y = rng.standard_normal((n, args.width), dtype="float32")
+    model = make(kind, args.width, layers, args.rank)
     directory = WORK / f"{kind}-{'inc' if incremental else 'full'}-{'bg' if background else 'sync'}"
     shutil.rmtree(directory, ignore_errors=True)
     checkpoint = keras_orbax.ModelCheckpoint(
@@ -130,7 +175,7 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
     timed = TimedCallback(checkpoint)
     model.fit(x, y, batch_size=args.batch, epochs=args.epochs, callbacks=[timed], verbose=0)
     saves = per_save(directory)
-    restored = build(kind, args.width, layers, args.rank)
+    restored = make(kind, args.width, layers, args.rank)
     restored.optimizer.build(restored.trainable_variables)
     start = time.perf_counter()
     keras_orbax.restore_sharded(restored, directory)
@@ -139,7 +184,9 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
         "kind": kind,
         "incremental": incremental,
         "background": background,
-        "frozen_bytes": layers * args.width * args.width * 4,
+        "model": args.model,
+        "layers": layers,
+        "state_bytes": sum(v.value.nbytes for v in model.variables),
         "epoch_end_s": timed.seconds["on_epoch_end"],
         # From the third save on: a full fine-tune's shards, written at each of the last 2 saves
         # or more, are written without a fingerprint (but at 2 saves of every 16).
@@ -160,6 +207,7 @@ def fingerprint_s(nbytes: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("gemma", "dense"), default="gemma")
     parser.add_argument("--frozen-gib", type=float, default=1.0)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=8)
