@@ -79,8 +79,9 @@ def gemma_data(n: int, width: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
 
 
 def gemma_layers(frozen_gib: float, width: int) -> int:
-    """Decoder blocks for `frozen_gib` GiB of float32 (4 attention and 3 feed-forward kernels)."""
-    per_block = (4 * width * width + 3 * width * 4 * width) * 4
+    """Decoder blocks for `frozen_gib` GiB of float32: 4 attention kernels of width x width and
+    3 feed-forward ones of width x 2 width (Gemma splits `intermediate_dim` between gate and up)."""
+    per_block = (4 * width * width + 3 * width * 2 * width) * 4
     embedding = GEMMA_VOCABULARY * width * 4
     return max(1, round((frozen_gib * (1 << 30) - embedding) / per_block))
 
