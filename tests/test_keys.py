@@ -316,3 +316,27 @@ def test_a_checkpoint_written_by_0_1_restores(distribution, deferred):
     assert len(state) == len(expected.files)
     for i, variable in enumerate(state):
         np.testing.assert_array_equal(np.asarray(variable.value), expected[f"v{i}"], variable.path)
+
+
+def test_the_walk_leaves_out_only_what_a_lora_layer_computes():
+    """Once LoRA is enabled, Keras's Dense, EinsumDense and Embedding compute `kernel` and
+    `embeddings` (a matmul on the devices) at every read; the walk skips exactly those, which are
+    tensors, not state, so the keys are Keras's walk's."""
+    from keras.src.saving import saving_lib
+
+    from keras_orbax._src.compat import keras_compat
+
+    inputs = keras.Input((3,), dtype="int32")
+    x = keras.layers.Embedding(10, 8, name="embed")(inputs)
+    x = keras.layers.EinsumDense("abc,cd->abd", (3, 4), name="einsum")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(x))
+    for layer in model.layers[1:]:
+        layer.enable_lora(2)
+    for layer, computed in (("embed", "embeddings"), ("einsum", "kernel"), ("dense", "kernel")):
+        saveable = model.get_layer(layer)
+        ours = [name for name, _ in keras_compat.walk_saveable(saveable)]
+        theirs = dict(saving_lib._walk_saveable(saveable))
+        assert [name for name in theirs if name != computed] == ours, layer
+        assert not isinstance(theirs[computed], keras.Variable), layer
+        assert not keras_compat.is_saveable(theirs[computed]), layer
+    assert len(keyed_variables(model)) == len(model.variables)
