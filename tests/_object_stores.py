@@ -7,6 +7,7 @@ Both run as subprocesses on 127.0.0.1, in memory, once per test session (the `s3
 store = start("s3", logdir)     # a free port; returns once the server answers HTTP
 url = store.new_bucket()        # "s3://ko-1a2b3c4d5e6f7a8b", empty
 store.use(monkeypatch)          # this test's environment points at the server (or: store.env)
+store.requests()                # every request answered so far: method, key, body bytes, copy source
 stop(store)
 ```
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -75,6 +77,8 @@ class Store:
     """Variables the library reads to reach this server (set them in the test or the worker)."""
     proc: subprocess.Popen[bytes]
     log: Path
+    requests_log: Path
+    """One JSON line per request the server answered (`tests/_store_server.py`)."""
 
     @property
     def scheme(self) -> str:
@@ -141,6 +145,15 @@ class Store:
             return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
         return sorted(b.name for b in gcs_client(self).list_blobs(bucket, prefix=prefix or None))
 
+    def requests(self) -> list[dict]:
+        """Every request the server has answered, in order: `method`, `key` (`bucket/key`, None
+        where the request names no object), `bytes` (of request body the server read),
+        `copied_from` (a server-side copy's source key, else None)."""
+        _answers(self.endpoint)  # answered after every earlier request was recorded
+        if not self.requests_log.exists():
+            return []
+        return [json.loads(line) for line in self.requests_log.read_text().splitlines()]
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -203,8 +216,9 @@ def _env(kind: str, endpoint: str) -> dict[str, str]:
     }
 
 
-def _command(kind: str, port: int) -> list[str]:
-    return [sys.executable, str(TESTS_DIR / "_store_server.py"), kind, str(port)]
+def _command(kind: str, port: int, requests_log: Path) -> list[str]:
+    server = str(TESTS_DIR / "_store_server.py")
+    return [sys.executable, server, kind, str(port), str(requests_log)]
 
 
 def start(kind: str, logdir: Path, timeout: float = START_TIMEOUT_S) -> Store:
@@ -216,11 +230,12 @@ def start(kind: str, logdir: Path, timeout: float = START_TIMEOUT_S) -> Store:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = logdir / f"{kind}_server.log"
+    requests_log = logdir / f"{kind}_requests.jsonl"
     env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            _command(kind, port),
+            _command(kind, port, requests_log),
             env=env,
             cwd=REPO_ROOT,
             stdin=subprocess.DEVNULL,
@@ -228,12 +243,13 @@ def start(kind: str, logdir: Path, timeout: float = START_TIMEOUT_S) -> Store:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    store = Store(kind, endpoint, _env(kind, endpoint), proc, log)
+    store = Store(kind, endpoint, _env(kind, endpoint), proc, log, requests_log)
     deadline = time.monotonic() + timeout
     while not _answers(endpoint):
         if proc.poll() is not None:
             raise RuntimeError(
-                f"the {kind} server ({' '.join(_command(kind, port))}) exited with return code "
+                f"the {kind} server ({' '.join(_command(kind, port, requests_log))}) exited with "
+                f"return code "
                 f"{proc.returncode} before it answered; {log}:\n{_tail(log)}"
             )
         if time.monotonic() > deadline:
