@@ -4,8 +4,9 @@ Started by `tests/test_object_storage.py` as a plain subprocess (not by `_harnes
 8 virtual CPU devices, ModelParallel (2, 4), the store's endpoint and credentials in its
 environment. Arguments: one JSON object in argv[1]: `directory` (the `s3://`/`gs://` prefix).
 
-Step 1 is `_models.mlp()` filled with `arange`. Step 2 (the same model) dies as soon as its first
-shard object is in the bucket: the kill comes from inside, at that event, whatever the speed of the
+Step 1 is `_models.mlp()` filled with `arange`. Step 2 (the same model, its head's kernel changed:
+the other shards are copied on the server, `incremental`) dies as soon as its first shard object
+is written to the bucket: the kill comes from inside, at that event, whatever the speed of the
 store or of the machine (a test that listed the bucket and killed from outside could be too late).
 """
 
@@ -42,5 +43,7 @@ def put_shard_then_die(store: Any, shard: Any) -> Any:
 
 
 shard_files.put_shard = put_shard_then_die
+head = model.get_layer("head").kernel
+head.assign(head + 1.0)
 keras_orbax.save(model, args["directory"], step=2)
 print("step 2 committed: no shard object was written through put_shard", flush=True)

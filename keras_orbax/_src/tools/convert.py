@@ -62,7 +62,8 @@ def convert(
         step: The step written.
         on_write: Called with `(nbytes, total)` after each array is written.
         incremental: Link each shard file unchanged since `destination`'s latest committed step
-            before `step` instead of writing it (local destinations; docs/incremental.md).
+            before `step` (in object storage: copy it on the server) instead of writing it
+            (docs/incremental.md).
         preset: Write `destination` as a keras-hub preset directory (docs/exporting.md). A
             `destination` ending in `.weights.h5` is written as Keras's weights file. Either
             restores `source` into `model` (or the model `source` describes) first.

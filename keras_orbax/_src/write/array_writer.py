@@ -169,7 +169,8 @@ def save_arrays(
         arrays: The arrays, one at a time.
         on_written: Called with each key once its array has been handed to the writer.
         incremental: Link each shard file unchanged since the latest committed step before
-            `step` instead of writing it (`incremental`; local directories).
+            `step` (in object storage: copy it on the server) instead of writing it
+            (`incremental`).
 
     Returns:
         The step's directory.

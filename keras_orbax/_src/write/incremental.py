@@ -1,5 +1,6 @@
 """Incremental saves: a shard file whose content has not changed since the previous committed step
-of the same directory is a hard link to that step's file instead of being written again.
+of the same directory is a hard link to that step's file (in object storage: a server-side copy
+of that step's object) instead of being written again.
 
 A fine-tuning run (LoRA on a frozen backbone, a new head on a frozen encoder) changes a small part
 of its state between saves; the frozen weights are most of the bytes. Buffer identity cannot tell
@@ -17,8 +18,14 @@ the previous step's record:
   step's checksum files were written (a file written into since, by `cp` or `rsync --inplace`
   over the step, is not passed on); it then gets the recorded CRC-32, so the new step's checksum
   file is complete and `verify` reads it as any other;
-- anything else (no previous step, one written without fingerprints or in object storage, a
-  link the filesystem refuses, a file gone or resized) writes the file in full.
+- in object storage (`gs://`, `s3://`) the check is not a time (S3 keeps them to the second)
+  but the version the store gives an object at each write (S3 ETag, GCS generation): a save
+  records each object's version after writing it (key `object_version`, one listing), and the
+  next save asks the store to copy the object only if it is still at that version
+  (`object_copy`), so a copy never carries an object written into since;
+- anything else (no previous step, one written without fingerprints, an object without a
+  recorded version, a link the filesystem or a copy the store refuses, a file gone or resized)
+  writes the file in full.
 
 Fingerprinting costs one SHA-256 pass over the bytes (about 1.6 GB/s a core), which a shard that
 changes at every save (a full fine-tune) would pay for nothing. So each entry also counts the
@@ -28,9 +35,10 @@ to record, the second to compare), and so on every 16 saves. A shard that stops 
 linked again within 17 saves; one that is linked is fingerprinted at every save. The rule only
 decides whether to look: a file is linked only when two fingerprints over all of its bytes match.
 
-Hard links keep every step self-contained: deleting any other step (retention, `rm -r`) leaves
-the linked file's inode with this step. Nothing writes a committed step's files again, so the
-sharing is invisible to readers (Orbax, tensorstore, keras-orbax).
+Hard links and copies keep every step self-contained: deleting any other step (retention,
+`rm -r`) leaves the linked file's inode, or the copied object, with this step. Nothing writes a
+committed step's files again, so the sharing is invisible to readers (Orbax, tensorstore,
+keras-orbax).
 """
 
 from __future__ import annotations
@@ -49,16 +57,17 @@ import numpy as np
 
 from keras_orbax._src.format import checksum, step_dirs
 from keras_orbax._src.format.step_record import STATE
-from keras_orbax._src.storage import locations
+from keras_orbax._src.storage import locations, object_copy
 
 # The fingerprint's name in a checksum file: a step recorded with another (or none) is not compared.
 ALGORITHM = "sha256-128"
 ENTRY_KEY = "fingerprint"
 WRITTEN_KEY = "written"  # saves in a row that wrote the shard, this one included (0: linked)
+VERSION_KEY = "object_version"  # object storage: the object's ETag or generation once written
 _PROBE_EVERY = 16
 _DIGEST_HEX = 32  # 128 bits
 
-WriteShard = Callable[[str, Any], tuple[str, Mapping[str, Any]]]
+WriteShard = Callable[[Any], tuple[str, Mapping[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +76,7 @@ class _Recorded:
     crc: int
     nbytes: int
     written: int
+    version: str | None = None  # object storage only
 
 
 def fingerprinted_after(written: int) -> bool:
@@ -78,7 +88,8 @@ def fingerprinted_after(written: int) -> bool:
 
 class Plan:
     """What one save compares its shards with: the previous committed step's recorded files
-    (none: that step has no fingerprints, or there is no such step)."""
+    (none: that step has no fingerprints, or there is no such step), a local directory or an
+    object-store prefix (`gs://`, `s3://`)."""
 
     def __init__(
         self, previous_state: str | None, recorded: dict[str, _Recorded], recorded_ns: int = 0
@@ -86,29 +97,38 @@ class Plan:
         self.previous_state = previous_state
         self._recorded = recorded
         self._recorded_ns = recorded_ns  # when the last of its checksum files was written
+        self._remote = previous_state is not None and locations.is_remote(previous_state)
 
     def write_or_link(self, root: str, shard: Any, write: WriteShard) -> tuple[str, dict[str, Any]]:
-        """Links `shard`'s file under `root` (a step's `state/`) to the previous step's, if that
-        holds the same content, else writes it with `write`; returns its name and checksum entry
-        (fingerprint included)."""
+        """Links `shard`'s file under `root` (a step's `state/`) to the previous step's (in object
+        storage: copies it on the server), if that holds the same content, else writes it with
+        `write`; returns its name and checksum entry (fingerprint included)."""
         relative = shard.relative
         recorded = self._recorded.get(relative)
         streak = 0 if recorded is None else recorded.written
         if not fingerprinted_after(streak):  # it changed at every recent save: write it
-            name, entry = write(root, shard)
+            name, entry = write(shard)
             return name, {**entry, WRITTEN_KEY: streak + 1}
         digest = fingerprint(shard.layout, shard.data)
-        if recorded is not None and recorded.fingerprint == digest:
-            linked = self._link(relative, f"{root}/{relative}", recorded.nbytes)
-            if linked:
-                return relative, {
-                    checksum.ALGORITHM: recorded.crc,
-                    "bytes": recorded.nbytes,
-                    ENTRY_KEY: digest,
-                    WRITTEN_KEY: 0,
-                }
-        name, entry = write(root, shard)
+        if (
+            recorded is not None
+            and recorded.fingerprint == digest
+            and self._carry(relative, f"{root}/{relative}", recorded)
+        ):
+            return relative, {
+                checksum.ALGORITHM: recorded.crc,
+                "bytes": recorded.nbytes,
+                ENTRY_KEY: digest,
+                WRITTEN_KEY: 0,
+            }
+        name, entry = write(shard)
         return name, {**entry, ENTRY_KEY: digest, WRITTEN_KEY: streak + 1}
+
+    def _carry(self, relative: str, target: str, recorded: _Recorded) -> bool:
+        """Puts the previous step's file at `target` without sending its bytes; whether it did."""
+        if self._remote:
+            return self._copy(relative, target, recorded)
+        return self._link(relative, target, recorded.nbytes)
 
     def _link(self, relative: str, target: str, nbytes: int) -> bool:
         source = f"{self.previous_state}/{relative}"
@@ -120,6 +140,23 @@ class Plan:
         except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
             return False
         return True
+
+    def _copy(self, relative: str, target: str, recorded: _Recorded) -> bool:
+        """A server-side copy of the previous step's object, only if it is still the very object
+        recorded (its ETag or generation): none was recorded by a save older than this check."""
+        if recorded.version is None:
+            return False
+        return object_copy.copy(f"{self.previous_state}/{relative}", target, recorded.version)
+
+
+def record_versions(root: str, checksums: Mapping[str, dict[str, Any]]) -> None:
+    """Adds to each of `checksums` (an object under `root`, just written or copied) its object's
+    version, from one listing of `root`: the next save copies it only while it is still that
+    object."""
+    found = object_copy.versions(root)
+    for name, entry in checksums.items():
+        if name in found:
+            entry[VERSION_KEY] = found[name]
 
 
 def fingerprint(layout: str, data: np.ndarray) -> str:
@@ -148,11 +185,9 @@ def _sharding_text(sharding: Any) -> str:
     return repr(sharding)
 
 
-def plan_for(directory: Any, step: int) -> Plan | None:
+def plan_for(directory: Any, step: int) -> Plan:
     """The plan of a save of `step` to `directory`: compared with the latest committed step before
-    it. None where files cannot be linked (object storage: each object is written in full)."""
-    if locations.is_remote(directory):
-        return None
+    it."""
     earlier = [s for s in step_dirs.committed_steps(directory) if s < step]
     if not earlier:
         return Plan(None, {})
@@ -166,9 +201,11 @@ def _recorded(state: Any) -> tuple[dict[str, _Recorded], int]:
     modification time of the latest checksum file (ns)."""
     found: dict[str, _Recorded] = {}
     latest_ns = 0
+    remote = locations.is_remote(state)
     for path in sorted((state / checksum.CHECKSUMS_DIR).glob("process_*.json")):
         try:
-            latest_ns = max(latest_ns, os.stat(path).st_mtime_ns)
+            if not remote:  # object storage: versions, not times (`Plan._copy`)
+                latest_ns = max(latest_ns, os.stat(path).st_mtime_ns)
             content = json.loads(path.read_text())
             if (
                 content.get(ENTRY_KEY) != ALGORITHM
@@ -183,6 +220,7 @@ def _recorded(state: Any) -> tuple[dict[str, _Recorded], int]:
                         int(entry[checksum.ALGORITHM]),
                         int(entry["bytes"]),
                         int(entry.get(WRITTEN_KEY, 0)),
+                        None if VERSION_KEY not in entry else str(entry[VERSION_KEY]),
                     )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # unreadable: its files are written again, and verify reports the step

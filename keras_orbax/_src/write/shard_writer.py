@@ -254,9 +254,9 @@ class ArrayFiles:
     With `in_flight_bytes`, `add` returns only once at most that many bytes of shards are still
     being written, so a caller that hands over one array at a time and lets it go holds about
     that much beyond the array it is reading (`convert`). Without it, every shard is written
-    concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`
-    (local directories), each shard is fingerprinted and, if unchanged since the previous step,
-    linked to that step's file (`incremental`).
+    concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`,
+    each shard is fingerprinted and, if unchanged since the previous step, linked to that step's
+    file (in object storage: copied on the server from that step's object; `incremental`).
 
     ```python
     with ArrayFiles(state_dir, in_flight_bytes=64 << 20) as files:
@@ -275,7 +275,7 @@ class ArrayFiles:
         plan: incremental.Plan | None = None,
     ) -> None:
         self._remote = locations.is_remote(directory)
-        self._plan = None if self._remote else plan
+        self._plan = plan
         # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
         self._root = os.fspath(directory)
         self._store = locations.kvstore(directory) if self._remote else None
@@ -312,6 +312,8 @@ class ArrayFiles:
         while self._pending:
             self._collect_oldest()
         name = shard_files.checksums_name()
+        if self._store is not None and self._plan is not None:  # what the next save's copies check
+            incremental.record_versions(self._root, self._checksums)
         content = shard_files.checksums_json(self._checksums, fingerprinted=self._plan is not None)
         if self._store is not None:
             self._store.write(name, content).result()
@@ -335,7 +337,7 @@ class ArrayFiles:
         writing `files`."""
         if self._store is not None:
             store = self._store
-            started = [self._pool.submit(shard_files.put_shard, store, shard) for shard in shards]
+            started = [self._pool.submit(self._shard_write(shard)) for shard in shards]
             return started + [
                 self._pool.submit(shard_files.put_file, store, *file) for file in files
             ]
@@ -343,13 +345,7 @@ class ArrayFiles:
         # directories to make are those and every one above them.
         writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
         for shard in shards:
-            if self._plan is not None:
-                write = functools.partial(
-                    self._plan.write_or_link, self._root, shard, shard_files.write_shard
-                )
-            else:
-                write = functools.partial(shard_files.write_shard, self._root, shard)
-            writes[_parent(shard.relative)].append(write)
+            writes[_parent(shard.relative)].append(self._shard_write(shard))
         metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
         for name, content in files:
             metadata[_parent(name)].append((f"{self._root}/{name}", content))
@@ -366,6 +362,16 @@ class ArrayFiles:
             for path, content in metadata[relative]:
                 self._once.write(path, content)
         return started
+
+    def _shard_write(self, shard: Shard) -> Callable[[], Any]:
+        """Writing `shard`'s file or object; with a plan, carried over if unchanged."""
+        if self._store is not None:
+            write = functools.partial(shard_files.put_shard, self._store)
+        else:
+            write = functools.partial(shard_files.write_shard, self._root)
+        if self._plan is None:
+            return functools.partial(write, shard)
+        return functools.partial(self._plan.write_or_link, self._root, shard, write)
 
     def _make_dir(self, relative: str) -> None:
         if relative not in self._made:

@@ -79,8 +79,9 @@ def save(
         overwrite: Replace `step` if it is already committed.
         incremental: Write only the shard files whose content changed since the latest
             committed step before `step` in `directory`; the others are hard links to that
-            step's files, so every step stays whole (fast format, local directories;
-            docs/incremental.md). False writes every file and records no fingerprints.
+            step's files (in object storage: copies made by the store), so every step stays
+            whole (fast format; docs/incremental.md). False writes every file and records no
+            fingerprints.
 
     Returns:
         The step's directory.
@@ -207,8 +208,8 @@ def write_step(
     copies the shards to the host now and returns a `LaterSave`: its `result()`, called from
     another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
     `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
-    `incremental`: link the shard files unchanged since the previous committed step
-    (`incremental.plan_for`, decided when the save starts writing).
+    `incremental`: link (or copy on the server) the shard files unchanged since the previous
+    committed step (`incremental.plan_for`, decided when the save starts writing).
     """
     state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
