@@ -145,6 +145,18 @@ class Store:
             return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
         return sorted(b.name for b in gcs_client(self).list_blobs(bucket, prefix=prefix or None))
 
+    def delete(self, url: str) -> None:
+        """Deletes every object under `url` with the store's own client (another tool, to the
+        library: nothing of its caches hears of it)."""
+        bucket = url.split("://", 1)[1].partition("/")[0]
+        keys = self.keys(url)
+        assert keys, url
+        for key in keys:
+            if self.kind == "s3":
+                s3_client(self).delete_object(Bucket=bucket, Key=key)
+            else:
+                gcs_client(self).bucket(bucket).blob(key).delete()
+
     def requests(self) -> list[dict]:
         """Every request the server has answered, in order: `method`, `key` (`bucket/key`, None
         where the request names no object), `bytes` (of request body the server read),

@@ -225,6 +225,17 @@ def test_inspect(store, bucket, mesh_2x4):
     assert all(s.disk_bytes >= MLP_BYTES for s in info.summaries)
 
 
+def test_a_step_another_tool_deleted_is_no_longer_listed(store, bucket, mesh_2x4):
+    """Each listing asks the store: s3fs and gcsfs would keep a bucket's listing for the life of
+    the process, and `inspect` then failed on the deleted step's files."""
+    url = f"{bucket}/run"
+    _saved_twice(url)
+    assert keras_orbax.inspect(url).steps == (5, 9)
+    store.delete(f"{url}/9/")
+    info = keras_orbax.inspect(url)
+    assert info.steps == (5,) and info.step == 5
+
+
 def test_the_command_line_finds_the_emulator_from_the_environment(gcs_store, gcs_bucket, mesh_2x4):
     """A fresh process reaches the GCS emulator from STORAGE_EMULATOR_HOST alone: the variables
     keras-orbax derives from it (set in this process by now) are left out. (S3's clients read

@@ -64,11 +64,13 @@ def configure_environment() -> None:
 
     - `EPATH_USE_TF=false`: with TensorFlow installed (keras-hub pulls it in), epath sends `gs://`
       and `s3://` to `tf.io.gfile`, which has no `s3` and ignores `STORAGE_EMULATOR_HOST`.
+    - No listings cache in s3fs and gcsfs (`_no_listings_cache`).
     - With `STORAGE_EMULATOR_HOST`: `TENSORSTORE_GCS_HTTP_URL` (tensorstore reads only that) and
       `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` (gcsfs otherwise probes bucket layouts the emulator
       does not serve, slowing every call by seconds).
     """
     os.environ.setdefault("EPATH_USE_TF", "false")
+    _no_listings_cache()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
         url = emulator if "://" in emulator else f"http://{emulator}"
@@ -78,6 +80,19 @@ def configure_environment() -> None:
         from keras_orbax._src.compat import orbax_compat
 
         orbax_compat.epath_forget_tensorflow()
+
+
+def _no_listings_cache() -> None:
+    """Turns off the listings cache of the s3fs and gcsfs file systems made from now on, unless
+    the user configured it: it kept a bucket's listing for the life of the process, so a step
+    another process or tool deleted or rewrote since was still listed (`inspect` then failed on
+    files that were gone). A checkpoint directory is shared: each listing asks the store."""
+    try:
+        import fsspec
+    except ImportError:  # no `cloud` extra: no object storage either
+        return
+    for protocol in ("s3", "gcs", "gs"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
 
 
 def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
