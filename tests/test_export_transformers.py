@@ -242,7 +242,7 @@ def test_a_failure_on_one_process_fails_both_and_leaves_no_weights(two_processes
 def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
     """Process 1 dies (SIGXFSZ) at its first write past 16 KiB; process 0 gives up on it."""
     args = {"action": "killed", "directory": str(tmp_path / "hf")}
-    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "10"}  # how long process 0 waits for process 1
+    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "5"}  # how long process 0 waits for process 1
     (tmp_path / "w").mkdir()
     with start_workers(WORKER, 2, 4, args, workdir=tmp_path / "w", env=env) as workers:
         first, second = workers.wait(300, expect_failure={0, 1})
