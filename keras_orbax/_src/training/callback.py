@@ -160,7 +160,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored = False, None
         self._resume_point = None
-        checkpointer = self._saves.open(self.model)
+        checkpointer = self._saves.open()
         try:
             self._begin_in_directory(checkpointer)
         except BaseException:

@@ -37,7 +37,7 @@ class Saves:
 
         saves = Saves(directory, retention, format="fast", background=True,
                       weights_only=False, incremental=True)
-        checkpointer = saves.open(model)               # on_train_begin
+        checkpointer = saves.open()                    # on_train_begin
         saves.save(model, step=8, epoch=1, batch=None, metrics={}, reason="epoch")
         saves.close(failing=False)                     # on_train_end, after `wait`
     """
@@ -63,7 +63,7 @@ class Saves:
         self._collector: Collector | None = None
         self._notices = contextlib.ExitStack()
 
-    def open(self, model: keras.Model) -> ocp.training.Checkpointer:
+    def open(self) -> ocp.training.Checkpointer:
         """Opens the directory's checkpointer, and readies what background saves need."""
         self.pending = None
         self._notices.close()  # left open by a fit that raised before on_train_end
