@@ -7,6 +7,7 @@ equal what `model.save_weights` writes, and `model.load_weights` reads back exac
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.export import regions
-from tests import _harness, _models
+from tests import _harness, _models, _xla
 
 
 def h5_contents(path: Path) -> dict[str, Any]:
@@ -225,6 +226,7 @@ def test_host_memory_stays_within_the_window(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=_harness.REPO_ROOT,
+        env=_xla.as_users_run(os.environ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -239,17 +241,27 @@ def test_host_memory_stays_within_the_window(tmp_path):
     assert h5_contents(tmp_path / "ours.weights.h5") == h5_contents(tmp_path / "keras.weights.h5")
 
 
-def test_two_processes_write_one_file(tmp_path):
-    """2 processes x 4 devices: the file holds every process's regions; Keras reads it back."""
-    destination = tmp_path / "m.weights.h5"
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One launch of 2 processes x 4 devices: a whole export, then one failing on each process."""
+    root = tmp_path_factory.mktemp("two_processes")
+    for name in ("ok", "fail_0", "fail_1"):
+        (root / name).mkdir()
     results = _harness.run_workers(
         _harness.WORKERS_DIR / "export_h5.py",
         num_processes=2,
         devices_per_process=4,
-        args={"path": str(destination), "fail_on": None},
+        args={"root": str(root)},
         timeout=300,
     )
-    assert [(r["spans_processes"], r["error"]) for r in results] == [(True, None), (True, None)]
+    return root, results
+
+
+def test_two_processes_write_one_file(two_processes):
+    """2 processes x 4 devices: the file holds every process's regions; Keras reads it back."""
+    root, results = two_processes
+    destination = root / "ok" / "m.weights.h5"
+    assert [(r["ok"]["spans_processes"], r["ok"]["error"]) for r in results] == [(True, None)] * 2
     model = _models.compile_adam(_models.full_model())
     model.optimizer.build(model.trainable_variables)
     model.load_weights(destination)
@@ -261,7 +273,7 @@ def test_two_processes_write_one_file(tmp_path):
         assert np.array_equal(np.asarray(variable.value), values.astype(variable.dtype)), (
             variable.path
         )
-    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
+    assert [p.name for p in (root / "ok").iterdir()] == ["m.weights.h5"]
 
 
 def test_convert_a_checkpoint_to_weights_h5(tmp_path, distribution, capsys):
@@ -305,22 +317,13 @@ def _nbytes(model: keras.Model) -> int:
 
 
 @pytest.mark.parametrize("fail_on", [0, 1])
-def test_a_failure_on_one_process_fails_all_and_leaves_no_file(tmp_path, fail_on):
-    destination = tmp_path / "m.weights.h5"
-    results = _harness.run_workers(
-        _harness.WORKERS_DIR / "export_h5.py",
-        num_processes=2,
-        devices_per_process=4,
-        args={"path": str(destination), "fail_on": fail_on},
-        timeout=300,
-    )
+def test_a_failure_on_one_process_fails_all_and_leaves_no_file(two_processes, fail_on):
+    root, results = two_processes
     for result in results:
-        assert result["error"] is not None
-        assert (
-            f"failed on 1 of 2 processes:\nprocess {fail_on}: OSError: disk gone"
-            in (result["error"])
-        )
-    assert list(tmp_path.iterdir()) == []
+        error = result[f"fail_{fail_on}"]["error"]
+        assert error is not None
+        assert f"failed on 1 of 2 processes:\nprocess {fail_on}: OSError: disk gone" in error
+    assert list((root / f"fail_{fail_on}").iterdir()) == []
 
 
 def test_sharded_weights_as_keras_writes_them(tmp_path, distribution):

@@ -1,7 +1,8 @@
 """Worker for tests/test_export_h5.py: a model sharded over both processes' devices, written with
-`keras_orbax.save_weights` by every process into one file.
+`keras_orbax.save_weights` by every process into one file; then a model whose walk raises part-way
+on process 0, then on process 1 (one launch for the three exports).
 
-args: {"path": the .weights.h5 to write, "fail_on": a process whose walk raises part-way (or null)}
+args: {"root": a directory holding `ok/`, `fail_0/` and `fail_1/`, each to get `m.weights.h5`}
 """
 
 import jax
@@ -35,21 +36,24 @@ def main() -> None:
     ctx = init_worker()
     keras.utils.set_random_seed(0)  # every process must initialize the same values
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
-    fail_on = ctx.args.get("fail_on")
-    if fail_on is None:
-        model = _models.compile_adam(_models.full_model())
-        model.optimizer.build(model.trainable_variables)
-        _models.fill_arange(model, limit=1000)
-    else:
-        inputs = keras.Input((16,))
-        model = keras.Model(inputs, FailsOn(fail_on)(keras.layers.Dense(8)(inputs)))
-    spans = any(not v.value.is_fully_addressable for v in model.weights)
-    try:
-        keras_orbax.save_weights(model, ctx.args["path"], window_bytes=64)
-        error = None
-    except Exception as failed:  # every process must raise; the test checks what
-        error = f"{type(failed).__name__}: {failed}"
-    write_result({"spans_processes": spans, "error": error})
+    result = {}
+    for name, fail_on in (("ok", None), ("fail_0", 0), ("fail_1", 1)):
+        if fail_on is None:
+            model = _models.compile_adam(_models.full_model())
+            model.optimizer.build(model.trainable_variables)
+            _models.fill_arange(model, limit=1000)
+        else:
+            inputs = keras.Input((16,))
+            model = keras.Model(inputs, FailsOn(fail_on)(keras.layers.Dense(8)(inputs)))
+        spans = any(not v.value.is_fully_addressable for v in model.weights)
+        path = f"{ctx.args['root']}/{name}/m.weights.h5"
+        try:
+            keras_orbax.save_weights(model, path, window_bytes=64)
+            error = None
+        except Exception as failed:  # every process must raise; the test checks what
+            error = f"{type(failed).__name__}: {failed}"
+        result[name] = {"spans_processes": spans, "error": error}
+    write_result(result)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,9 @@ def multiprocess(root: Path, process_id: int) -> dict:
         keras.utils.set_random_seed(0)  # the same initial values on every process
         backbone = cls(**config)
         _hf_export.fill(backbone)
-        keras_orbax.export_to_transformers(backbone, root / name / "ours", window_bytes=64)
+        keras_orbax.export_to_transformers(
+            backbone, root / name / "ours", window_bytes=_hf_export.WINDOW
+        )
         spans = any(not v.value.is_fully_addressable for v in backbone.variables)
         result[name] = {"spans_processes": spans}
         if process_id == 0:  # keras-hub's export of the same values, on one device
@@ -121,7 +123,9 @@ def multiprocess(root: Path, process_id: int) -> dict:
     backbone.enable_lora(2)
     task = _hf_export.causal_lm_class("llama3")(backbone=backbone, preprocessor=None)
     _hf_export.train_one_step(task)
-    keras_orbax.export_to_transformers(task, root / "trained" / "ours", window_bytes=64)
+    keras_orbax.export_to_transformers(
+        task, root / "trained" / "ours", window_bytes=_hf_export.WINDOW
+    )
     expected = _gathered(_hf_export.exported_arrays(backbone))
     if process_id == 0:
         np.savez(root / "trained" / "expected.npz", **expected)
@@ -129,7 +133,9 @@ def multiprocess(root: Path, process_id: int) -> dict:
     # Process 1 cannot write past 16 KiB: both fail, no weights file is left.
     old = _limit_file_size(16 * 1024) if process_id == 1 else None
     error = _error_of(
-        lambda: keras_orbax.export_to_transformers(backbone, root / "failed", window_bytes=64)
+        lambda: keras_orbax.export_to_transformers(
+            backbone, root / "failed", window_bytes=_hf_export.WINDOW
+        )
     )
     if old is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
@@ -147,7 +153,9 @@ def killed(directory: Path, process_id: int) -> dict:
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # the write past the limit kills
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, old[1]))
     error = _error_of(
-        lambda: keras_orbax.export_to_transformers(backbone, directory, window_bytes=64)
+        lambda: keras_orbax.export_to_transformers(
+            backbone, directory, window_bytes=_hf_export.WINDOW
+        )
     )
     return {"error": error}
 

@@ -11,7 +11,7 @@ import os
 import sys
 
 os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the test's own
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import json
