@@ -116,6 +116,23 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize("batch_bytes", [1, 1 << 30])
+def test_diff_values_read_in_batches_find_each_change(tmp_path, monkeypatch, batch_bytes):
+    """One variable per read or all in one: the same maximum differences, key by key."""
+    from keras_orbax._src.tools import diff
+
+    monkeypatch.setattr(diff, "_BATCH_BYTES", batch_bytes)
+    model = cli_models.mlp()
+    keras_orbax.save(model, tmp_path, step=1)
+    for i, variable in enumerate(model.weights[:2]):
+        variable.assign(variable.value + (i + 1) * 0.5)
+    keras_orbax.save(model, tmp_path, step=2)
+    result = keras_orbax.diff(f"{tmp_path}@1", f"{tmp_path}@2", values=True)
+    assert len(result.max_abs_diff) == len(model.weights)
+    changed = {key: d for key, d in result.max_abs_diff.items() if d}
+    assert sorted(changed.values()) == pytest.approx([0.5, 1.0])
+
+
 def test_errors_are_one_line_naming_the_path(tmp_path, capsys):
     missing = tmp_path / "nope.weights.h5"
     done = _run("convert", str(missing), str(tmp_path / "out"), check=2)
