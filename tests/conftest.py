@@ -6,10 +6,10 @@ The environment is set here, before jax or keras is imported by any test module.
 import os
 from pathlib import Path
 
-from tests import _xla  # imports nothing of JAX
-
 os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = _xla.for_tests(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache, shared by this session, its xdist workers and every subprocess
 # the tests start (they inherit the environment), and kept between runs: most of the programs the

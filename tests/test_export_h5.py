@@ -7,7 +7,6 @@ equal what `model.save_weights` writes, and `model.load_weights` reads back exac
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.export import regions
-from tests import _harness, _models, _xla
+from tests import _harness, _models
 
 
 def h5_contents(path: Path) -> dict[str, Any]:
@@ -226,7 +225,6 @@ def test_host_memory_stays_within_the_window(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=_harness.REPO_ROOT,
-        env=_xla.as_users_run(os.environ),
         capture_output=True,
         text=True,
         timeout=300,
