@@ -286,8 +286,7 @@ def main() -> None:
     state_bytes = results[-1]["saves"][0]["total"]
     fp = fingerprint_s(state_bytes)
     print(
-        f"SHA-256 of the last variant's {state_bytes / (1 << 20):.0f} MiB on one thread: "
-        f"{fp:.3f} s"
+        f"SHA-256 of the last variant's {state_bytes / (1 << 20):.0f} MiB on one thread: {fp:.3f} s"
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
