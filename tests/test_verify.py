@@ -76,6 +76,15 @@ def test_a_missing_file_is_named_with_every_other_problem(saved):
     assert "2 array files failed" in message
 
 
+def test_an_unreadable_file_is_named_not_raised(saved):
+    """An OSError other than a missing file (here a directory where the shard was; in object
+    storage, an object replaced since it was listed) is a named problem, like the others."""
+    _shard(saved).unlink()
+    _shard(saved).mkdir()
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: unreadable \(IsADir"):
+        keras_orbax.verify(saved)
+
+
 def test_restore_with_verify_refuses_a_flipped_byte_and_changes_nothing(saved, distribution):
     distribution(_models.model_parallel((2, 4)))
     shard = _shard(saved)

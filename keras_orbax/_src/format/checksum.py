@@ -140,6 +140,8 @@ def _check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
                 tail = (tail + block)[-INDEX_BYTES:]
     except FileNotFoundError:
         return "missing", 0, 0
+    except OSError as error:  # EIO; a directory in its place; an object replaced since listed
+        return f"unreadable ({type(error).__name__}: {error.strerror or error})", size, crc
     if size != expected:
         return f"{size} bytes, expected {expected} (truncated or overwritten)", size, crc
     if tail != shard_index(chunk_bytes):
