@@ -46,6 +46,20 @@ def full_model() -> keras.Model:
     return keras.Model(inputs, outputs)
 
 
+def lora_pair(inputs: int, hidden: int, seed: int) -> keras.Model:
+    """Two frozen bias-free Dense kernels, `frozen_in` (inputs x hidden) and `frozen_out`
+    (hidden x 8), each with LoRA factors of rank 2, compiled with Adam: what a LoRA fine-tune
+    saves (frozen kernels, trained factors, Adam's state for the factors)."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((inputs,))
+    h = keras.layers.Dense(hidden, use_bias=False, name="frozen_in")(x)
+    model = keras.Model(x, keras.layers.Dense(8, use_bias=False, name="frozen_out")(h))
+    for name in ("frozen_in", "frozen_out"):
+        model.get_layer(name).enable_lora(2)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
 def compile_adam(model: keras.Model) -> keras.Model:
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
     return model

@@ -22,6 +22,7 @@ import keras_orbax
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.write import incremental
+from tests import _models
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int32", "bool", "uint8"]
 
@@ -195,15 +196,7 @@ def test_every_changed_shard_is_written_and_every_unchanged_one_linked(
 
 
 def _lora_model() -> keras.Model:
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((32,))
-    x = keras.layers.Dense(256, use_bias=False, name="frozen_in")(inputs)
-    outputs = keras.layers.Dense(8, use_bias=False, name="frozen_out")(x)
-    model = keras.Model(inputs, outputs)
-    for name in ("frozen_in", "frozen_out"):
-        model.get_layer(name).enable_lora(2)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    return model
+    return _models.lora_pair(inputs=32, hidden=256, seed=3)
 
 
 def test_keras_trainer_gives_frozen_weights_new_arrays():
@@ -224,8 +217,8 @@ import sys
 import keras
 import numpy as np
 import keras_orbax
-sys.path.insert(0, {tests!r})
-from test_incremental import _lora_model
+sys.path.insert(0, {repo!r})
+from tests.test_incremental import _lora_model
 
 model = _lora_model()
 model.optimizer.build(model.trainable_variables)
@@ -270,7 +263,7 @@ def test_lora_second_save_writes_only_what_training_changed(tmp_path):
     shutil.rmtree(before)
     keras_orbax.verify(tmp_path, step=second)
     script = _RESTORE_SCRIPT.format(
-        tests=os.fspath(Path(__file__).parent),
+        repo=os.fspath(Path(__file__).parent.parent),
         directory=os.fspath(tmp_path),
         expected=os.fspath(expected),
     )

@@ -14,6 +14,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax.errors import CorruptCheckpointError
+from tests import _models
 
 FROZEN = {"frozen_in/kernel", "frozen_out/kernel"}
 FACTORS = {f"{layer}/lora_kernel_{ab}" for layer in ("frozen_in", "frozen_out") for ab in "ab"}
@@ -21,14 +22,7 @@ FACTORS = {f"{layer}/lora_kernel_{ab}" for layer in ("frozen_in", "frozen_out") 
 
 def _lora_model() -> keras.Model:
     """Two frozen kernels (512 KiB and 16 KiB), LoRA factors of rank 2 trained by Adam."""
-    keras.utils.set_random_seed(5)
-    inputs = keras.Input((256,))
-    x = keras.layers.Dense(512, use_bias=False, name="frozen_in")(inputs)
-    outputs = keras.layers.Dense(8, use_bias=False, name="frozen_out")(x)
-    model = keras.Model(inputs, outputs)
-    for name in ("frozen_in", "frozen_out"):
-        model.get_layer(name).enable_lora(2)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model = _models.lora_pair(inputs=256, hidden=512, seed=5)
     model.optimizer.build(model.trainable_variables)
     return model
 
