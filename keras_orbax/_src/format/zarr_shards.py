@@ -21,7 +21,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -40,9 +40,6 @@ from keras_orbax._src.storage.byte_runs import (
     read_box,
 )
 from keras_orbax.errors import CorruptCheckpointError
-
-if TYPE_CHECKING:
-    from keras_orbax._src.storage.small_files import SmallFiles
 
 _INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
 _MISSING = 2**64 - 1
@@ -270,73 +267,6 @@ class FastArray:
                 f"{self.key}: the shard index of {path} fails its CRC-32C check."
             )
         return offset
-
-
-@dataclasses.dataclass
-class WholeFileReader:
-    """Reads the regions of a small array kept in one file (`_write.PACK_BYTES`) by reading the
-    file once, whole, and cutting each region out of it: one `preadv` where each region would read
-    its own runs of the file (a (64, 64) kernel split on columns over 4 devices: 256 runs of 64
-    bytes). Only where this process needs every part of the array (`tiles`), so it reads no byte
-    it does not use. The regions are read one after another, by one thread; a local file is read
-    among many others by `SmallFiles` once `start`ed."""
-
-    array: FastArray
-    remaining: int  # regions still to read; the whole is dropped after the last
-    _whole: np.ndarray | None = None
-    _files: SmallFiles | None = None
-
-    @staticmethod
-    def tiles(array: Any, indices: list[Index]) -> bool:
-        """Whether `indices` (distinct regions of one sharding) are all of `array`, in one file."""
-        return (
-            isinstance(array, FastArray)
-            and array.chunk_shape == array.shape
-            and sum(math.prod(hi - lo for lo, hi in bounds(i, array.shape)) for i in indices)
-            == math.prod(array.shape)
-        )
-
-    @property
-    def directory(self) -> Any:
-        return self.array.directory
-
-    @property
-    def path(self) -> str:
-        return self.array.local_file((0,) * len(self.array.shape))
-
-    def start(self, files: SmallFiles) -> None:
-        """Has `files` read the file (a local one), with others, before the first `read`."""
-        self._files = files
-        files.start(self.path)
-
-    def read(self, index: Index, dtype: np.dtype) -> np.ndarray:
-        """The region `index` in a 64-byte-aligned buffer (the whole's own, or a copy of its part),
-        cast to `dtype`."""
-        if self._whole is None:
-            self._whole = self._read_whole(dtype)
-        region = self._whole[index]
-        self.remaining -= 1
-        if not self.remaining:
-            self._whole = None
-        if region.shape == self.array.shape:
-            return region
-        out = aligned_empty(region.nbytes).view(region.dtype).reshape(region.shape)
-        out[...] = region
-        return out
-
-    def _read_whole(self, dtype: np.dtype) -> np.ndarray:
-        whole = tuple(slice(0, n) for n in self.array.shape)
-        if self._files is None:
-            return self.array.read(whole, dtype)
-        try:
-            data = self._files.get(self.path)
-        except OSError as error:
-            raise CorruptCheckpointError(f"{self.array.key}: {error}") from error
-        if data is None:
-            raise CorruptCheckpointError(f"{self.array.key}: missing file {self.path}")
-        array = self.array.from_file(data)
-        # Anything but the data followed by the plain index: the general path reads or says why.
-        return self.array.read(whole, dtype) if array is None else cast(array, dtype)
 
 
 def _read_small(directory: Any, name: str) -> bytes:

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_orbax._src.format.zarr_shards import FastArray, WholeFileReader
+from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.read import coalesce
 from keras_orbax._src.read.contiguous import ContiguousArray
+from keras_orbax._src.read.whole_file import WholeFileReader
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.byte_runs import Index, bounds, short_runs
 from keras_orbax._src.storage.small_files import SmallFiles
