@@ -95,11 +95,26 @@ def _no_listings_cache() -> None:
         fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
 
 
+def split_url(url: str | os.PathLike) -> tuple[str, str, str]:
+    """(scheme, bucket, key) of the object-store URL `scheme://bucket/key` (key as written)."""
+    scheme, _, rest = os.fspath(url).partition("://")
+    bucket, _, key = rest.partition("/")
+    return scheme, bucket, key
+
+
+def filesystem(url: str | os.PathLike) -> tuple[Any, str]:
+    """fsspec's file system for the object-store `url` (s3fs or gcsfs, configured as
+    `configure_environment` sets up), and `url`'s path in it."""
+    import fsspec
+
+    configure_environment()
+    fs, root = fsspec.core.url_to_fs(os.fspath(url))
+    return fs, str(root)
+
+
 def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
     """The tensorstore kvstore spec of the object-store prefix `path` (ending in `/`)."""
-    text = os.fspath(path)
-    scheme, rest = text.split("://", 1)
-    bucket, _, prefix = rest.partition("/")
+    scheme, bucket, prefix = split_url(path)
     prefix = prefix.strip("/")
     spec: dict[str, Any] = {
         "driver": "gcs" if scheme == "gs" else "s3",
@@ -135,19 +150,13 @@ def _open_bucket(spec: str, gcs_url: str | None) -> ts.KvStore:
 
 def total_bytes(path: str | os.PathLike) -> int:
     """Bytes of every object under the object-store prefix `path` (one listing, via fsspec)."""
-    import fsspec
-
-    configure_environment()
-    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    fs, root = filesystem(path)
     return int(fs.du(root, total=True))
 
 
 def object_sizes(path: str | os.PathLike) -> dict[str, int]:
     """Name (relative to the prefix `path`) -> size of every object under `path`, in one listing."""
-    import fsspec
-
-    configure_environment()
-    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    fs, root = filesystem(path)
     found = fs.find(root, detail=True)
     root = root.rstrip("/") + "/"
     return {name[len(root) :]: int(info["size"]) for name, info in found.items()}

@@ -26,13 +26,13 @@ def versions(prefix: str | os.PathLike) -> dict[str, str]:
     Listed with the stores' own list calls rather than fsspec's `find`, which keeps what it lists
     (ETags included) in its cache: a later read of an object replaced since would then fail on
     the cached ETag instead of reading what is there."""
-    fs, _ = _filesystem(prefix)
-    bucket, key = _split(os.fspath(prefix))
+    fs, _ = locations.filesystem(prefix)
+    scheme, bucket, key = locations.split_url(prefix)
     key = key.rstrip("/") + "/"
     found: dict[str, str] = {}
     page: dict[str, Any] = {}
     while True:
-        if _scheme(prefix) == "s3":
+        if scheme == "s3":
             listed = fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, **page)
             found.update((o["Key"][len(key) :], str(o["ETag"])) for o in listed.get("Contents", []))
             if not listed.get("IsTruncated"):
@@ -62,9 +62,10 @@ def copy(source: str, target: str, version: str) -> bool:
 
 
 def _copy(source: str, target: str, version: str) -> None:
-    fs, _ = _filesystem(source)
-    (source_bucket, source_key), (target_bucket, target_key) = _split(source), _split(target)
-    if _scheme(source) == "s3":
+    fs, _ = locations.filesystem(source)
+    scheme, source_bucket, source_key = locations.split_url(source)
+    _, target_bucket, target_key = locations.split_url(target)
+    if scheme == "s3":
         fs.call_s3(
             "copy_object",
             Bucket=target_bucket,
@@ -89,21 +90,3 @@ def _copy(source: str, target: str, version: str) -> None:
         if done.get("done") is True:
             return
         rewrite["rewriteToken"] = done["rewriteToken"]
-
-
-def _filesystem(url: str | os.PathLike) -> tuple[Any, str]:
-    import fsspec
-
-    locations.configure_environment()
-    fs, root = fsspec.core.url_to_fs(os.fspath(url))
-    return fs, str(root)
-
-
-def _scheme(url: str | os.PathLike) -> str:
-    return os.fspath(url).partition("://")[0]
-
-
-def _split(url: str) -> tuple[str, str]:
-    """(bucket, key) of `scheme://bucket/key`."""
-    bucket, _, key = url.partition("://")[2].partition("/")
-    return bucket, key
