@@ -185,7 +185,7 @@ def markdown(report: dict) -> str:
         "`of it building`: the same model built deferred, no weight read (another process); "
         "`cold read s`: every byte of the preset's files read once, 16 MiB at a time by 8 threads, "
         "page cache dropped first "
-        "(medians of `n` alternating pairs, fresh processes). `peak`: the process's peak RSS "
+        "(medians of `n` alternating rounds, fresh processes). `peak`: the process's peak RSS "
         "(`VmHWM`) up to the end of the load (keras-hub: or when it was killed, by this benchmark "
         "before the machine ran out or by the kernel); `- import`: less its RSS once JAX and its 8 "
         "devices were up; `resident`: the bytes of the distinct device buffers (replicas sharing "
