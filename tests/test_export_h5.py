@@ -206,7 +206,7 @@ def measured(save):
     return host_peak, (peak_rss_kib() - before) * 1024
 
 inputs = keras.Input((2048,))
-model = keras.Model(inputs, keras.layers.Dense(4096, use_bias=False)(inputs))  # 32 MiB kernel
+model = keras.Model(inputs, keras.layers.Dense(8192, use_bias=False)(inputs))  # 64 MiB kernel
 keras_orbax.save_weights(model, {warm!r}, window_bytes=1 << 20)  # compiles the slices once
 ours = measured(lambda: keras_orbax.save_weights(model, {path!r}, window_bytes=1 << 20))
 theirs = measured(lambda: model.save_weights({keras_path!r}))
@@ -215,8 +215,11 @@ print(json.dumps({{"ours": ours, "keras": theirs}}))
 
 
 def test_host_memory_stays_within_the_window(tmp_path):
-    """A 32 MiB variable, a 1 MiB window: NumPy never holds more than the window, and the process's
-    peak RSS grows by a few windows, where Keras's own `save_weights` holds the whole variable."""
+    """A 64 MiB variable, a 1 MiB window: NumPy never holds more than the window, and the process's
+    peak RSS grows by a few windows, where Keras's own `save_weights` holds the whole variable.
+
+    The RSS bound is 16 windows: XLA's compute threads touch scratch memory of their own for the
+    slices, 0-8 MiB here whatever the window (8.03 MiB once under the full suite's load)."""
     script = _MEMORY.format(
         warm=str(tmp_path / "warm.weights.h5"),
         path=str(tmp_path / "ours.weights.h5"),
@@ -232,10 +235,10 @@ def test_host_memory_stays_within_the_window(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     (host, rss), (keras_host, keras_rss) = figures["ours"], figures["keras"]
-    variable, window = 32 << 20, 1 << 20
+    variable, window = 64 << 20, 1 << 20
     assert keras_host >= variable and keras_rss >= variable // 2  # the measure sees a whole fetch
     assert host <= 2 * window, figures
-    assert rss <= 8 * window, figures
+    assert rss <= 16 * window, figures
     assert h5_contents(tmp_path / "ours.weights.h5") == h5_contents(tmp_path / "keras.weights.h5")
 
 
