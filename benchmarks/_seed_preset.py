@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from tests._page_cache import evict  # seed_case.py puts the repository on the path
+
 # The `gemma2_9b_en` preset's backbone (keras-hub's `gemma_presets.py` names it; its arguments are
 # those keras-hub's Hugging Face converter gives Gemma 2 9B: intermediate_dim is twice
 # `intermediate_size`). 9,241,705,984 parameters, as keras-hub's preset metadata says.
@@ -134,14 +136,14 @@ def make(
             # Without this the page cache would fill with the preset's dirty pages; on a machine
             # shared with other work, what is written is written back and dropped as it goes.
             group.file.flush()
-            _flush([group.file.filename])
+            evict([group.file.filename])
             written["unflushed"] = 0
 
     # Keras's own walk and stores (those keras_orbax.save_weights writes through), each array
     # handed to `write` instead of fetched.
     saving_compat.save_state(backbone, path, write, max_shard_size=max_shard_size)
     files = sorted(os.listdir(directory))
-    _flush(os.path.join(directory, f) for f in files if f.endswith(".h5"))
+    evict(os.path.join(directory, f) for f in files if f.endswith(".h5"))
     return {
         "seconds": time.perf_counter() - clock,
         "bytes": written["bytes"],
@@ -186,14 +188,3 @@ def values(rng: np.random.Generator, count: int, dtype: np.dtype) -> np.ndarray:
     bits += 117 << 7  # exponent 117-120: 2**-10 to 2**-7 times 1.x
     bf16 = bits.view(ml_dtypes.bfloat16)
     return bf16 if dtype == bf16.dtype else bf16.astype(dtype)
-
-
-def _flush(paths: Any) -> None:
-    """Writes each file back and drops it from the page cache."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
