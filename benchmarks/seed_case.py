@@ -416,7 +416,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--make-only", action="store_true", help="make the preset, measure nothing")
     p.add_argument("--meshes", nargs="+", default=["1x8", "2x4"])
-    p.add_argument("--repeats", type=int, default=1, help="read/ko pairs per mesh")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds per mesh (cold read, read into kept memory, load)",
+    )
     p.add_argument("--no-hub", action="store_true", help="skip keras-hub's own from_preset")
     p.add_argument(
         "--no-kept-read",

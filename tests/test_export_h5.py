@@ -218,8 +218,9 @@ def test_host_memory_stays_within_the_window(tmp_path):
     """A 64 MiB variable, a 1 MiB window: NumPy never holds more than the window, and the process's
     peak RSS grows by a few windows, where Keras's own `save_weights` holds the whole variable.
 
-    The RSS bound is 16 windows: XLA's compute threads touch scratch memory of their own for the
-    slices, 0-8 MiB here whatever the window (8.03 MiB once under the full suite's load)."""
+    The RSS bound is 16 windows: beside the export's own buffers the process grew by 0-8 MiB
+    whatever the window (8.03 MiB once under the full suite's load), most likely XLA's compute
+    threads touching scratch memory for the slices."""
     script = _MEMORY.format(
         warm=str(tmp_path / "warm.weights.h5"),
         path=str(tmp_path / "ours.weights.h5"),
