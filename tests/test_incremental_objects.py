@@ -7,6 +7,7 @@ as the oracle."""
 from __future__ import annotations
 
 import collections
+import json
 
 import keras
 import numpy as np
@@ -176,3 +177,43 @@ def test_an_object_written_into_after_its_step_is_not_copied(store, bucket):
     keras_orbax.verify(url, step=2)
     with pytest.raises(CorruptCheckpointError, match=kernel.replace(".", "/")):
         keras_orbax.verify(url, step=1)
+
+
+def test_each_process_copies_its_own_unchanged_shards_on_the_server(s3_store, s3_bucket, tmp_path):
+    """2 processes x 4 devices save `mlp(4096)` at step 1, then with one element of one kernel
+    changed at step 2 (tests/workers/incremental_multihost.py): the changed shard object is
+    written, every other one is copied by the server from step 1's, by the process that holds it."""
+    from tests._harness import WORKERS_DIR, run_workers
+
+    url = f"{s3_bucket}/run"
+    bucket_name, prefix = _where(url)
+    args = {"directory": url}
+    run_workers(WORKERS_DIR / "incremental_multihost.py", 2, 4, args, timeout=600, workdir=tmp_path)
+
+    old, new = _shard_objects(s3_store, url, 1), _shard_objects(s3_store, url, 2)
+    changed = {name for name, content in new.items() if old.get(name) != content}
+    (kernel,) = _arrays(url, 2, {"hidden/kernel"})
+    assert {name.split("/")[0] for name in changed} == {kernel} and len(changed) == 1
+    state = f"{bucket_name}/{prefix}2/state/"
+    received, copies = collections.Counter(), {}
+    for request in s3_store.requests():
+        if request["key"] and request["key"].startswith(state):
+            received[request["key"]] += request["bytes"]
+            if request["copied_from"]:
+                copies[request["key"]] = request["copied_from"]
+    for name in set(new) - changed:
+        assert received[state + name] == 0, name
+        assert copies[state + name] == f"{bucket_name}/{prefix}1/state/{name}"
+    (name,) = changed
+    assert received[state + name] >= len(new[name])
+    for process in (0, 1):  # each process's record lists the objects it copied
+        record = json.loads(
+            _read(
+                s3_store,
+                bucket_name,
+                f"{prefix}2/state/keras_orbax_checksums/process_{process}.json",
+            )
+        )
+        copied = [n for n in record["files"] if state + n in copies]
+        assert copied and all("fingerprint" in record["files"][n] for n in copied)
+    keras_orbax.verify(url, step=2)
