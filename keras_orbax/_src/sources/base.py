@@ -17,8 +17,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
-
 from keras_orbax._src.format.step_record import StepRecord
 
 # Keras, JAX and what restores with them load where a source restores, not where it is opened:
@@ -148,7 +146,3 @@ class Source(abc.ABC):
             requests.append(ReadRequest(saved, target))
         arrays, _ = read_arrays(self.plan_reads(requests))
         return {key: arrays[key] for key in keys}
-
-    def read(self, key: str) -> np.ndarray:
-        """One array by this source's own key, as a host array."""
-        return np.asarray(self.read_array(key))
