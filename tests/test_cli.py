@@ -119,9 +119,9 @@ def test_convert_a_weights_file_then_diff_it_and_inspect_it(tmp_path, capsys):
 @pytest.mark.parametrize("batch_bytes", [1, 1 << 30])
 def test_diff_values_read_in_batches_find_each_change(tmp_path, monkeypatch, batch_bytes):
     """One variable per read or all in one: the same maximum differences, key by key."""
-    from keras_orbax._src.tools import diff
+    from keras_orbax._src.sources import base
 
-    monkeypatch.setattr(diff, "_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(base, "READ_BATCH_BYTES", batch_bytes)
     model = cli_models.mlp()
     keras_orbax.save(model, tmp_path, step=1)
     for i, variable in enumerate(model.weights[:2]):

@@ -98,3 +98,48 @@ def test_restore_with_verify_refuses_a_flipped_byte_and_changes_nothing(saved, d
     for variable, want in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
     keras_orbax.restore_sharded(model, saved, strict=False)  # without verify it reads as it is
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 1 << 30])
+def test_a_weights_file_is_read_back_in_batches_and_a_cut_array_named(
+    tmp_path, monkeypatch, batch_bytes
+):
+    """A `.weights.h5` records no checksums: every array is read back, one per read or all in
+    one; the same bytes, and a truncated file names the array it cut, whichever the batch."""
+    from keras_orbax._src.sources import base
+
+    monkeypatch.setattr(base, "READ_BATCH_BYTES", batch_bytes)
+    model = _models.mlp()
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(path)
+    result = keras_orbax.verify(path)
+    assert result.bytes == sum(v.value.nbytes for v in model.weights)
+    assert len(result.unchecked) == result.files == len(model.weights)  # read, none checksummed
+
+    # The last dataset stored again compressed, as other writers store them (read through h5py),
+    # then a byte of its one chunk flipped: inflating it fails.
+    import h5py
+
+    with h5py.File(path, "r+") as file:
+        name = _datasets(file)[-1].name
+        data, attrs = file[name][()], dict(file[name].attrs)
+        del file[name]
+        file.create_dataset(name, data=data, compression="gzip", chunks=data.shape)
+        file[name].attrs.update(attrs)
+        chunk = file[name].id.get_chunk_info(0)
+    with open(path, "r+b") as file:
+        file.seek(chunk.byte_offset + chunk.size // 2)
+        byte = file.read(1)
+        file.seek(chunk.byte_offset + chunk.size // 2)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=name.strip("/")):
+        keras_orbax.verify(path)
+
+
+def _datasets(file) -> list:
+    """Every dataset of the h5 `file`, in name order."""
+    import h5py
+
+    found: list = []
+    file.visititems(lambda _, item: found.append(item) if isinstance(item, h5py.Dataset) else None)
+    return found

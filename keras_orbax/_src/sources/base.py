@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from keras_orbax._src.format.step_record import StepRecord
@@ -146,3 +146,22 @@ class Source(abc.ABC):
             requests.append(ReadRequest(saved, target))
         arrays, _ = read_arrays(self.plan_reads(requests))
         return {key: arrays[key] for key in keys}
+
+
+READ_BATCH_BYTES = 64 << 20
+
+
+def batched(keys: Sequence[str], nbytes: Callable[[str], int]) -> Iterator[list[str]]:
+    """`keys` in consecutive batches of up to `READ_BATCH_BYTES` (by `nbytes`), each for one
+    `Source.read_arrays`: a read has a fixed cost (an Orbax load: about 20 ms), and host memory
+    holds one batch at a time."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        if batch and size + nbytes(key) > READ_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += nbytes(key)
+    if batch:
+        yield batch

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
+from keras_orbax._src.sources.base import batched
 from keras_orbax._src.sources.resolve import open_source
-
-_BATCH_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +93,7 @@ def diff(
     if values:
         readable = [key for key in common if left[key].shape == right[key].shape]
         total = sum(left[key].nbytes + right[key].nbytes for key in readable)
-        for batch in _batches(readable, lambda key: left[key].nbytes + right[key].nbytes):
+        for batch in batched(readable, lambda key: left[key].nbytes + right[key].nbytes):
             xs, ys = first.read_arrays(batch), second.read_arrays(batch)
             for key in batch:
                 max_abs[key] = _max_abs_diff(np.asarray(xs.pop(key)), np.asarray(ys.pop(key)))
@@ -109,21 +108,6 @@ def diff(
         max_abs,
         len(common),
     )
-
-
-def _batches(keys: list[str], nbytes: Callable[[str], int]) -> Iterator[list[str]]:
-    """`keys` in consecutive batches of up to `_BATCH_BYTES` (both sides), one read each: a read
-    has a fixed cost (an Orbax load: about 20 ms), and host memory holds one batch at a time."""
-    batch: list[str] = []
-    size = 0
-    for key in keys:
-        if batch and size + nbytes(key) > _BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += nbytes(key)
-    if batch:
-        yield batch
 
 
 def _max_abs_diff(x: np.ndarray, y: np.ndarray) -> float:
