@@ -6,12 +6,12 @@ import jax
 import keras
 import numpy as np
 
-# keras-hub's Gemma export takes key/value kernels as `kernel[0]` (one key/value head) and assumes
-# heads * head_dim == hidden_dim; bfloat16 covers BF16 headers.
 # Export window in bytes: the larger variables (2-4 KiB) are cut into several windows each, every
 # one written as its own runs (smaller windows only add calls: 64 took 3x as long).
 WINDOW = 256
 
+# keras-hub's Gemma export takes key/value kernels as `kernel[0]` (one key/value head) and assumes
+# heads * head_dim == hidden_dim; bfloat16 covers BF16 headers.
 GEMMA = dict(
     vocabulary_size=64,
     num_layers=2,
