@@ -245,9 +245,10 @@ def test_host_memory_stays_within_the_window(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One launch of 2 processes x 4 devices: a whole export, then one failing on each process."""
+    """One launch of 2 processes x 4 devices: a whole export, one failing on each process, and
+    one measured for memory."""
     root = tmp_path_factory.mktemp("two_processes")
-    for name in ("ok", "fail_0", "fail_1"):
+    for name in ("ok", "fail_0", "fail_1", "memory"):
         (root / name).mkdir()
     results = _harness.run_workers(
         _harness.WORKERS_DIR / "export_h5.py",
@@ -316,6 +317,29 @@ def test_convert_a_weights_file_needs_the_model(tmp_path):
 
 def _nbytes(model: keras.Model) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+
+
+def test_two_processes_stay_within_the_window(two_processes):
+    """2 processes x 4 devices, a 64 MiB kernel (32 MiB on each process), a 1 MiB window: process 1
+    stages its regions as files one window at a time and process 0 copies them in one window at a
+    time, so neither process's peak RSS grows by more than a few windows (the same 16-window
+    bound as in one process), where a copy of either process's part grows it by 32 MiB."""
+    root, results = two_processes
+    window, held = 1 << 20, 32 << 20
+    for process, result in enumerate(results):
+        figures = result["memory"]
+        assert figures["held"] == held, (process, figures)
+        assert figures["host_copy"] >= held // 2, (process, figures)  # the measure sees a copy
+        assert figures["export"] <= 16 * window, (process, figures)
+    with h5py.File(root / "memory" / "m.weights.h5") as h5:
+        (dataset,) = [h5[name] for name in _dataset_names(h5)]
+        assert dataset.shape == (2048, 8192)
+
+
+def _dataset_names(h5: h5py.File) -> list[str]:
+    names: list[str] = []
+    h5.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
 
 
 @pytest.mark.parametrize("fail_on", [0, 1])

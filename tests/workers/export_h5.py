@@ -1,12 +1,15 @@
 """Worker for tests/test_export_h5.py: a model sharded over both processes' devices, written with
 `keras_orbax.save_weights` by every process into one file; then a model whose walk raises part-way
-on process 0, then on process 1 (one launch for the three exports).
+on process 0, then on process 1; then a 64 MiB kernel written with a 1 MiB window, each process's
+peak RSS growth measured (one launch for the five exports).
 
-args: {"root": a directory holding `ok/`, `fail_0/` and `fail_1/`, each to get `m.weights.h5`}
+args: {"root": a directory holding `ok/`, `fail_0/`, `fail_1/` and `memory/`, each to get
+`m.weights.h5`}
 """
 
 import jax
 import keras
+import numpy as np
 
 import keras_orbax
 from tests import _models
@@ -53,7 +56,40 @@ def main() -> None:
         except Exception as failed:  # every process must raise; the test checks what
             error = f"{type(failed).__name__}: {failed}"
         result[name] = {"spans_processes": spans, "error": error}
+    result["memory"] = _memory(f"{ctx.args['root']}/memory")
     write_result(result)
+
+
+def _memory(directory: str) -> dict:
+    """Peak RSS growth, in bytes, of this process while the 64 MiB kernel (32 MiB held here) is
+    written with a 1 MiB window; and, to show the measure sees memory, while this process's part
+    of it is copied to the host and kept."""
+    inputs = keras.Input((2048,))
+    model = keras.Model(inputs, keras.layers.Dense(8192, use_bias=False)(inputs))
+    kernel = model.weights[0].value
+    keras_orbax.save_weights(model, f"{directory}/warm.weights.h5", window_bytes=1 << 20)
+    export = _peak_growth(
+        lambda: keras_orbax.save_weights(model, f"{directory}/m.weights.h5", window_bytes=1 << 20)
+    )
+    held = []
+    copy = _peak_growth(lambda: held.extend(np.array(s.data) for s in kernel.addressable_shards))
+    return {"export": export, "host_copy": copy, "held": sum(h.nbytes for h in held)}
+
+
+def _peak_growth(action) -> int:
+    with open("/proc/self/clear_refs", "w") as refs:  # resets the peak (VmHWM) to the current RSS
+        refs.write("5")
+    before = _status_kib("VmRSS")
+    action()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise LookupError(field)
 
 
 if __name__ == "__main__":
