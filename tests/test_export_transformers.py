@@ -230,6 +230,20 @@ def test_two_processes_round_trip_a_trained_lora_model(two_processes):
         np.testing.assert_array_equal(values[path], want[path], err_msg=path)
 
 
+def test_two_processes_stay_within_the_window(two_processes):
+    """Largest variable 8 MiB (4 MiB on each process), window 1 MiB: while each process writes
+    its regions, NumPy never holds more than two windows and its peak RSS grows by about one,
+    where a copy of its part of that one variable holds 4 MiB."""
+    _, results = two_processes
+    window, largest = 1 << 20, 8 << 20
+    for process, result in enumerate(results):
+        figures = result["memory"]
+        assert figures["held"] == largest // 2, (process, figures)
+        assert figures["copy_peak"] >= largest // 2, (process, figures)  # the measure sees a copy
+        assert figures["host_peak"] <= 2 * window, (process, figures)
+        assert figures["rss"] <= window + largest // 4, (process, figures)
+
+
 def test_a_failure_on_one_process_fails_both_and_leaves_no_weights(two_processes):
     root, results = two_processes
     for process, result in enumerate(results):

@@ -9,7 +9,8 @@ args: {"action": ..., "directory": ...}
 - "multiprocess" (2 processes x 4 devices): Gemma and Llama3 backbones on a (2, 4) mesh of all 8
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
   Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
-  expected values); then an export during which process 1 cannot write past 16 KiB.
+  expected values); then an export during which process 1 cannot write past 16 KiB; then the
+  "memory" backbone exported, each process's peak RSS growth measured.
 - "killed" (2 processes x 4 devices): process 1 is killed by SIGXFSZ at its first write past
   16 KiB, mid-export; process 0 reports the error it got, if it lives to.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import tracemalloc
 from pathlib import Path
 
 import keras
@@ -74,21 +76,55 @@ def disk_full(directory: Path) -> dict:
 
 
 def memory(directory: Path) -> dict:
+    backbone = _wide_llama3()
+    ours = _export_growth(backbone, directory)
+    theirs = _growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
+    largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
+    return {"ours": ours, "keras_hub": theirs, "largest_variable": largest}
+
+
+def _wide_llama3():  # type: ignore[no-untyped-def]
+    """A Llama3 backbone on its (2, 4) mesh whose largest variable, an 8 MiB FFN kernel, is 8
+    windows of 1 MiB."""
     keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+    keras.utils.set_random_seed(0)  # the same initial values on every process
     config = dict(_hf_export.LLAMA3, vocabulary_size=1024, num_layers=1, hidden_dim=256)
     backbone = _hf_export.backbone_class("llama3")(**dict(config, intermediate_dim=8192))
     _hf_export.fill(backbone)
+    return backbone
+
+
+def _export_growth(backbone, directory: Path) -> int:  # type: ignore[no-untyped-def]
+    """Peak RSS growth of `export_to_transformers(backbone)` with a 1 MiB window."""
     window = 1 << 20
     # Compiles the slices and loads the modules first, so that the figure is the export's alone.
     keras_orbax.export_to_transformers(backbone, directory / "warm", window_bytes=window)
-    ours = _growth(
+    return _growth(
         lambda: keras_orbax.export_to_transformers(
             backbone, directory / "ours", window_bytes=window
         )
     )
-    theirs = _growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
-    largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
-    return {"ours": ours, "keras_hub": theirs, "largest_variable": largest}
+
+
+def _memory_of_several(directory: Path) -> dict:
+    """While this process writes its regions of the wide Llama3: its peak RSS growth, and the
+    peak of NumPy's host buffers (tracemalloc, which freed memory reused cannot hide); the latter
+    also while it copies its shards of the largest variable to the host (the measure sees one)."""
+    backbone = _wide_llama3()
+    tracemalloc.start()
+    rss = _export_growth(backbone, directory)
+    _, host_peak = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    largest = max(backbone.variables, key=lambda v: int(np.prod(v.shape)))
+    held = [np.array(s.data) for s in largest.value.addressable_shards]
+    _, copy_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "rss": rss,
+        "host_peak": host_peak,
+        "copy_peak": copy_peak,
+        "held": sum(h.nbytes for h in held),
+    }
 
 
 def multiprocess(root: Path, process_id: int) -> dict:
@@ -140,6 +176,7 @@ def multiprocess(root: Path, process_id: int) -> dict:
     if old is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
     result["failed"] = {"error": error}
+    result["memory"] = _memory_of_several(root / "memory")
     return result
 
 
