@@ -184,26 +184,14 @@ def test_killed_mid_export_leaves_nothing_that_loads(tmp_path):
 
 _MEMORY = """
 import json, tracemalloc, keras, numpy as np, keras_orbax
-
-def peak_rss_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-
-def rss_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+from tests._rss import peak_growth
 
 def measured(save):
-    with open("/proc/self/clear_refs", "w") as f:  # resets the peak (VmHWM) to the current RSS
-        f.write("5")
-    before = rss_kib()
     tracemalloc.start()
-    save()
+    rss = peak_growth(save)
     _, host_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return host_peak, (peak_rss_kib() - before) * 1024
+    return host_peak, rss
 
 inputs = keras.Input((2048,))
 model = keras.Model(inputs, keras.layers.Dense(8192, use_bias=False)(inputs))  # 64 MiB kernel

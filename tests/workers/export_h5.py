@@ -13,6 +13,7 @@ import numpy as np
 
 import keras_orbax
 from tests import _models
+from tests._rss import peak_growth
 from tests._worker_util import init_worker, write_result
 
 
@@ -68,28 +69,12 @@ def _memory(directory: str) -> dict:
     model = keras.Model(inputs, keras.layers.Dense(8192, use_bias=False)(inputs))
     kernel = model.weights[0].value
     keras_orbax.save_weights(model, f"{directory}/warm.weights.h5", window_bytes=1 << 20)
-    export = _peak_growth(
+    export = peak_growth(
         lambda: keras_orbax.save_weights(model, f"{directory}/m.weights.h5", window_bytes=1 << 20)
     )
     held = []
-    copy = _peak_growth(lambda: held.extend(np.array(s.data) for s in kernel.addressable_shards))
+    copy = peak_growth(lambda: held.extend(np.array(s.data) for s in kernel.addressable_shards))
     return {"export": export, "host_copy": copy, "held": sum(h.nbytes for h in held)}
-
-
-def _peak_growth(action) -> int:
-    with open("/proc/self/clear_refs", "w") as refs:  # resets the peak (VmHWM) to the current RSS
-        refs.write("5")
-    before = _status_kib("VmRSS")
-    action()
-    return (_status_kib("VmHWM") - before) * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    raise LookupError(field)
 
 
 if __name__ == "__main__":

@@ -28,24 +28,8 @@ from jax.experimental import multihost_utils
 
 import keras_orbax
 from tests import _hf_export
+from tests._rss import peak_growth
 from tests._worker_util import exit_now, init_worker, write_result
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _growth(fn) -> int:
-    """Peak RSS growth, in bytes, while `fn()` runs."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    before = _status_kib("VmRSS")
-    fn()
-    return (_status_kib("VmHWM") - before) * 1024
 
 
 def _limit_file_size(nbytes: int) -> tuple[int, int]:
@@ -78,7 +62,7 @@ def disk_full(directory: Path) -> dict:
 def memory(directory: Path) -> dict:
     backbone = _wide_llama3()
     ours = _export_growth(backbone, directory)
-    theirs = _growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
+    theirs = peak_growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
     largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
     return {"ours": ours, "keras_hub": theirs, "largest_variable": largest}
 
@@ -99,7 +83,7 @@ def _export_growth(backbone, directory: Path) -> int:  # type: ignore[no-untyped
     window = 1 << 20
     # Compiles the slices and loads the modules first, so that the figure is the export's alone.
     keras_orbax.export_to_transformers(backbone, directory / "warm", window_bytes=window)
-    return _growth(
+    return peak_growth(
         lambda: keras_orbax.export_to_transformers(
             backbone, directory / "ours", window_bytes=window
         )

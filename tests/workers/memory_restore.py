@@ -19,19 +19,12 @@ import keras
 from keras.distribution import DeviceMesh, LayoutMap, ModelParallel
 
 import keras_orbax
+from tests._rss import status_kib
 
 # keras_orbax imports its verbs on first use: import them now, so that the memory and bytes
 # measured below are the restore's, not the loading of its modules.
 for _name in keras_orbax.__all__:
     getattr(keras_orbax, _name)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def build() -> keras.Model:
@@ -73,7 +66,7 @@ def main(mode: str, directory: str) -> None:
         with keras_orbax.deferred_init():
             warm = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
         keras_orbax.restore_sharded(warm, tiny)
-    after_imports = _status_kib("VmRSS") * 1024
+    after_imports = status_kib("VmRSS") * 1024
     if mode == "load_model":
         model = keras_orbax.load_model(directory)
         result = keras_orbax.inspect(directory)  # what was read: every array of the step
@@ -90,7 +83,7 @@ def main(mode: str, directory: str) -> None:
         json.dumps(
             {
                 "after_imports": after_imports,
-                "peak": _status_kib("VmHWM") * 1024,
+                "peak": status_kib("VmHWM") * 1024,
                 "resident": resident,
                 "bytes_read": bytes_read,
             }
