@@ -160,6 +160,16 @@ def restore_sharded(
     )
 
 
+def recompute_derived_state(model: keras.Model) -> None:
+    """Recomputes what a layer keeps outside its variables, derived from them, as Keras's loader
+    does once it has assigned them: an adapted `Normalization` normalizes with a broadcast copy of
+    its mean and variance (`finalize_state`, which its `load_own_variables` calls), so assigning
+    the variables alone would leave it normalizing with the values it was built or adapted with."""
+    for _, obj in state_keys.saveables(model):
+        if isinstance(obj, keras.layers.Normalization):
+            obj.finalize_state()
+
+
 def restore_source(
     model: keras.Model,
     source: Source,
@@ -203,6 +213,7 @@ def restore_source(
     initialized = [k for k in not_read if deferred.is_deferred(variables[k])]
     for key in initialized:
         deferred.initialize(variables[key])
+    recompute_derived_state(model)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
     _warn_untaken(model, source, prepared)

@@ -12,10 +12,11 @@ under `jax.make_jaxpr`. Each variable's update is then, in the traced program:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -77,7 +78,8 @@ def trace_load(
         return [updates[i] for i in updates if i in by_id]
 
     loading_compat.cache_walk_skipsets()
-    with warnings.catch_warnings():
+    walked = [obj for _, obj in state_keys.saveables(model)] + [optimizer]
+    with warnings.catch_warnings(), _no_traced_attributes(walked):
         # The walk goes on past a layer that fails (its error is reported as a problem), and
         # Keras then blames the containers above it on an old file format: not so here.
         warnings.filterwarnings("ignore", message="Skipping nested container", category=UserWarning)
@@ -92,6 +94,27 @@ def trace_load(
         name = getattr(saveable, "name", type(saveable).__name__)
         problems[group] = f"{group} (model: {name}): Keras cannot load it: {reason(error)}"
     return Traced(feeds, consumed, problems)
+
+
+@contextlib.contextmanager
+def _no_traced_attributes(objects: Iterable[Any]) -> Iterator[None]:
+    """Puts back, after the traced walk, every attribute of `objects` that the walk left holding a
+    traced value: a layer that derives state from its variables as it loads them (an adapted
+    `Normalization`'s broadcast mean and variance, `finalize_state`) would otherwise keep a
+    tracer, and fail at its next call. The restore recomputes that state once it has assigned the
+    variables (`restore.recompute_derived_state`)."""
+    before = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
+    try:
+        yield
+    finally:
+        for obj, attributes in before:
+            for name, value in list(vars(obj).items()):
+                if not isinstance(value, jax.core.Tracer):
+                    continue
+                if name in attributes:
+                    object.__setattr__(obj, name, attributes[name])
+                else:
+                    object.__delattr__(obj, name)
 
 
 def _feeds(
