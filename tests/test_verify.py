@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,35 @@ def test_a_flipped_data_byte_is_caught_by_the_checksum(saved):
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=r"c/1/2: checksum 0x[0-9a-f]+, recorded"):
         keras_orbax.verify(saved, step=3)
+
+
+def test_a_file_whose_checksum_is_not_recorded_is_not_called_intact(saved):
+    """A checksum file that lost an entry (or a process's checksum file lost whole): the file's
+    array is read back but reported unchecked, so a flipped byte in it is not called intact."""
+    checksums = saved / "3" / "state" / "keras_orbax_checksums" / "process_0.json"
+    content = json.loads(checksums.read_text())
+    relative = str(_shard(saved).relative_to(saved / "3" / "state"))
+    del content["files"][relative]
+    checksums.write_text(json.dumps(content))
+    shard = _shard(saved)
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x80
+    shard.write_bytes(bytes(data))
+    result = keras_orbax.verify(saved)
+    assert not result.intact
+    assert result.unchecked == (KERNEL,)
+    assert result.why_unchecked == "no checksum is recorded for files of 1 array"
+    assert result.checksummed == result.files - 1
+
+
+def test_a_compact_step_says_why_it_is_unchecked(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    keras_orbax.save(model, tmp_path, step=1, format="compact")
+    result = keras_orbax.verify(tmp_path)
+    assert not result.intact and len(result.unchecked) == len(model.weights)
+    assert result.why_unchecked.startswith("arrays of the compact format")
+    assert result.bytes == sum(v.value.nbytes for v in model.weights)  # read back whole
 
 
 def test_a_truncated_file_is_named(saved):

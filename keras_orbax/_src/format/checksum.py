@@ -67,11 +67,12 @@ def check_files(
     arrays: Mapping[str, FastArray | None],
     files_of: Callable[[FastArray], Iterable[tuple[int, ...]]],
     on_file: Callable[[int], None] | None = None,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, tuple[str, ...]]:
     """Checks the shard files `files_of` each fast-format array names (size, index, checksum).
 
     Returns:
-        Files read, bytes read, checksums compared.
+        Files read, bytes read, checksums compared, and the keys of the arrays with a file for
+        which no checksum is recorded (a step saved before checksums: all of them).
 
     Raises:
         CorruptCheckpointError: naming each variable key and file that failed.
@@ -79,6 +80,7 @@ def check_files(
     checksums = _recorded_checksums(path / STATE)
     problems: list[str] = []
     files, nbytes, compared = 0, 0, 0
+    uncovered: dict[str, None] = {}
     for key, array in arrays.items():
         if array is None:
             continue
@@ -89,7 +91,9 @@ def check_files(
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
-            if problem is None and name in checksums:
+            if name not in checksums:
+                uncovered[key] = None
+            elif problem is None:
                 compared += 1
                 if crc != checksums[name]:
                     problem = f"checksum {crc:#010x}, recorded {checksums[name]:#010x}"
@@ -103,7 +107,7 @@ def check_files(
             + (f"\n  and {len(problems) - 50} more" if len(problems) > 50 else "")
             + "\nNo variable was modified."
         )
-    return files, nbytes, compared
+    return files, nbytes, compared, tuple(uncovered)
 
 
 def _recorded_checksums(state: Path) -> dict[str, int]:

@@ -62,6 +62,7 @@ class FileCheck:
     nbytes: int
     checksummed: int  # files whose recorded checksum matched
     unchecked: tuple[str, ...]  # keys of arrays no recorded checksum covers
+    why_unchecked: str = ""  # in words
 
 
 class Source(abc.ABC):

@@ -66,10 +66,10 @@ class OrbaxStepSource(Source):
     ) -> FileCheck:
         records = self.record.variables
         arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
-        files, nbytes, compared = checksum.check_files(
+        checked = checksum.check_files(
             self.step_dir, f"Step {self.step} of '{self.location}'", arrays, _every_file, on_file
         )
-        return FileCheck(files, nbytes, compared, self._unchecked(arrays, compared))
+        return _file_check(arrays, *checked)
 
     def check_reads(self, reads: ReadPlan) -> FileCheck:
         fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
@@ -80,19 +80,35 @@ class OrbaxStepSource(Source):
 
         arrays = {k: a if isinstance(a, FastArray) else None for k, (a, _) in fast.items()}
         arrays.update({request.record.key: None for request in reads.via_orbax})
-        files, nbytes, compared = checksum.check_files(
+        checked = checksum.check_files(
             self.step_dir, f"Checkpoint step '{self.step_dir}'", arrays, read_files
         )
-        return FileCheck(files, nbytes, compared, self._unchecked(arrays, compared))
+        return _file_check(arrays, *checked)
 
-    @staticmethod
-    def _unchecked(arrays: dict[str, FastArray | None], compared: int) -> tuple[str, ...]:
-        """Keys no checksum covers: arrays not in the fast format (Orbax and tensorstore check
-        those, crc32c, only as they read them), and every array of a step saved before
-        checksums."""
-        if compared == 0:
-            return tuple(arrays)
-        return tuple(key for key, array in arrays.items() if array is None)
+
+def _file_check(
+    arrays: dict[str, FastArray | None],
+    files: int,
+    nbytes: int,
+    compared: int,
+    uncovered: tuple[str, ...],
+) -> FileCheck:
+    """What `checksum.check_files` found, with the keys no checksum covers and why: arrays not in
+    the fast format (Orbax and tensorstore check those, crc32c, only as they read them), and
+    fast-format arrays with a file for which no checksum is recorded (every array of a step saved
+    before checksums; some, where a process's checksum file is missing or incomplete)."""
+    compact = tuple(key for key, array in arrays.items() if array is None)
+    reasons = []
+    if compact:
+        reasons.append(
+            "arrays of the compact format: Orbax checks them (crc32c) only as it reads them"
+        )
+    if uncovered and compared == 0:
+        reasons.append("the step was saved without checksums")
+    elif uncovered:
+        arrays_word = "array" if len(uncovered) == 1 else "arrays"
+        reasons.append(f"no checksum is recorded for files of {len(uncovered)} {arrays_word}")
+    return FileCheck(files, nbytes, compared, compact + uncovered, "; ".join(reasons))
 
 
 def _every_file(array: FastArray) -> Iterable[tuple[int, ...]]:

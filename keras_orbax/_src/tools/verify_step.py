@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from keras_orbax._src.runtime.progress import Progress, human_bytes
 from keras_orbax._src.sources import resolve
-from keras_orbax._src.sources.base import FileCheck, Source, batched
+from keras_orbax._src.sources.base import Source, batched
 from keras_orbax.errors import CorruptCheckpointError
 
 
@@ -101,11 +101,11 @@ def verify(
         read_back = found.unchecked if found is not None else tuple(source.record.variables)
         nbytes = _read_back(source, read_back, progress.advance)
     files = (found.files if found else 0) + (0 if found else len(read_back))
-    why = "" if not read_back else (source.no_checksums if found is None else _why_unchecked(found))
+    why = "" if not read_back else (source.no_checksums if found is None else found.why_unchecked)
     return VerifyResult(
         step=source.step,
         files=files,
-        bytes=(found.nbytes if found else 0) + (0 if found else nbytes),
+        bytes=(found.nbytes if found else 0) + nbytes,
         checksummed=found.checksummed if found else 0,
         unchecked=read_back,
         location=str(source.location),
@@ -153,9 +153,3 @@ def _read_one(source: Source, key: str) -> None:
         raise CorruptCheckpointError(
             f"{resolve.describe(source)} is damaged: {key} cannot be read: {error}"
         ) from error
-
-
-def _why_unchecked(found: FileCheck) -> str:
-    if found.checksummed == 0:
-        return "the step was saved without checksums"
-    return "arrays of the compact format: Orbax checks them (crc32c) only as it reads them"
