@@ -189,6 +189,27 @@ def test_saving_a_committed_step_again_is_refused(saved, distribution):
     assert float(keras_orbax.restore_sharded(model, saved).step) == 3
 
 
+@pytest.mark.parametrize(
+    ("step", "error"),
+    [(-1, ValueError), (2.5, TypeError), (True, TypeError), ("7", TypeError), (None, TypeError)],
+)
+def test_a_step_that_is_not_a_count_is_refused_before_anything_is_written(tmp_path, step, error):
+    with pytest.raises(error, match=r"step must be .*Received: step="):
+        keras_orbax.save(_models.mlp(), tmp_path, step=step)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_may_be_any_integer_keras_or_numpy_gives(tmp_path):
+    model = _models.compile_adam(_models.mlp())
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.iterations.assign(4)
+    iterations = model.optimizer.iterations
+    for step in (np.int64(1), np.int32(2), iterations.value - 1, iterations):
+        keras_orbax.save(model, tmp_path, step=step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3", "4"]
+    assert keras_orbax.restore_sharded(model, tmp_path).step == 4
+
+
 def test_saving_a_model_without_variables_is_refused(tmp_path):
     inputs = keras.Input((4,))
     model = keras.Model(inputs, keras.layers.Activation("relu")(inputs), name="empty")
