@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 # keras-orbax is for Keras's JAX backend: choose it unless the user chose one. Keras reads this when
 # it is first imported, and every module of keras-orbax imports this package first.
 _CHOSEN_BACKEND = os.environ.get("KERAS_BACKEND")
-os.environ.setdefault("KERAS_BACKEND", "jax")
+if not _CHOSEN_BACKEND:  # unset, or set empty, which Keras reads as unset too
+    os.environ["KERAS_BACKEND"] = "jax"
 
 from keras_orbax import errors  # noqa: E402  (cheap: imports nothing of ours)
 
@@ -121,12 +123,15 @@ def _require_jax_backend() -> None:
         BackendError: Keras runs another backend (`KERAS_BACKEND` set to another, or Keras
             imported before keras-orbax with the backend of `~/.keras/keras.json`).
     """
-    import keras
+    if "keras" in sys.modules or os.environ.get("KERAS_BACKEND") == "jax":
+        import keras
 
-    backend = keras.backend.backend()
+        backend, runs = keras.backend.backend(), "Keras runs"
+    else:  # not imported yet: importing it would import that backend, which may not be installed
+        backend, runs = os.environ["KERAS_BACKEND"], "KERAS_BACKEND chooses"
     if backend != "jax":
         raise errors.BackendError(
-            f"keras-orbax needs Keras's JAX backend, but Keras runs the '{backend}' backend. "
+            f"keras-orbax needs Keras's JAX backend, but {runs} the '{backend}' backend. "
             "Keras chooses its backend once, when it is first imported: set KERAS_BACKEND=jax "
             f"in the environment before anything imports Keras. "
             f"Received: KERAS_BACKEND={_CHOSEN_BACKEND!r}"

@@ -106,12 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument("--model", required=True, help=model_help)
     dry.add_argument("--step", type=int, default=None, help=step)
     dry.add_argument(
-        "--mesh", default=None, help="device mesh shape, e.g. 2x4 (virtual CPU devices)"
+        "--mesh",
+        type=_mesh_argument,
+        default=None,
+        help="device mesh shape, e.g. 2x4 (virtual CPU devices)",
     )
     dry.add_argument("--axes", default=None, help="mesh axis names, e.g. batch,model")
     dry.add_argument("--layout-map", default=None, help="MODULE:FUNCTION(device_mesh) -> LayoutMap")
     dry.add_argument(
-        "--processes", type=int, default=None, help="split the devices over P processes"
+        "--processes", type=_positive, default=None, help="split the devices over P processes"
     )
     dry.add_argument("--json", action="store_true", help=json_help)
     dry.set_defaults(run=_plan)
@@ -321,8 +324,24 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or min(shape) < 1:
-        raise SystemExit(f"keras-orbax: error: --mesh must look like 2x4. Received: {text!r}")
+        raise argparse.ArgumentTypeError(f"must look like 2x4. Received: {text!r}")
     return shape
+
+
+def _mesh_argument(text: str) -> str:
+    """`--mesh`, checked as argparse parses it: a bad one is a usage error (exit 2)."""
+    _mesh_shape(text)
+    return text
+
+
+def _positive(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more. Received: {text!r}")
+    return number
 
 
 def _virtual_devices(count: int) -> None:

@@ -161,6 +161,21 @@ def test_plan_reports_bytes_per_device_and_process_without_reading(tmp_path, cap
     assert "would fail" in wrong.stdout and "missing" in wrong.stdout
 
 
+def test_plan_refuses_a_mesh_or_a_process_count_there_cannot_be(tmp_path, capsys):
+    keras_orbax.save(_trained_mlp(), tmp_path / "ckpt", step=1)
+    plan = ["plan", str(tmp_path / "ckpt"), "--model", "tests.cli_models:mlp"]
+    usage = {
+        "--mesh 0x4": "argument --mesh: must look like 2x4. Received: '0x4'",
+        "--mesh 2x4 --processes 0": "argument --processes: must be a whole number of 1 or more",
+    }
+    for arguments, says in usage.items():
+        with pytest.raises(SystemExit) as exited:  # argparse's usage error
+            cli.main([*plan, *arguments.split()])
+        assert exited.value.code == 2 and says in capsys.readouterr().err
+    uneven = _run(*plan, "--mesh", "2x4", "--processes", "3", check=2)
+    assert "processes must divide the 8 devices" in uneven.stderr
+
+
 def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsys):
     trained = _trained_mlp()
     trained.compile(optimizer="adam", loss="mse")

@@ -149,6 +149,34 @@ def test_keras_on_another_backend_is_one_clear_error(tmp_path):
     assert "Traceback" not in refused.stderr
 
 
+def test_a_backend_chosen_but_not_installed_is_the_same_clear_error(tmp_path):
+    """Keras would import the backend KERAS_BACKEND names: the error is keras-orbax's, not that
+    backend's ImportError (torch is not installed here; the check runs before Keras is imported,
+    so the answer is the same where it is)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, "-m", "keras_orbax", "verify", str(tmp_path / "ckpt")]
+    refused = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "torch"},
+        timeout=300,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert "KERAS_BACKEND chooses the 'torch' backend" in refused.stderr
+    assert "KERAS_BACKEND=jax" in refused.stderr
+    # Set but empty is unset to Keras: keras-orbax chooses JAX.
+    shown = _last_json(
+        _python(
+            "import json, keras_orbax, keras; print(json.dumps(keras.backend.backend()))",
+            KERAS_BACKEND="",
+        )
+    )
+    assert shown == "jax"
+
+
 def _checkpoint(tmp_path: Path) -> Path:
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     keras_orbax.save(model, tmp_path / "ckpt", step=1)

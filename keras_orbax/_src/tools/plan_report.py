@@ -81,6 +81,9 @@ def plan_restore_report(
         processes: Count the devices as split over this many processes, in device order, as
             `jax.distributed` would (to plan a multi-host restore from one machine). `None`: each
             device's own `process_index`.
+
+    Raises:
+        ValueError: `processes` does not divide the devices the model is placed on.
     """
     opened = resolve.open_source(source, step)
     prepared = opened.prepare(model, strict=True)
@@ -90,6 +93,11 @@ def plan_restore_report(
     process_bytes: dict[int, int] = {}
     used = {d for r in plan.reads.values() for d in r.target.sharding.device_set}
     order = {d: i for i, d in enumerate(sorted(used, key=lambda d: d.id))}
+    if processes is not None and (processes < 1 or len(order) % processes):
+        raise ValueError(
+            f"processes must divide the {len(order)} devices the model is placed on, as each "
+            f"process of jax.distributed holds as many. Received: processes={processes}"
+        )
     nbytes = 0
     for key, request in plan.reads.items():
         itemsize = np_dtype(request.record.dtype).itemsize
@@ -121,5 +129,4 @@ def plan_restore_report(
 def _process(device: Any, order: dict[Any, int], processes: int | None) -> int:
     if processes is None:
         return int(device.process_index)
-    per_process = max(1, len(order) // processes)
-    return order[device] // per_process
+    return order[device] // (len(order) // processes)
