@@ -255,3 +255,31 @@ def test_damaged_files_are_counted_in_the_singular_and_plural(one_file_per_shard
         keras_orbax.verify(trained / "ckpt")
     failed = "1 array file failed\n" if damaged == 1 else "2 array files failed\n"
     assert failed in str(caught.value)
+
+
+def test_a_weights_only_step_restores_into_a_compiled_model_leaving_its_optimizer(
+    tmp_path, distribution
+):
+    """As Keras's `load_weights` of a file without optimizer state: the weights are restored, the
+    optimizer stays as it is, and nothing is said (the step was saved without it on purpose)."""
+    distribution(_models.data_parallel())
+    model = _models.compile_adam(_models.mlp())
+    x = np.random.default_rng(0).random((8, 16), dtype="float32")
+    callback = keras_orbax.ModelCheckpoint(
+        tmp_path / "ckpt", save_weights_only=True, save_on_background=False
+    )
+    model.fit(x, x[:, :8], batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    target = _models.compile_adam(_models.mlp())
+    target.optimizer.build(target.trainable_variables)
+    target.optimizer.iterations.assign(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keras_orbax.restore_sharded(target, tmp_path / "ckpt")
+    assert _ours(caught) == []
+    for saved, restored in zip(model.weights, target.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(restored.value), np.asarray(saved.value))
+    assert int(target.optimizer.iterations.value) == 7
+    loaded = keras_orbax.load_model(tmp_path / "ckpt")  # compiled from the step's config
+    assert loaded.optimizer is not None
+    for saved, restored in zip(model.weights, loaded.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(restored.value), np.asarray(saved.value))

@@ -104,6 +104,15 @@ def make_plan(
     return Plan(reads, missing, unexpected, mismatched, problems, lenient, layouts)
 
 
+def absent_optimizer(record: StepRecord, state: KeyedState) -> frozenset[str]:
+    """The model's optimizer keys, where `record` holds no optimizer state at all (saved with
+    `save_weights_only=True`, or from a model without an optimizer): as Keras's `load_weights` of
+    such a file, a restore leaves the optimizer as it is rather than calling it missing."""
+    if any(v.role == OPTIMIZER for v in record.variables.values()):
+        return frozenset()
+    return frozenset(k for k, role in state.roles.items() if role == OPTIMIZER)
+
+
 def _side(path: str, shape: tuple[int, ...], dtype: str) -> str:
     return f"{path} {shape} {dtype}"
 

@@ -245,9 +245,9 @@ def tree_keys(record: StepRecord) -> dict[str, str]:
 def optional_keys(saved: StepRecord, state: KeyedState) -> frozenset[str]:
     """Keys a Keras step cannot be blamed for lacking: optimizer state when it holds none (saved
     with `save_weights_only=True`), and seed-generator state when it holds none of that either."""
-    optional = set()
-    if not any(v.role == OPTIMIZER for v in saved.variables.values()):
-        optional |= {k for k, role in state.roles.items() if role == OPTIMIZER}
+    from keras_orbax._src.model.matching import absent_optimizer
+
+    optional = set(absent_optimizer(saved, state))
     if not any("seed_generator" in path for path in saved.variables):
         optional |= {k for k in state.variables if "/seed_generators/" in k}
     return frozenset(optional)

@@ -47,7 +47,8 @@ class OrbaxStepSource(Source):
 
         saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
         state = self.keyed_state(model, deferred.optimizer_stand_in(model, saved))
-        plan = matching.make_plan(self.record, state, strict=strict)
+        optional = matching.absent_optimizer(self.record, state)
+        plan = matching.make_plan(self.record, state, strict=strict, optional=optional)
         reads = None if plan.problems else self.plan_reads(list(plan.reads.values()))
         return Prepared(self.record, state, plan, reads, tuple(plan.problems))
 
