@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -280,6 +281,34 @@ def test_no_readable_step_to_resume_from_is_an_error(tmp_path, mp):
     with pytest.raises(CorruptCheckpointError, match=r"(?s)No step of .* \(1 step\):.*step 2: "):
         model.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[checkpoint])
     assert (tmp_path / "2").is_dir()  # left as it was
+
+
+def test_resume_waits_for_the_save_a_fit_that_raised_left_in_flight(tmp_path):
+    """A `fit` that raised ran no `on_train_end`: its background save of step 4 may still be
+    writing. A resumed `fit` in the same process waits for it in `on_train_begin`, then resumes
+    from what it committed (it had resumed from the step before, then found step 4 taken)."""
+    from keras_orbax._src.training import saving
+    from keras_orbax._src.training.pending import PendingSave
+
+    trained = _mlp()()
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_on_background=False)
+    trained.fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[checkpoint])  # step 2
+    model = _mlp()()
+    resumed = keras_orbax.ModelCheckpoint(tmp_path, resume=True)
+    in_flight = PendingSave(4)
+    saving._in_flight.add(resumed._saves.directory, in_flight)
+    fitting = threading.Thread(
+        target=model.fit, kwargs={**_arrays(2)(), "epochs": 3, "verbose": 0, "callbacks": [resumed]}
+    )
+    fitting.start()
+    fitting.join(timeout=1)
+    assert fitting.is_alive() and resumed.restored is None  # waiting, before resuming
+    trained.fit(**_arrays(2)(), epochs=1, verbose=0)
+    keras_orbax.save(trained, tmp_path, step=4, epoch=2)  # what that save commits
+    in_flight.done.set()
+    fitting.join(timeout=300)
+    assert resumed.restored is not None and resumed.restored.step == 4
+    assert step_dirs.committed_steps(tmp_path)[-1] == 6  # the third epoch's 2 batches
 
 
 # -- what a resumed fit prints --------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any, NoReturn
 
 import jax
@@ -28,6 +29,41 @@ from keras_orbax._src.write import shard_writer, step_writer
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
+
+
+class _InFlight:
+    """The background saves of this process not known to have finished, by directory."""
+
+    def __init__(self) -> None:
+        self._saves: dict[str, list[PendingSave]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, directory: str, pending: PendingSave) -> None:
+        with self._lock:
+            saves = [p for p in self._saves.get(directory, []) if not p.done.is_set()]
+            self._saves[directory] = [*saves, pending]
+
+    def wait(self, directory: str) -> None:
+        """Waits for each save into `directory` still in flight; their errors were their own
+        `fit`'s (logged here: that `fit` had raised already)."""
+        with self._lock:
+            saves = self._saves.pop(directory, [])
+        for pending in saves:
+            if not pending.done.is_set():
+                logger.info(
+                    "Waiting for step %d of '%s', saved by an earlier fit", pending.step, directory
+                )
+            error = pending.join()
+            if error is not None:
+                logger.warning(
+                    "Step %d of '%s', saved in the background by an earlier fit, failed: %s",
+                    pending.step,
+                    directory,
+                    error,
+                )
+
+
+_in_flight = _InFlight()
 
 
 class Saves:
@@ -64,8 +100,12 @@ class Saves:
         self._notices = contextlib.ExitStack()
 
     def open(self) -> ocp.training.Checkpointer:
-        """Opens the directory's checkpointer, and readies what background saves need."""
+        """Opens the directory's checkpointer, and readies what background saves need. First
+        waits for any background save into the directory still in flight in this process: one of
+        a `fit` that raised (no `on_train_end` ran), which would otherwise commit its step under
+        this run (resume would not see it, and a save of that step would find it taken)."""
         self.pending = None
+        _in_flight.wait(self.directory)
         self._notices.close()  # left open by a fit that raised before on_train_end
         self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
         # No preservation policy: Orbax would delete old steps before the new one is durable;
@@ -144,6 +184,7 @@ class Saves:
                 self.pending = self._collector.submit(
                     step, response, lock.pop_all().close, then=lambda: self.prune(step)
                 )
+                _in_flight.add(self.directory, self.pending)
 
     def wait(self) -> None:
         """Blocks until the save in progress, if any, is committed.
