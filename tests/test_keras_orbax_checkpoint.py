@@ -121,6 +121,24 @@ def test_load_model_rebuilds_from_keras_config(distribution, keras_checkpoint):
     assert model.optimizer.built and int(model.optimizer.iterations) == 12
 
 
+def test_a_sequential_loads_from_its_config_whose_paths_lack_its_name(tmp_path, distribution):
+    """A Sequential built with an `Input` names its variables `sequential/dense/kernel` (and Adam's
+    slots `adam/sequential_dense_kernel_momentum`); built from its config, as `load_model` builds
+    it, `dense/kernel`. Every leaf still reaches its variable."""
+    trained = _compiled(keras.Sequential([keras.Input((16,)), keras.layers.Dense(8)]))
+    assert trained.weights[0].path.startswith(f"{trained.name}/")
+    callback = keras.callbacks.OrbaxCheckpoint(str(tmp_path), save_on_background=False)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16, 16), "float32"), rng.random((16, 8), "float32")
+    trained.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[callback])
+    distribution(_models.model_parallel((2, 4)))
+    model = keras_orbax.load_model(tmp_path)
+    assert not model.weights[0].path.startswith(f"{model.name}/")  # the case in point
+    expected = _state(trained)
+    _assert_equal(_state(model), {k: expected[k] for k in _state(model)})
+    assert int(model.optimizer.iterations) == 2
+
+
 def test_a_mismatch_names_the_tree_path(keras_checkpoint):
     directory, _ = keras_checkpoint
     inputs = keras.Input((16,))

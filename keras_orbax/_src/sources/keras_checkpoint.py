@@ -12,7 +12,9 @@ Paths carry Keras's global name counters: the same model built again in one proc
 `dense_1/kernel` where the checkpoint says `dense/kernel`, and Keras then silently restores
 nothing of it. Here, variables left unmatched by exact paths are matched by their paths with the
 counters removed (`dense_1` -> `dense`) where that pairs them one to one in order, shape and
-dtype agreeing; anything else is reported missing or unexpected as usual.
+dtype agreeing; then the same without the model's name, which a Sequential built with an `Input`
+puts in front of its paths and one built from its config (by `load_model`) does not. Anything else
+is reported missing or unexpected as usual.
 
 ```python
 keras_orbax.restore_sharded(model, "/keras_orbax_checkpoint_dir")  # written by Keras's callback
@@ -92,6 +94,7 @@ def model_record(saved: StepRecord, state: KeyedState, model: keras.Model) -> St
     wanted = {f"{collections[key]}/{v.path}": key for key, v in state.variables.items()}
     paired = {tree: wanted[tree] for tree in leaves if tree in wanted}
     paired.update(_pair_by_counterless_paths(leaves, wanted, paired, state))
+    paired.update(_pair_without_model_name(leaves, wanted, paired, state, model.name))
     variables = {}
     for tree_path, leaf in leaves.items():
         key = paired.get(tree_path, tree_path)
@@ -179,6 +182,45 @@ def _pair_by_counterless_paths(
         if pairs and all(_fits(leaves[t], state.variables[wanted[p]]) for t, p in pairs):
             found.update((tree, wanted[path]) for tree, path in pairs)
     return found
+
+
+def _pair_without_model_name(
+    leaves: dict[str, VariableRecord],
+    wanted: dict[str, str],
+    paired: dict[str, str],
+    state: KeyedState,
+    model_name: str,
+) -> dict[str, str]:
+    """Pairs leftover leaves and variables whose paths differ in the model's name, as
+    `_pair_by_counterless_paths` does otherwise. A Sequential built with an `Input` names its
+    variables `sequential/dense/kernel` (and Adam's slots `adam/sequential_dense_kernel_momentum`);
+    the same Sequential built from its config, as `load_model` builds it, `dense/kernel`. Only
+    where leaving the name out keeps every path on each side distinct."""
+    taken = set(paired.values())
+    name = _COUNTER.sub("", model_name)
+    leftover = {_without_model_name(t, name): t for t in leaves if t not in paired}
+    variables = {_without_model_name(p, name): p for p, k in wanted.items() if k not in taken}
+    if len(leftover) < len(leaves) - len(paired) or len(variables) < len(wanted) - len(taken):
+        return {}  # two paths became one: which is which cannot be told
+    found = _pair_by_counterless_paths(
+        {bare: leaves[tree] for bare, tree in leftover.items()},
+        {bare: wanted[path] for bare, path in variables.items()},
+        {},
+        state,
+    )
+    return {leftover[bare]: key for bare, key in found.items()}
+
+
+def _without_model_name(tree_path: str, name: str) -> str:
+    """`tree_path` without the model's name `name` (its counter removed) where Keras puts it: the
+    first part of a variable's path, or the start of an optimizer slot's name."""
+    parts = tree_path.split("/")
+    if len(parts) > 2 and _COUNTER.sub("", parts[1]) == name:
+        return "/".join([parts[0], *parts[2:]])
+    if len(parts) == 3 and parts[0] == "optimizer_variables":
+        slot = re.sub(rf"^{re.escape(name)}(_\d+)?_", "", parts[2])
+        return "/".join([*parts[:2], slot])
+    return tree_path
 
 
 def _by_counterless_path(tree_paths: list[str]) -> dict[str, list[str]]:
