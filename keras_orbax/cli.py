@@ -376,11 +376,19 @@ def _distribution(args: argparse.Namespace) -> Any:
 
 def _one_line(error: BaseException) -> str:
     """The lines of an error's message joined as sentences: after a line that ends a sentence or
-    opens a list (`.`, `:`), a space; between items, `; `."""
+    opens a list (`.`, `:`), a space; between items, `; `; before the sentence that closes a list
+    ("No variable was modified."), a full stop."""
     text = ""
-    for line in (line.strip() for line in str(error).splitlines()):
-        if line:
-            text += line if not text else (" " if text.endswith((".", ":", ";")) else "; ") + line
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if not text:
+            text = line
+        elif text.endswith((".", ":", ";")):
+            text += " " + line
+        elif i == len(lines) - 1 and line[0].isupper() and line.endswith("."):
+            text += ". " + line
+        else:
+            text += "; " + line
     return text or type(error).__name__
 
 

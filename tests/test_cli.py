@@ -380,6 +380,18 @@ def test_a_mismatch_is_one_line_of_sentences(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
+def test_a_damaged_file_is_one_line_of_sentences(tmp_path, capsys):
+    keras_orbax.save(_trained_mlp(), tmp_path / "ckpt", step=1)
+    array = tmp_path / "ckpt" / "1" / "state" / "layers.dense.vars.0"
+    shard = next(p for p in array.rglob("c*") if p.is_file())
+    shard.write_bytes(shard.read_bytes()[:-7])
+    failed = _main(capsys, "verify", str(tmp_path / "ckpt"), check=2)
+    (line,) = failed.stderr.strip().splitlines()
+    assert "1 array file failed: layers/dense/vars/0: " in line, line
+    assert line.endswith(". No variable was modified."), line
+    assert ".." not in line and "; No" not in line
+
+
 def test_main_in_process_leaves_the_callers_logging_and_warnings_as_they_were(tmp_path, capsys):
     absl = logging.getLogger("absl")
     before = absl.level

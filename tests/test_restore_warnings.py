@@ -253,7 +253,7 @@ def test_damaged_files_are_counted_in_the_singular_and_plural(one_file_per_shard
         file.write_bytes(b"")
     with pytest.raises(CorruptCheckpointError) as caught:
         keras_orbax.verify(trained / "ckpt")
-    failed = "1 array file failed\n" if damaged == 1 else "2 array files failed\n"
+    failed = "1 array file failed:\n" if damaged == 1 else "2 array files failed:\n"
     assert failed in str(caught.value)
 
 

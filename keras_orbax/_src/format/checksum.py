@@ -102,7 +102,7 @@ def check_files(
     if problems:
         failed = f"{len(problems)} array {'file' if len(problems) == 1 else 'files'} failed"
         raise CorruptCheckpointError(
-            f"{what} is damaged; {failed}\n"
+            f"{what} is damaged; {failed}:\n"
             + "\n".join(problems[:50])
             + (f"\n  and {len(problems) - 50} more" if len(problems) > 50 else "")
             + "\nNo variable was modified."

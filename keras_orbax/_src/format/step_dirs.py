@@ -65,9 +65,10 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
     unfinished = _unfinished_steps(root)
     wanted_unfinished = step in unfinished if step is not None else not steps and unfinished
     if wanted_unfinished:
-        names = step if step is not None else unfinished
+        names = step if step is not None else ", ".join(map(str, unfinished))
+        noun = "step" if step is not None or len(unfinished) == 1 else "steps"
         raise CorruptCheckpointError(
-            f"Checkpoint step {names} of '{root}' has no metadata file "
+            f"Checkpoint {noun} {names} of '{root}' has no metadata file "
             f"({orbax_compat.step_metadata_file(root / str(unfinished[-1])).name})"
             + (
                 f" or no commit marker ({locations.COMMIT_FILE})"
@@ -123,7 +124,8 @@ def read_record(path: Path) -> StepRecord:
         lines = "\n".join(f"  {p}" for p in problems[:20])
         raise CorruptCheckpointError(
             f"The keras-orbax record of checkpoint step '{path}' (in {file}) is damaged or not "
-            f"one this version reads; {len(problems)} problems:\n{lines}\nNo variable was modified."
+            f"one this version reads; {len(problems)} {'problem' if len(problems) == 1 else 'problems'}"
+            f":\n{lines}\nNo variable was modified."
         )
     return StepRecord.from_json(record)
 

@@ -262,8 +262,8 @@ def _read_with_orbax(
     except Exception as error:  # tensorstore raises plain Exceptions; re-raised, never swallowed
         keys = ", ".join(r.record.key for r in requests[:10])
         raise CorruptCheckpointError(
-            f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): {error}. "
-            "No variable was modified."
+            f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): "
+            f"{str(error).rstrip('.')}. No variable was modified."
         ) from error
     flat = state_keys.flatten(loaded, list(paths.values()))
     return {key: flat[path] for key, path in paths.items()}, _tensorstore_bytes_read() - before

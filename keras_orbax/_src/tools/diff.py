@@ -56,7 +56,8 @@ class DiffResult:
         verdict = "identical" if self.identical else "differ"
         checked = " and values" if self.max_abs_diff else ""
         lines.append(
-            f"{self.compared} common variables compared (keys, shapes, dtypes{checked}): {verdict}"
+            f"{self.compared} common {'variable' if self.compared == 1 else 'variables'} "
+            f"compared (keys, shapes, dtypes{checked}): {verdict}"
         )
         return "\n".join(lines)
 
