@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import keras_orbax
 from tests import _models
 
@@ -49,3 +51,22 @@ def test_command_line_reports_a_missing_directory(tmp_path):
     )
     assert done.returncode == 2
     assert "does not exist" in done.stderr
+
+
+def test_a_damaged_other_step_is_said_in_its_row_not_raised(tmp_path):
+    """Describing step 1 reads the other steps' records for the summary; step 2's being damaged is
+    said in its row (as `verify` would find), and describing step 2 itself raises."""
+    from keras_orbax._src.compat import orbax_compat
+    from keras_orbax.errors import CorruptCheckpointError
+
+    model = _models.mlp()
+    for step in (1, 2):
+        keras_orbax.save(model, tmp_path, step=step)
+    orbax_compat.step_metadata_file(tmp_path / "2").write_text("{not json")
+    info = keras_orbax.inspect(tmp_path, step=1)
+    assert [s.step for s in info.summaries] == [1, 2]
+    assert info.summaries[0].damaged is None and info.summaries[0].nbytes > 0
+    assert "checkpoint step" in info.summaries[1].damaged and "/2" in info.summaries[1].damaged
+    assert "damaged: " in str(info).splitlines()[4]
+    with pytest.raises(CorruptCheckpointError):
+        keras_orbax.inspect(tmp_path, step=2)

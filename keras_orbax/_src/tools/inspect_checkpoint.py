@@ -12,17 +12,20 @@ from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.storage import locations
+from keras_orbax.errors import KerasOrbaxError
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSummary:
-    """One committed step: its epoch, the metrics saved with it, its array bytes and disk size."""
+    """One committed step: its epoch, the metrics saved with it, its array bytes and disk size;
+    or, for a step whose record cannot be read, why (`damaged`: `verify` it for the details)."""
 
     step: int
     epoch: int | None
     metrics: dict[str, Any]
     nbytes: int
     disk_bytes: int
+    damaged: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,8 @@ class CheckpointInfo:
             lines.append(f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  metrics")
             for s in self.summaries:
                 metrics = " ".join(f"{k}={_number(v)}" for k, v in s.metrics.items())
+                if s.damaged is not None:
+                    metrics = f"damaged: {s.damaged.splitlines()[0]}"
                 epoch = "-" if s.epoch is None else str(s.epoch)
                 lines.append(
                     f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
@@ -133,8 +138,12 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     source = resolve.open_source(directory, step)
     summaries = []
     for each in source.steps:
-        opened = source if each == source.step else resolve.open_source(source.location, each)
         step_dir = source.location / str(each)
+        try:
+            opened = source if each == source.step else resolve.open_source(source.location, each)
+        except KerasOrbaxError as error:  # another step's damage: said in its row, not raised
+            summaries.append(StepSummary(each, None, {}, 0, _disk_bytes(step_dir), str(error)))
+            continue
         summaries.append(
             StepSummary(
                 each,
