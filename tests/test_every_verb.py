@@ -11,6 +11,7 @@ distribution), and a verb that cannot serve a kind must say which verb can, in o
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -375,6 +376,27 @@ def test_convert(home, saved, kind, capsys, tmp_path):
         return code
 
     assert _same_for_every_spelling(home, kind, shown) == (2 if kind == "transformers" else 0)
+
+
+def test_convert_refuses_a_directory_that_holds_another_kind(saved, tmp_path):
+    """A preset written into a checkpoint root, or a step into a preset, would hide one behind the
+    other (`inspect` and every verb would see only one): refused before anything is read."""
+    root, _ = saved
+    for name in ("orbax_ckpt", "preset", "hf"):
+        shutil.copytree(root / name, tmp_path / name)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    refused = {
+        ("preset", "orbax_ckpt", "preset"): "holds checkpoint steps: convert writes a keras-hub",
+        ("preset", "hf", "preset"): "holds a Hugging Face model directory",
+        ("preset", "orbax_ckpt", "transformers"): "holds checkpoint steps",
+        ("mlp.weights.h5", "preset", None): "holds a keras-hub preset: convert writes checkpoint",
+        ("mlp.weights.h5", "hf", None): "holds a Hugging Face model directory",
+    }
+    for (source, destination, writes), says in refused.items():
+        flags = {"preset": writes == "preset", "transformers": writes == "transformers"}
+        with pytest.raises(ValueError, match=says):
+            convert(root / source, tmp_path / destination, **flags)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

@@ -120,6 +120,35 @@ def locate(location: str | os.PathLike, step: int | None = None) -> Located:
     return Located(kind, str(root), step)
 
 
+_HELD = {
+    "keras-orbax": "checkpoint steps",
+    "keras-preset": "a keras-hub preset",
+    "transformers": "a Hugging Face model directory",
+}
+
+
+def check_destination(destination: str | os.PathLike, kind: SourceKind) -> None:
+    """Refuses to write saved state of `kind` ("keras-orbax", "keras-preset" or "transformers")
+    into a local directory that holds another kind already: the result would hide one behind
+    the other (`inspect` of it would describe only one; a verb would read the other).
+
+    Raises:
+        ValueError: `destination` holds another kind of saved state.
+    """
+    path = locations.as_path(os.fspath(destination))
+    if locations.is_remote(path) or not path.is_dir():
+        return
+    held = [k for k in (_weights_kind(path),) if k is not None]
+    if step_dirs.committed_steps(path):
+        held.append("keras-orbax")
+    others = [k for k in held if k != kind]
+    if others:
+        raise ValueError(
+            f"'{path}' holds {_HELD[others[0]]}: convert writes {_HELD[kind]} only into a new or "
+            f"empty directory, or one that holds the same. Received: destination='{destination}'"
+        )
+
+
 def _weights_kind(path: Path) -> SourceKind | None:
     """The kind of a local weights file or directory, or None for a checkpoint directory."""
     if is_weights_file(path) or path.is_file():

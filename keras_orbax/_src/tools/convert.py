@@ -80,7 +80,9 @@ def convert(
     ```
 
     Raises:
-        ValueError: `destination` names a Keras file other than `.weights.h5` (`.keras`, ...).
+        ValueError: `destination` names a Keras file other than `.weights.h5` (`.keras`, ...),
+            or a directory that holds another kind of saved state (a preset, a Hugging Face
+            directory, checkpoint steps).
         UnsupportedSourceError: `source` needs `model` (the message says why).
         StepExistsError: `destination` already holds `step`.
         StepLockedError: another writer is saving `step` to `destination` right now.
@@ -98,6 +100,7 @@ def convert(
             to_transformers=transformers,
         )
     _refuse_keras_file(destination)
+    resolve.check_destination(destination, "keras-orbax")
     if step in step_dirs.committed_steps(destination):  # before reading the source
         raise StepExistsError(
             f"Step {step} is already committed in '{destination}'; nothing was written. "

@@ -54,6 +54,10 @@ def export(
             "convert writes one format: a keras-hub preset or a Hugging Face directory. "
             "Received: preset=True, transformers=True"
         )
+    if to_preset or to_transformers:  # before anything is read
+        resolve.check_destination(
+            destination, "transformers" if to_transformers else "keras-preset"
+        )
     if model is None:
         model = _described_model(source, to_preset or to_transformers)
     else:
