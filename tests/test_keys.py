@@ -340,3 +340,28 @@ def test_the_walk_leaves_out_only_what_a_lora_layer_computes():
         assert not isinstance(theirs[computed], keras.Variable), layer
         assert not keras_compat.is_saveable(theirs[computed]), layer
     assert len(keyed_variables(model)) == len(model.variables)
+
+
+def test_metric_state_reaches_metrics_renamed_by_keras_counters(tmp_path):
+    """Metric variables are keyed by path; compiled again in one process, two AUCs and a Precision
+    are `auc_2`, `auc_3`, `precision_1`. Each still gets its own saved accumulators."""
+
+    def compiled() -> keras.Model:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+        metrics = [keras.metrics.AUC(), keras.metrics.AUC(curve="PR"), keras.metrics.Precision()]
+        model.compile(optimizer="adam", loss="binary_crossentropy", metrics=metrics)
+        rng = np.random.default_rng(0)
+        x, y = rng.random((16, 4), "float32"), (rng.random((16, 1)) > 0.5).astype("float32")
+        model.fit(x, y, epochs=1, batch_size=4, verbose=0)
+        return model
+
+    saved = compiled()
+    keras_orbax.save(saved, tmp_path, step=1)
+    restored = compiled()
+    assert [v.path for v in restored.metrics_variables] != [v.path for v in saved.metrics_variables]
+    for variable in restored.metrics_variables:
+        variable.assign(np.zeros(variable.shape, variable.dtype))
+    result = keras_orbax.restore_sharded(restored, tmp_path)
+    assert result.skipped == ()
+    for got, want in zip(restored.metrics_variables, saved.metrics_variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), want.path)

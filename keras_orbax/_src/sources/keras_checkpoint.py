@@ -23,7 +23,6 @@ keras_orbax.restore_sharded(model, "/keras_orbax_checkpoint_dir")  # written by 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import re
@@ -41,6 +40,7 @@ from keras_orbax._src.format.step_record import (
     StepRecord,
     VariableRecord,
 )
+from keras_orbax._src.model import name_counters
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax.errors import CorruptCheckpointError
 
@@ -61,7 +61,6 @@ _ROLES: dict[str, Role] = {
     "optimizer_variables": OPTIMIZER,
     "metrics_variables": METRIC,
 }
-_COUNTER = re.compile(r"_\d+(?=[/_]|$)")
 
 
 def is_keras_step(step_dir: Path) -> bool:
@@ -93,7 +92,7 @@ def model_record(saved: StepRecord, state: KeyedState, model: keras.Model) -> St
     collections = _collections(model, state)
     wanted = {f"{collections[key]}/{v.path}": key for key, v in state.variables.items()}
     paired = {tree: wanted[tree] for tree in leaves if tree in wanted}
-    paired.update(_pair_by_counterless_paths(leaves, wanted, paired, state))
+    paired.update(name_counters.pair_by_counterless_paths(leaves, wanted, paired, state))
     paired.update(_pair_without_model_name(leaves, wanted, paired, state, model.name))
     variables = {}
     for tree_path, leaf in leaves.items():
@@ -159,31 +158,6 @@ def _collections(model: keras.Model, state: KeyedState) -> dict[str, str]:
     return {key: by_id.get(id(v), "non_trainable_variables") for key, v in state.variables.items()}
 
 
-def _pair_by_counterless_paths(
-    leaves: dict[str, VariableRecord],
-    wanted: dict[str, str],
-    paired: dict[str, str],
-    state: KeyedState,
-) -> dict[str, str]:
-    """Pairs leftover leaves and variables whose paths differ only in Keras's name counters.
-
-    Counters count creations, so within a group of such paths the leaf saved from the layer made
-    first goes to the variable made first here: both sides by their own counters, never by the
-    model's order (a layer made first may be tracked or applied last). A group is paired only if
-    it has as many leaves as variables, `_creation_order` can tell the order, and every pair agrees
-    in shape and dtype; otherwise its leaves and variables stay unpaired, reported unexpected and
-    missing with both sides' paths."""
-    taken = set(paired.values())
-    leaf_groups = _by_counterless_path([t for t in leaves if t not in paired])
-    variable_groups = _by_counterless_path([t for t, k in wanted.items() if k not in taken])
-    found: dict[str, str] = {}
-    for name, paths in variable_groups.items():
-        pairs = _creation_order(leaf_groups.get(name, []), paths)
-        if pairs and all(_fits(leaves[t], state.variables[wanted[p]]) for t, p in pairs):
-            found.update((tree, wanted[path]) for tree, path in pairs)
-    return found
-
-
 def _pair_without_model_name(
     leaves: dict[str, VariableRecord],
     wanted: dict[str, str],
@@ -192,17 +166,18 @@ def _pair_without_model_name(
     model_name: str,
 ) -> dict[str, str]:
     """Pairs leftover leaves and variables whose paths differ in the model's name, as
-    `_pair_by_counterless_paths` does otherwise. A Sequential built with an `Input` names its
-    variables `sequential/dense/kernel` (and Adam's slots `adam/sequential_dense_kernel_momentum`);
-    the same Sequential built from its config, as `load_model` builds it, `dense/kernel`. Only
-    where leaving the name out keeps every path on each side distinct."""
+    `name_counters.pair_by_counterless_paths` does otherwise. A Sequential built with an `Input`
+    names its variables `sequential/dense/kernel` (and Adam's slots
+    `adam/sequential_dense_kernel_momentum`); the same Sequential built from its config, as
+    `load_model` builds it, `dense/kernel`. Only where leaving the name out keeps every path on
+    each side distinct."""
     taken = set(paired.values())
-    name = _COUNTER.sub("", model_name)
+    name = name_counters.COUNTER.sub("", model_name)
     leftover = {_without_model_name(t, name): t for t in leaves if t not in paired}
     variables = {_without_model_name(p, name): p for p, k in wanted.items() if k not in taken}
     if len(leftover) < len(leaves) - len(paired) or len(variables) < len(wanted) - len(taken):
         return {}  # two paths became one: which is which cannot be told
-    found = _pair_by_counterless_paths(
+    found = name_counters.pair_by_counterless_paths(
         {bare: leaves[tree] for bare, tree in leftover.items()},
         {bare: wanted[path] for bare, path in variables.items()},
         {},
@@ -215,68 +190,12 @@ def _without_model_name(tree_path: str, name: str) -> str:
     """`tree_path` without the model's name `name` (its counter removed) where Keras puts it: the
     first part of a variable's path, or the start of an optimizer slot's name."""
     parts = tree_path.split("/")
-    if len(parts) > 2 and _COUNTER.sub("", parts[1]) == name:
+    if len(parts) > 2 and name_counters.COUNTER.sub("", parts[1]) == name:
         return "/".join([parts[0], *parts[2:]])
     if len(parts) == 3 and parts[0] == "optimizer_variables":
         slot = re.sub(rf"^{re.escape(name)}(_\d+)?_", "", parts[2])
         return "/".join([*parts[:2], slot])
     return tree_path
-
-
-def _by_counterless_path(tree_paths: list[str]) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = collections.defaultdict(list)
-    for tree_path in tree_paths:
-        groups[_COUNTER.sub("", tree_path)].append(tree_path)
-    return groups
-
-
-def _creation_order(trees: list[str], paths: list[str]) -> list[tuple[str, str]] | None:
-    """`trees` (saved) and `paths` (the model's) of one group paired by creation order, or None
-    where the counters cannot tell it: the sides differ in size, two paths of one side have equal
-    counters, or some counter position orders the pairs one way on one side and another way on
-    the other."""
-    if len(trees) != len(paths):
-        return None
-    columns = sorted({c for p in (*trees, *paths) for c in _counters(p)})
-    saved = sorted((_aligned(t, columns), t) for t in trees)
-    model = sorted((_aligned(p, columns), p) for p in paths)
-    if any(len({counters for counters, _ in side}) < len(side) for side in (saved, model)):
-        return None
-    for i in range(len(columns)):
-        if _ranks([c[i] for c, _ in saved]) != _ranks([c[i] for c, _ in model]):
-            return None
-    return [(tree, path) for (_, tree), (_, path) in zip(saved, model, strict=True)]
-
-
-def _counters(tree_path: str) -> dict[tuple[int, int], int]:
-    """Each counter of `tree_path` by where it stands in the path without counters (and its
-    place among counters standing there): `m_1/dense_2/kernel` -> {(1, 0): 1, (7, 0): 2}."""
-    found: dict[tuple[int, int], int] = {}
-    removed, last, nth = 0, -1, 0
-    for match in _COUNTER.finditer(tree_path):
-        at = match.start() - removed
-        nth = nth + 1 if at == last else 0
-        found[(at, nth)] = int(match.group()[1:])
-        removed, last = removed + len(match.group()), at
-    return found
-
-
-def _aligned(tree_path: str, columns: list[tuple[int, int]]) -> tuple[int, ...]:
-    """The counters of `tree_path` at `columns`; none is 0 (Keras names `dense`, then `dense_1`)."""
-    counters = _counters(tree_path)
-    return tuple(counters.get(column, 0) for column in columns)
-
-
-def _ranks(values: list[int]) -> list[int]:
-    order = {value: rank for rank, value in enumerate(sorted(set(values)))}
-    return [order[value] for value in values]
-
-
-def _fits(saved: VariableRecord, variable: keras.Variable) -> bool:
-    from keras_orbax._src.compat import keras_compat
-
-    shape = tuple(int(n) for n in variable.shape)
-    return saved.shape == shape and saved.dtype == keras_compat.stored_dtype(variable)
 
 
 def tree_keys(record: StepRecord) -> dict[str, str]:

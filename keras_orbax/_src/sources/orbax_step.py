@@ -9,12 +9,13 @@ prepared = source.prepare(model, strict=True)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
-from keras_orbax._src.format.step_record import OPTIMIZER
+from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, StepRecord
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
 
@@ -47,10 +48,11 @@ class OrbaxStepSource(Source):
 
         saved = sum(v.role == OPTIMIZER for v in self.record.variables.values())
         state = self.keyed_state(model, deferred.optimizer_stand_in(model, saved))
-        optional = matching.absent_optimizer(self.record, state)
-        plan = matching.make_plan(self.record, state, strict=strict, optional=optional)
+        record = _metrics_by_creation_order(self.record, state)
+        optional = matching.absent_optimizer(record, state)
+        plan = matching.make_plan(record, state, strict=strict, optional=optional)
         reads = None if plan.problems else self.plan_reads(list(plan.reads.values()))
-        return Prepared(self.record, state, plan, reads, tuple(plan.problems))
+        return Prepared(record, state, plan, reads, tuple(plan.problems))
 
     def keyed_state(
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
@@ -85,6 +87,28 @@ class OrbaxStepSource(Source):
             self.step_dir, f"Checkpoint step '{self.step_dir}'", arrays, read_files
         )
         return _file_check(arrays, *checked)
+
+
+def _metrics_by_creation_order(record: StepRecord, state: state_keys.KeyedState) -> StepRecord:
+    """`record` with its metric variables paired to the model's where only Keras's name counters
+    tell them apart: metric variables are keyed by path (`metrics/auc/true_positives`), and a
+    model compiled again in the same process names them `auc_2`... (`name_counters`)."""
+    from keras_orbax._src.model import name_counters
+
+    leftover = {
+        k: v for k, v in record.variables.items() if v.role == METRIC and k not in state.variables
+    }
+    wanted = {
+        k: k for k, role in state.roles.items() if role == METRIC and k not in record.variables
+    }
+    pairs = name_counters.pair_by_counterless_paths(leftover, wanted, {}, state) if wanted else {}
+    if not pairs:
+        return record
+    variables = {
+        pairs.get(k, k): dataclasses.replace(v, key=pairs.get(k, k))
+        for k, v in record.variables.items()
+    }
+    return dataclasses.replace(record, variables=variables)
 
 
 def _file_check(
