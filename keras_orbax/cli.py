@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -37,6 +38,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from keras_orbax import errors
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         if args.quiet:
             warnings.simplefilter("ignore")
+        warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
         try:
             _prepare()
             return int(args.run(args) or 0)
@@ -372,6 +376,23 @@ def _distribution(args: argparse.Namespace) -> Any:
     else:
         layout_map = LayoutMap(mesh)
     return ModelParallel(layout_map=layout_map, batch_dim_name=axes[0])
+
+
+def _show_warning(
+    command: str,
+    show: Callable[..., None],
+    message: Warning | str,
+    category: type[Warning],
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """keras-orbax's warnings as one line on stderr, as its errors are (`keras-orbax convert:
+    warning: ...`); other libraries' as `show` (Python's own) shows them."""
+    if not issubclass(category, errors.KerasOrbaxWarning):
+        show(message, category, *args, **kwargs)
+        return
+    text = " ".join(str(message).split())
+    print(f"keras-orbax {command}: warning: {text}", file=sys.stderr)
 
 
 def _one_line(error: BaseException) -> str:

@@ -183,8 +183,11 @@ def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsy
     x, y = np.ones((8, 16), "float32"), np.ones((8, 8), "float32")
     trained.fit(x, y, epochs=1, verbose=0, callbacks=[callback])
     # The step holds its model config: no --model needed (as load_model of it needs none).
-    _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "by_config"))
-    _main(
+    by_config = _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "by_config"))
+    assert by_config.stderr == ""  # compiled from the config: the optimizer state is kept
+    kept = keras_orbax.inspect(tmp_path / "by_config").record.variables
+    assert sum(key.startswith("optimizer/") for key in kept) == 10  # Adam: 2 counters, 8 slots
+    uncompiled = _main(
         capsys,
         "convert",
         str(tmp_path / "keras"),
@@ -192,6 +195,12 @@ def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsy
         "--model",
         "tests.cli_models:mlp",
     )
+    # The function builds no optimizer: its state is not written, and the warning says so in one
+    # line, with what to do.
+    (warning,) = uncompiled.stderr.strip().splitlines()
+    assert warning.startswith("keras-orbax convert: warning: Model ")
+    assert "has no optimizer, so 10 optimizer variables" in warning and "not written" in warning
+    assert "convert without a model" in warning
     for converted in ("by_config", "ckpt"):
         restored = cli_models.mlp()
         keras_orbax.restore_sharded(restored, tmp_path / converted)

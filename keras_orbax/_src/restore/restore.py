@@ -216,7 +216,7 @@ def restore_source(
     recompute_derived_state(model)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
-    _warn_untaken(model, source, prepared)
+    warn_untaken(model, source, prepared)
     if not strict:
         _warn_lenient(model, source, prepared, paths)
     return RestoreResult(
@@ -311,11 +311,13 @@ def _attach_optimizer(
 
 
 def _warn(message: str) -> None:
-    """A `KerasOrbaxWarning` attributed to the first caller outside keras-orbax (the user's call
-    of `restore_sharded`, `load_model` or `from_preset`), so Python shows it once per call site."""
+    """A `KerasOrbaxWarning` attributed to the first caller outside keras-orbax and Keras (the
+    user's call of `restore_sharded`, `load_model` or `from_preset`, or of `fit` for a resuming
+    `ModelCheckpoint`), so Python shows it once per call site."""
     frame, level = inspect.currentframe(), 1
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
         "keras_orbax",
+        "keras",  # `fit` runs a resuming ModelCheckpoint's restore
         "contextlib",  # `gc_pause.paused()` decorates `restore_sharded`
     ):
         frame, level = frame.f_back, level + 1
@@ -331,9 +333,12 @@ def _on_one_device(plan: matching.Plan) -> bool:
     return bool(targets) and all(len(sharding.device_set) == 1 for sharding in targets)
 
 
-def _warn_untaken(model: keras.Model, source: Source, prepared: Prepared) -> None:
+def warn_untaken(
+    model: keras.Model, source: Source, prepared: Prepared, *, verb: str = "restore_sharded"
+) -> None:
     """Says so where the checkpoint's optimizer state is dropped because the model has no
-    optimizer (an uncompiled model): compiling it afterwards starts training from fresh slots."""
+    optimizer (an uncompiled model): compiling it afterwards starts training from fresh slots.
+    `verb` is what drops it (`convert` writes what the model takes)."""
     if any(role == OPTIMIZER for role in prepared.state.roles.values()):
         return
     roles = {key: prepared.record.variables[key].role for key in prepared.plan.unexpected}
@@ -342,16 +347,18 @@ def _warn_untaken(model: keras.Model, source: Source, prepared: Prepared) -> Non
         return
     metrics = sum(role == METRIC for role in roles.values())
     also = f" and {counted(metrics, 'metric variable')}" if metrics else ""
-    load_model = (
-        ", or use keras_orbax.load_model, which compiles the model from its saved config"
-        if source.model_config is not None and source.model_config.get("compile_config")
-        else ""
-    )
+    compiled = source.model_config is not None and source.model_config.get("compile_config")
     were = "was" if optimizer + metrics == 1 else "were"
+    if verb == "restore_sharded":
+        done, why = "restored", "To resume training from them"
+        config = ", or use keras_orbax.load_model, which compiles the model from its saved config"
+    else:
+        done, why = "written", "To keep them"
+        config = ", or convert without a model: the one its saved config describes is compiled"
     _warn(
         f"Model '{model.name}' has no optimizer, so {counted(optimizer, 'optimizer variable')}"
-        f"{also} of '{source.label}' {were} not restored. To resume training from them, compile "
-        f"the model with its optimizer before restore_sharded{load_model}."
+        f"{also} of '{source.label}' {were} not {done}. {why}, compile the model with its "
+        f"optimizer before {verb}{config if compiled else ''}."
     )
 
 

@@ -27,6 +27,7 @@ from keras_orbax._src.model import matching
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
+from keras_orbax._src.restore import load_model, restore
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
 from keras_orbax._src.tools import convert_export
@@ -182,10 +183,15 @@ def _by_structure(
 
 
 def _deferred_model(config: dict[str, Any]) -> keras.Model:
-    """The model a step's config describes, built without allocating (as `load_model` builds it)."""
-    config = {k: v for k, v in config.items() if k != "compile_config"}
+    """The model a step's config describes, built without allocating and compiled as it was saved
+    (as `load_model` builds it), so that its optimizer state is converted too."""
+    config = dict(config)
+    compile_config = config.pop("compile_config", None)
     with deferred_init():
-        return keras.saving.deserialize_keras_object(config)
+        model = keras.saving.deserialize_keras_object(config)
+    if compile_config:  # {} for a model that was never compiled
+        load_model.compile_deferred(model, compile_config, None, True)
+    return model
 
 
 def _by_model(
@@ -201,6 +207,7 @@ def _by_model(
     if prepared.problems or prepared.reads is None:
         hint = "Nothing was written: pass the architecture that saved it."
         raise matching.mismatch_error(model, opened.label, prepared.problems, hint=hint)
+    restore.warn_untaken(model, opened, prepared, verb="convert")
     state, reads = prepared.state, prepared.reads
     variables = {}
     for key in prepared.plan.reads:

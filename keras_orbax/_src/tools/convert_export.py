@@ -92,4 +92,6 @@ def _described_model(source: str | os.PathLike, to_preset: bool) -> keras.Model:
     if to_preset:
         import keras_hub  # registers keras-hub's classes, which the saved config names
 
-    return load_model.load_model(source, compile=False)
+    # Compiled as saved, for a `.weights.h5`: Keras's `save_weights` writes the optimizer's state
+    # where the model has one. A preset holds none.
+    return load_model.load_model(source, compile=not to_preset)
