@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `--help | head -1`, with more help than a pipe holds
         _detach_stdout()
         return 0
+    if getattr(args, "axes", None) and not args.mesh:
+        print(
+            f"keras-orbax {args.command}: error: --axes names the axes of --mesh", file=sys.stderr
+        )
+        return EXIT_ERROR
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))
     absl = logging.getLogger("absl")

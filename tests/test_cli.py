@@ -172,6 +172,8 @@ def test_plan_refuses_a_mesh_or_a_process_count_there_cannot_be(tmp_path, capsys
         with pytest.raises(SystemExit) as exited:  # argparse's usage error
             cli.main([*plan, *arguments.split()])
         assert exited.value.code == 2 and says in capsys.readouterr().err
+    alone = _main(capsys, *plan, "--axes", "batch,model", check=2)
+    assert "--axes names the axes of --mesh" in alone.stderr
     uneven = _run(*plan, "--mesh", "2x4", "--processes", "3", check=2)
     assert "processes must divide the 8 devices" in uneven.stderr
 

@@ -3,9 +3,10 @@
 One trained MLP is saved by keras-orbax, by Keras's `OrbaxCheckpoint`, as a `.weights.h5` and as a
 `.keras`; one tiny keras-hub Llama3 backbone as a preset and as a Hugging Face directory. Each verb
 gets each location as a relative path, an absolute path, a `~` path, with a trailing slash and
-through a symbolic link (and a step as `DIR/STEP` and `DIR@STEP`): every spelling must give the same answer, the answer must be
-the source's own (values equal to the model that was saved, shardings those of the active
-distribution), and a verb that cannot serve a kind must say which verb can, in one line.
+through a symbolic link (and a step as `DIR/STEP`, `DIR@STEP` and `DIR@STEP/`): every spelling
+must give the same answer, the answer must be the source's own (values equal to the model that was
+saved, shardings those of the active distribution), and a verb that cannot serve a kind must say
+which verb can, in one line.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def spellings(root: Path, kind: str) -> dict[str, str]:
     found = {"absolute": absolute, "relative": name, "home": f"~/{name}", "slash": f"{absolute}/"}
     found["symlink"] = f"link-{name}"  # a relative symbolic link to it
     if has_steps:
-        found |= {"step directory": f"{name}/{STEP}", "at step": f"~/{name}@{STEP}"}
+        found |= {
+            "step directory": f"{name}/{STEP}",
+            "at step": f"~/{name}@{STEP}",
+            "at step, slash": f"{name}@{STEP}/",
+        }
     return found
 
 

@@ -101,7 +101,7 @@ def locate(location: str | os.PathLike, step: int | None = None) -> Located:
     none is given by `step`, `@STEP` or a step directory)."""
     text = os.fspath(location)
     path = locations.as_path(text)
-    at = _AT_STEP.match(text)
+    at = _AT_STEP.match(text.rstrip("/"))  # `ckpt@5/` as `ckpt@5`, as `ckpt/5/` is `ckpt/5`
     if at and not path.exists():
         path = locations.as_path(at.group(1))
         step = _same_step(step, int(at.group(2)), text)

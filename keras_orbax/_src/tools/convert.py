@@ -30,6 +30,7 @@ from keras_orbax._src.read import sharded_read
 from keras_orbax._src.restore import load_model, restore
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
+from keras_orbax._src.storage import locations
 from keras_orbax._src.tools import convert_export
 from keras_orbax._src.write import array_writer, step_writer
 from keras_orbax.errors import StepExistsError
@@ -104,7 +105,8 @@ def convert(
     resolve.check_destination(destination, "keras-orbax")
     if step in step_dirs.committed_steps(destination):  # before reading the source
         raise StepExistsError(
-            f"Step {step} is already committed in '{destination}'; nothing was written. "
+            f"Step {step} is already committed in '{locations.as_path(os.fspath(destination))}'; "
+            "nothing was written. "
             f"Received: step={step}"
         )
     if model is None:
