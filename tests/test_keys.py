@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax._src.compat.keras_compat import own_variables
 from keras_orbax._src.model.state_keys import keyed_state, keyed_variables
 from tests import _models
 
@@ -365,3 +366,27 @@ def test_metric_state_reaches_metrics_renamed_by_keras_counters(tmp_path):
     assert result.skipped == ()
     for got, want in zip(restored.metrics_variables, saved.metrics_variables, strict=True):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value), want.path)
+
+
+def test_a_float8_layer_restores_however_it_was_built(tmp_path):
+    """`quantize("float8")` creates a Dense's variables kernel first, a float8 dtype policy (the
+    config, as `load_model` builds it) scales first: each variable still gets its own value."""
+
+    def float8(policy: str | None = None) -> keras.Model:
+        inputs = keras.Input((6,))
+        dense = keras.layers.Dense(2, name="d", dtype=policy)
+        return keras.Model(inputs, dense(inputs))
+
+    saved = float8()
+    saved.quantize("float8")
+    layer = saved.get_layer("d")
+    for i, variable in enumerate(own_variables(layer)):
+        variable.assign(np.full(variable.shape, i + 1, variable.dtype))
+    keras_orbax.save(saved, tmp_path, step=1)
+    built = float8("float8_from_float32")
+    assert [v.name for v in built.weights] != [v.name for v in saved.weights]  # the case in point
+    keras_orbax.restore_sharded(built, tmp_path)
+    for restored in (built, keras_orbax.load_model(tmp_path)):
+        values = {v.name: np.asarray(v.value) for v in restored.get_layer("d").weights}
+        for variable in own_variables(layer):
+            np.testing.assert_array_equal(values[variable.name], np.asarray(variable.value))

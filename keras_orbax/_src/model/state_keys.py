@@ -128,10 +128,30 @@ def _own_variables(saveable: Any) -> list[keras.Variable]:
     """What Keras's default `save_own_variables` numbers `vars/<i>`: a layer's own variables, an
     optimizer's `variables` (a LossScaleOptimizer's include its inner optimizer's)."""
     if isinstance(saveable, keras.Layer):
-        return keras_compat.own_variables(saveable)
+        return _in_float8_order(saveable, keras_compat.own_variables(saveable))
     if isinstance(saveable, keras.optimizers.Optimizer):
         return list(saveable.variables)
     return []
+
+
+def _in_float8_order(layer: keras.Layer, variables: list[keras.Variable]) -> list[keras.Variable]:
+    """A float8-quantized layer's variables in the order of Keras's `save_own_variables` (its
+    `variable_serialization_spec`), others as created. Keras creates a float8 layer's variables
+    in that order when `quantize("float8")` converts it, but its scales first when it is built
+    under a float8 dtype policy (from its config, as `load_model` builds it): numbered as created,
+    the two would not restore into each other. In every other mode both are created alike, and
+    numbered as created (so keys of existing checkpoints stay as they were)."""
+    if getattr(layer, "quantization_mode", None) != "float8":
+        return variables
+    spec = getattr(layer, "variable_serialization_spec", {}).get("float8", [])
+    ordered: list[keras.Variable] = []
+    for name in spec:  # `kernel` is a property over the `_kernel` variable
+        for attribute in (f"_{name}", name):
+            found = getattr(layer, attribute, None)
+            if any(found is v for v in variables) and not any(found is o for o in ordered):
+                ordered.append(found)
+                break
+    return ordered + [v for v in variables if not any(v is o for o in ordered)]
 
 
 def _join(group: str, name: str) -> str:
