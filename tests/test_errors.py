@@ -14,6 +14,7 @@ from keras_orbax.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DuplicateKeyError,
     StepExistsError,
 )
 from tests import _models
@@ -208,6 +209,24 @@ def test_a_step_may_be_any_integer_keras_or_numpy_gives(tmp_path):
         keras_orbax.save(model, tmp_path, step=step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3", "4"]
     assert keras_orbax.restore_sharded(model, tmp_path).step == 4
+
+
+def test_two_metrics_of_one_name_get_advice(tmp_path):
+    """Metric variables are keyed by path: two `MeanAbsoluteError()`s of two outputs collide (as
+    in Keras's own `OrbaxCheckpoint`); the error says what to change."""
+    inputs = keras.Input((4,))
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(inputs),
+        "b": keras.layers.Dense(1, name="b")(inputs),
+    }
+    model = keras.Model(inputs, outputs)
+    metrics = {"a": [keras.metrics.MeanAbsoluteError()], "b": [keras.metrics.MeanAbsoluteError()]}
+    model.compile(optimizer="adam", loss="mse", metrics=metrics)
+    x = np.ones((8, 4), "float32")
+    model.fit(x, {"a": np.ones((8, 1)), "b": np.ones((8, 1))}, epochs=1, verbose=0)
+    with pytest.raises(DuplicateKeyError, match="give each metric a unique name"):
+        keras_orbax.save(model, tmp_path, step=1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_saving_a_model_without_variables_is_refused(tmp_path):

@@ -154,6 +154,12 @@ def _in_float8_order(layer: keras.Layer, variables: list[keras.Variable]) -> lis
     return ordered + [v for v in variables if not any(v is o for o in ordered)]
 
 
+def _advice(role: Role) -> str:
+    if role == METRIC:  # metric variables are keyed by path: two metrics of one class collide
+        return ": give each metric a unique name (for example MeanAbsoluteError(name='mae_out'))"
+    return ""
+
+
 def _join(group: str, name: str) -> str:
     return f"{group}/{name}" if group else name
 
@@ -171,7 +177,8 @@ class _KeyTable:
             raise DuplicateKeyError(
                 f"Two variables map to the checkpoint key '{key}': "
                 f"'{self.variables[key].path}' and '{variable.path}'. keras-orbax cannot tell them "
-                f"apart on restore. Received: paths=['{self.variables[key].path}', '{variable.path}']"
+                f"apart on restore{_advice(role)}. "
+                f"Received: paths=['{self.variables[key].path}', '{variable.path}']"
             )
         self.variables[key] = variable
         self.roles[key] = role

@@ -337,9 +337,9 @@ def _checked_variables(
     state = state_keys.keyed_state(model)
     variables = state.of_role(state_keys.MODEL) if weights_only else state.variables
     if not variables:
+        advice = "" if model.built else ": build it first (call it on data, or model.build)"
         raise ValueError(
-            f"Model '{model.name}' has no variables to save: build it first. "
-            f"Received: model={model.name}"
+            f"Model '{model.name}' has no variables to save{advice}. Received: model={model.name}"
         )
     unset = [v.path for v in variables.values() if not keras_compat.is_allocated(v)]
     if unset:
