@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import keras
 import numpy as np
 import pytest
 
@@ -174,3 +175,11 @@ def _datasets(file) -> list:
     found: list = []
     file.visititems(lambda _, item: found.append(item) if isinstance(item, h5py.Dataset) else None)
     return found
+
+
+def test_a_source_without_arrays_is_not_called_checked(tmp_path):
+    path = tmp_path / "empty.weights.h5"
+    keras.Sequential([keras.Input((4,)), keras.layers.Activation("relu")]).save_weights(path)
+    result = keras_orbax.verify(path)
+    assert not result.intact
+    assert str(result).endswith("not verified: it holds no arrays, so nothing was checked.")

@@ -54,6 +54,8 @@ class VerifyResult:
         read = f"{self.files} {'file' if self.files == 1 else 'files'}, {human_bytes(self.bytes)}"
         if self.intact:
             return f"{what} intact: {read} read, each matched its recorded checksum."
+        if not self.unchecked and not self.checksummed:
+            return f"{what} not verified: it holds no arrays, so nothing was checked."
         count = len(self.unchecked)
         arrays = f"{count} {'array' if count == 1 else 'arrays'}"
         return (
