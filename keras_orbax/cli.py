@@ -59,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))
-    absl = logging.getLogger("absl")
-    absl_level = absl.level
-    absl.setLevel(logging.ERROR)
+    # Libraries that log their own retries and tracebacks (absl's notices; gcsfs and s3fs on an
+    # unreachable store: 200 lines before the one error that matters) say it in the error instead.
+    quieted = {name: logging.getLogger(name) for name in _CHATTY_LOGGERS}
+    levels = {name: logger.level for name, logger in quieted.items()}
+    for name, logger in quieted.items():
+        logger.setLevel(logging.ERROR if name == "absl" else logging.CRITICAL)
     # Restored on return: `main` also runs inside other programs (and tests), whose logging and
     # warning filters are theirs.
     with warnings.catch_warnings():
@@ -75,10 +78,25 @@ def main(argv: list[str] | None = None) -> int:
             print("keras-orbax: interrupted", file=sys.stderr)
             return EXIT_ERROR
         except Exception as error:  # one line, no traceback: every error of ours names its path
-            print(f"keras-orbax {args.command}: error: {_one_line(error)}", file=sys.stderr)
+            said = _one_line(error)
+            unnamed = [p for p in _locations(args) if p not in said]
+            if len(unnamed) == len(_locations(args)) and unnamed:  # another library's error
+                given = "location given" if len(unnamed) == 1 else "locations given"
+                said += f" ({given}: {', '.join(repr(p) for p in unnamed)})"
+            print(f"keras-orbax {args.command}: error: {said}", file=sys.stderr)
             return EXIT_ERROR
         finally:
-            absl.setLevel(absl_level)
+            for name, logger in quieted.items():
+                logger.setLevel(levels[name])
+
+
+_CHATTY_LOGGERS = ("absl", "gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "google.auth")
+
+
+def _locations(args: argparse.Namespace) -> list[str]:
+    """The locations the command was given, as given."""
+    names = ("directory", "source", "destination", "a", "b")
+    return [str(getattr(args, name)) for name in names if getattr(args, name, None)]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -403,6 +403,26 @@ def test_a_damaged_file_is_one_line_of_sentences(tmp_path, capsys):
     assert ".." not in line and "; No" not in line
 
 
+def test_another_librarys_error_is_one_line_naming_the_location():
+    """s3fs's own error names no path ("Unable to locate credentials"), and botocore logs its
+    retries: the command says the error in one line, with the location it was given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "XLA_FLAGS"}
+    env |= {
+        "PYTHONPATH": str(ROOT),
+        "KERAS_BACKEND": "jax",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_EC2_METADATA_DISABLED": "true",  # no instance to ask for credentials
+    }
+    url = "s3://keras-orbax-no-such-bucket/ckpt"
+    command = [sys.executable, "-m", "keras_orbax", "verify", url]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("keras-orbax verify: error: ")
+    assert f"(location given: '{url}')" in line
+
+
 def test_main_in_process_leaves_the_callers_logging_and_warnings_as_they_were(tmp_path, capsys):
     absl = logging.getLogger("absl")
     before = absl.level
@@ -411,6 +431,7 @@ def test_main_in_process_leaves_the_callers_logging_and_warnings_as_they_were(tm
     try:
         _main(capsys, "inspect", "-q", str(tmp_path / "missing"), check=cli.EXIT_ERROR)
         assert absl.level == logging.INFO  # main quiets absl only while it runs
+        assert logging.getLogger("s3fs").level == logging.NOTSET  # and the stores' loggers
         assert warnings.filters == filters  # and -q ignores warnings only while it runs
     finally:
         absl.setLevel(before)
