@@ -123,7 +123,8 @@ def save(
         steps = step_dirs.committed_steps(directory)
         intact = f"The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
-            f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. {intact}"
+            f"Saving step {step} to '{locations.as_path(directory)}' failed: "
+            f"{type(error).__name__}: {error}. {intact}"
         ) from error
     return locations.as_path(directory) / str(step)
 
@@ -349,7 +350,7 @@ def _checked_variables(
         )
     if not overwrite and step in step_dirs.committed_steps(directory):
         raise StepExistsError(
-            f"Step {step} is already committed in '{directory}'. Pass overwrite=True "
+            f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass overwrite=True "
             f"to replace it. Received: step={step}"
         )
     return state, variables
