@@ -311,6 +311,17 @@ def test_resume_waits_for_the_save_a_fit_that_raised_left_in_flight(tmp_path):
     assert step_dirs.committed_steps(tmp_path)[-1] == 6  # the third epoch's 2 batches
 
 
+def test_resuming_from_a_step_without_optimizer_state_says_so(tmp_path):
+    """A directory of weights-only steps (another callback's): resuming restores the weights, as
+    Keras's load_weights would, and warns that the optimizer does not go on where it was."""
+    saving = keras_orbax.ModelCheckpoint(tmp_path, save_weights_only=True)
+    _mlp()().fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[saving])
+    resumed = keras_orbax.ModelCheckpoint(tmp_path, resume=True)
+    with pytest.warns(KerasOrbaxWarning, match="holds no optimizer state"):
+        _mlp()().fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[resumed])
+    assert resumed.restored is not None and resumed.restored.step == 2
+
+
 # -- what a resumed fit prints --------------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import OPTIMIZER
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
@@ -77,6 +78,16 @@ def resume(
         checkpointer.delete(skipped, missing_ok=True)
     _announce(restored, directory, epochs, verbose)
     record = restored.record
+    if model.optimizer is not None and not any(
+        v.role == OPTIMIZER for v in record.variables.values()
+    ):
+        warnings.warn(  # restored as Keras's load_weights would, but not what resuming promises
+            f"Step {step} of '{directory}' holds no optimizer state (saved with "
+            "save_weights_only=True, or from a model without an optimizer): fit resumes from its "
+            "weights with the optimizer as it is, not where that run's optimizer was.",
+            KerasOrbaxWarning,
+            stacklevel=2,
+        )
     if record.epoch is None:
         return Resumed(restored, None, tuple(s for s, _ in unreadable))
     keras_compat.set_initial_epoch(model, record.epoch)
