@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             print("keras-orbax: interrupted", file=sys.stderr)
             return EXIT_ERROR
         except Exception as error:  # one line, no traceback: every error of ours names its path
-            said = _one_line(error)
+            # No command changes a model of the user's: the restore's assurance would mislead here.
+            said = _one_line(error).replace(" No variable was modified.", "")
             unnamed = [p for p in _locations(args) if p not in said]
             if len(unnamed) == len(_locations(args)) and unnamed:  # another library's error
                 given = "location given" if len(unnamed) == 1 else "locations given"
