@@ -403,6 +403,19 @@ def test_a_damaged_file_is_one_line_of_sentences(tmp_path, capsys):
     assert ".." not in line and "No variable was modified" not in line
 
 
+def test_a_failed_convert_leaves_no_directory_it_made(tmp_path, capsys):
+    keras_orbax.save(_trained_mlp(), tmp_path / "ckpt", step=1)
+    # An array's zarr.json damaged: the array goes to Orbax's reader, which fails once the
+    # destination's directory has been made.
+    (tmp_path / "ckpt" / "1" / "state" / "layers.dense.vars.0" / "zarr.json").write_text("{")
+    failed = _main(capsys, "convert", str(tmp_path / "ckpt"), str(tmp_path / "new"), check=2)
+    assert "layers/dense/vars/0" in failed.stderr
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a directory that was there before is left there
+    _main(capsys, "convert", str(tmp_path / "ckpt"), str(tmp_path / "kept"), check=2)
+    assert (tmp_path / "kept").is_dir()
+
+
 def test_another_librarys_error_is_one_line_naming_the_location():
     """s3fs's own error names no path ("Unable to locate credentials"), and botocore logs its
     retries: the command says the error in one line, with the location it was given."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,23 @@ def convert(
         if on_write is not None:
             on_write(record.variables[key].nbytes, total)
 
-    return array_writer.save_arrays(
-        destination, step, record, read_each(), on_written=written, incremental=incremental
-    )
+    root = locations.as_path(os.fspath(destination))
+    made = not locations.is_remote(root) and not root.exists()
+    try:
+        return array_writer.save_arrays(
+            destination, step, record, read_each(), on_written=written, incremental=incremental
+        )
+    except BaseException:
+        if made and root.is_dir():  # made by this convert: nothing else can be in it
+            _remove_if_empty(root)
+        raise
+
+
+def _remove_if_empty(root: Path) -> None:
+    """Removes `root` if it holds no committed step: what a failed save left there (its lock, the
+    step's temporary directory) is all there is."""
+    if not step_dirs.committed_steps(root):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 _KERAS_FILES = (".h5", ".keras", ".weights.json")  # `.weights.h5` is exported
