@@ -134,11 +134,11 @@ def convert(
         )
     except BaseException:
         if made and root.is_dir():  # made by this convert: nothing else can be in it
-            _remove_if_empty(root)
+            _remove_if_stepless(root)
         raise
 
 
-def _remove_if_empty(root: Path) -> None:
+def _remove_if_stepless(root: Path) -> None:
     """Removes `root` if it holds no committed step: what a failed save left there (its lock, the
     step's temporary directory) is all there is."""
     if not step_dirs.committed_steps(root):
