@@ -241,3 +241,39 @@ def test_a_backbone_above_max_shard_size_is_sharded_as_keras_hub_shards_it(tmp_p
     reloaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "ours"))
     for saved, loaded in zip(backbone.weights, reloaded.weights, strict=True):
         assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path
+
+
+def test_saving_again_in_the_other_form_leaves_one_weights_form(tmp_path, distribution):
+    """keras-hub reads `model.weights.h5` where there is one: a preset saved again sharded (or
+    whole after sharded) keeps only the form just written, so keras-hub and keras-orbax both load
+    the new weights, and keras-orbax reads what keras-hub reads where a preset holds both."""
+    distribution(_mesh_distribution((2, 4)))
+    keras.utils.set_random_seed(7)
+    old, new = (keras_hub.models.GemmaBackbone(**TINY_GEMMA) for _ in range(2))
+    shard_gb = 4096 / 1024**3
+    for first, second in ((None, shard_gb), (shard_gb, None)):
+        directory = tmp_path / f"first_{first}"
+        keras_orbax.save_to_preset(old, directory, max_shard_size=first)
+        keras_orbax.save_to_preset(new, directory, max_shard_size=second)
+        names = sorted(p.name for p in directory.iterdir())
+        assert ("model.weights.h5" in names) == (second is None), names
+        assert ("model.weights.json" in names) == (second is not None), names
+        if second is None:
+            assert not any(n.startswith("model_") for n in names), names
+        distribution(None)
+        for loaded in (
+            keras_hub.models.GemmaBackbone.from_preset(str(directory)),
+            keras_orbax.from_preset(keras_hub.models.GemmaBackbone, directory),
+        ):
+            for saved, got in zip(new.weights, loaded.weights, strict=True):
+                assert np.array_equal(np.asarray(saved.value), np.asarray(got.value)), saved.path
+        distribution(_mesh_distribution((2, 4)))
+    # Both forms in one preset (keras-hub's own saves leave the other): the .h5, as keras-hub.
+    both = tmp_path / "both"
+    old.save_to_preset(str(both))
+    new.save_to_preset(str(both), max_shard_size=shard_gb)
+    distribution(None)
+    theirs = keras_hub.models.GemmaBackbone.from_preset(str(both))
+    ours = keras_orbax.from_preset(keras_hub.models.GemmaBackbone, both)
+    for a, b in zip(theirs.weights, ours.weights, strict=True):
+        assert np.array_equal(np.asarray(a.value), np.asarray(b.value)), a.path

@@ -8,6 +8,7 @@ files are written by `weights_h5.write`, the same groups and datasets Keras writ
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -83,12 +84,17 @@ def _save_backbone(
     where the backbone is larger than `max_shard_size` GB. The weights first, so that a preset
     whose export failed has no config and never loads."""
     size = hub_compat.preset_weights_bytes(str(directory), backbone) / 1024**3
+    index = directory / hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE")
+    single = directory / hub_compat.preset_file("MODEL_WEIGHTS_FILE")
     if max_shard_size is not None and size > max_shard_size:
-        index = directory / hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE")
         weights_h5.write(backbone, index, window_bytes=window_bytes, max_shard_size=max_shard_size)
+        stale = [single]
     else:
-        weights = directory / hub_compat.preset_file("MODEL_WEIGHTS_FILE")
-        weights_h5.write(backbone, weights, window_bytes=window_bytes)
+        weights_h5.write(backbone, single, window_bytes=window_bytes)
+        stale = [*_parts(index), index]
+    # The other form, from an earlier save: keras-hub reads `model.weights.h5` where there is
+    # one, so a stale one would shadow the weights just written.
+    _on_primary("save_to_preset stale weights", lambda: _remove(stale))
     _on_primary(
         "save_to_preset config",
         lambda: hub_compat.save_preset_config(
@@ -113,6 +119,21 @@ def _save_task(task: Any, directory: Path, window_bytes: int, max_shard_size: fl
             task.preprocessor.save_to_preset(str(directory))
 
     _on_primary("save_to_preset task config", configs)
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _parts(index: Path) -> list[Path]:
+    """The part files a `model.weights.json` lists (none if there is none or it cannot be read)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    names = {name for name in weight_map.values() if isinstance(name, str) and "/" not in name}
+    return [index.parent / name for name in sorted(names)]
 
 
 def _on_primary(name: str, write: Any) -> None:

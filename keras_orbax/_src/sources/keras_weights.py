@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from keras_orbax._src.read.sharded_read import ReadPlan
 
 WEIGHTS_SUFFIXES = (".h5", ".keras", ".weights.json")
-PRESET_WEIGHTS = ("model.weights.json", "model.weights.h5")
+PRESET_WEIGHTS = ("model.weights.h5", "model.weights.json")  # keras-hub reads the .h5 first
 
 
 def is_weights_file(path: Path) -> bool:
