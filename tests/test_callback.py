@@ -355,3 +355,53 @@ def test_processes_agree_on_best_saves_and_on_the_preemption_step(tmp_path):
     assert step > results[0]["start_step"] + 6
     assert results[0]["preempt_steps"] == results[1]["preempt_steps"]
     assert results[0]["preempt_steps"][-1] == step
+
+
+class _Logs(keras.callbacks.Callback):
+    """Logs `name` at each epoch's end with the next of `values`, as a NumPy float32 (what a
+    user's callback logging `np.mean(...)` puts there)."""
+
+    def __init__(self, name: str, values: list[float]) -> None:
+        super().__init__()
+        self.name, self.values = name, iter(values)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs[self.name] = np.float32(next(self.values))
+
+
+def test_a_numpy_scalar_monitor_is_a_number(tmp_path, recwarn):
+    """Keras's callbacks take a NumPy scalar in the logs as a number; so do save_best_only and the
+    metrics stored with each step."""
+    model = _models.compile_adam(_models.mlp())
+    callback = keras_orbax.ModelCheckpoint(
+        tmp_path, monitor="custom", mode="min", save_best_only=True, max_to_keep=3
+    )
+    _fit(model, 3, [_Logs("custom", [3.0, 1.0, 2.0]), callback])
+    assert step_dirs.committed_steps(tmp_path) == [BATCHES, 2 * BATCHES]  # 3.0, then 1.0
+    summaries = keras_orbax.inspect(tmp_path).summaries
+    assert [s.metrics["custom"] for s in summaries] == [3.0, 1.0]
+    assert not [w for w in recwarn if "not a number" in str(w.message)]
+
+
+def test_a_preemption_save_ranks_kept_steps_in_the_monitor_direction(tmp_path):
+    """keep_best with mode="max": a resumed fit preempted before any ordinary save still keeps
+    the best step (its retention had ranked with lower-is-better, and deleted it)."""
+
+    def checkpoint(**kwargs) -> keras_orbax.ModelCheckpoint:
+        return keras_orbax.ModelCheckpoint(
+            tmp_path, monitor="score", mode="max", keep_best=1, max_to_keep=1, **kwargs
+        )
+
+    _fit(_models.compile_adam(_models.mlp()), 3, [_Logs("score", [0.9, 0.1, 0.2]), checkpoint()])
+    best, latest = BATCHES, 3 * BATCHES
+    assert step_dirs.committed_steps(tmp_path) == [best, latest]
+
+    class _Preempt(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    resumed = checkpoint(resume=True)
+    _fit(_models.compile_adam(_models.mlp()), 6, [_Preempt(), _Logs("score", [0.0] * 6), resumed])
+    assert resumed.preempted
+    assert step_dirs.committed_steps(tmp_path) == [best, latest + 1]

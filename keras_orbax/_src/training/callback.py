@@ -17,7 +17,7 @@ from keras_orbax._src.runtime import multihost
 from keras_orbax._src.training.callback_args import validate
 from keras_orbax._src.training.preemption import PreemptionWatcher
 from keras_orbax._src.training.resume import ResumePoint, resume
-from keras_orbax._src.training.retention import Retention, loggable, metric
+from keras_orbax._src.training.retention import Retention, loggable, metric, number
 from keras_orbax._src.training.saving import Saves
 from keras_orbax._src.write import step_writer
 from keras_orbax.errors import KerasOrbaxWarning
@@ -252,9 +252,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._ensure_monitor_op()
         note = ""
         if self.save_best_only:
-            current = logs.get(self.monitor)
-            if not isinstance(current, int | float):
-                self._warn_missing(current)
+            current = number(logs.get(self.monitor))
+            if current is None:
+                self._warn_missing(logs.get(self.monitor))
                 improved = False
             else:
                 improved = keras_compat.is_improvement(self, current, self.best)
@@ -268,6 +268,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
 
     def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
+        if self.save_best_only or self.keep_best:
+            self._ensure_monitor_op()  # retention ranks the kept steps after this save too
         self._save(None, "preemption", at_epoch_end, blocking=True)
         self.wait_until_finished()  # the step may have been started just before, in the background
         self.preempted = True

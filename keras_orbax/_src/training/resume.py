@@ -129,10 +129,15 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
         logger.info(line)
     elif record.batch:
         line = (
-            f"{start} at epoch {record.epoch + 1}{of}, batch {record.batch}: the first "
-            f"{_count(record.batch, 'batch')} of that epoch, trained before the checkpoint, are "
-            "read from the input and dropped; other callbacks (the progress bar, loggers) still "
-            "see their batch hooks run for them."
+            f"{start} at epoch {record.epoch + 1}{of}, batch {record.batch}: "
+            + (
+                "the first batch of that epoch, trained before the checkpoint, is"
+                if record.batch == 1
+                else f"the first {record.batch} batches of that epoch, trained before the "
+                "checkpoint, are"
+            )
+            + " read from the input and dropped; other callbacks (the progress bar, loggers) "
+            "still see their batch hooks run for them."
         )
         logger.info(line)
     else:

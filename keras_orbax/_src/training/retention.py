@@ -10,9 +10,11 @@ policies itself, called only once the new step is durable (`tests/test_durabilit
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
 _policies = ocp.training.preservation_policies
@@ -85,13 +87,22 @@ class Retention:
 
 def metric(metrics: Any, name: str) -> float | None:
     """`metrics[name]` as a finite float, or None."""
-    value = metrics.get(name) if isinstance(metrics, dict) else None
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
-    return None
+    value = number(metrics.get(name)) if isinstance(metrics, dict) else None
+    return value if value is not None and math.isfinite(value) else None
+
+
+def number(value: Any) -> float | None:
+    """`value` as a float where it is a real scalar, as Keras's callbacks take one: a Python or
+    NumPy number, or a 0-d array (a user's callback may log `np.mean(...)`); else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real | np.ndarray | np.generic):
+        return None
+    array = np.asarray(value)
+    if array.ndim != 0 or not np.issubdtype(array.dtype, np.number):
+        return None
+    return float(array)
 
 
 def loggable(logs: dict) -> dict[str, float] | None:
     """The logs as JSON-safe numbers, stored with the step (Orbax's `metrics`)."""
-    values = {k: float(v) for k, v in logs.items() if isinstance(v, int | float)}
+    values = {k: v for k, v in ((k, number(v)) for k, v in logs.items()) if v is not None}
     return {k: v for k, v in values.items() if math.isfinite(v)} or None
