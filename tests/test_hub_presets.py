@@ -87,3 +87,25 @@ def test_a_task_preset_loads_like_keras_hub(tmp_path, distribution, monkeypatch)
     _assert_same(model, expected)
     inputs = {"token_ids": np.ones((2, 8), "int32"), "padding_mask": np.ones((2, 8), "int32")}
     np.testing.assert_allclose(model(inputs), expected(inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_task_with_its_own_head_loads_it_as_keras_hub_does(tmp_path, distribution):
+    """A classifier's head is in `task.weights.h5`: keras-hub's own `load_task_weights` reads it
+    after the backbone is restored sharded (it had kept its random initial values)."""
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+    )
+    saved = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+    saved.save_to_preset(str(tmp_path / "classifier"))
+    assert (tmp_path / "classifier" / "task.weights.h5").is_file()
+    distribution(keras.distribution.DataParallel())
+    model = keras_orbax.from_preset(
+        keras_hub.models.TextClassifier, tmp_path / "classifier", preprocessor=None
+    )
+    assert isinstance(model, keras_hub.models.BertTextClassifier)
+    _assert_same(model, saved)

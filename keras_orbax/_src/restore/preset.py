@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
         cls: A keras-hub model class: a backbone (`keras_hub.models.GemmaBackbone`) or a task
             (`keras_hub.models.GemmaCausalLM`), or a generic one (`keras_hub.models.Backbone`,
             `keras_hub.models.CausalLM`), which keras-hub resolves from the preset's config. A
-            task's backbone is built deferred and gets the preset's weights; task-only weights
-            (`task.weights.h5`) are not read yet.
+            task's backbone is built deferred and gets the preset's weights; a task's own layers
+            (`task.weights.h5`, a classifier's head) are read as keras-hub reads them.
         preset: A preset handle or a local preset directory.
         **kwargs: Passed to `cls.from_preset`, as with keras-hub: `dtype` (given to the backbone,
             the weights cast to it as keras-hub casts them), `preprocessor`, `num_classes`...
@@ -72,7 +73,23 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     backbone = _deferred(hub.Backbone, preset, backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
     restore_sharded(backbone, directory)
+    _load_task_weights(task, directory, cls)
     return task
+
+
+def _load_task_weights(task: Any, directory: Path, cls: Any) -> None:
+    """The task's own layers (a classifier's head) from `task.weights.h5`, where keras-hub reads
+    them: the preset's `task.json` names `cls` or a subclass, so the task was built from it. By
+    keras-hub's own `load_task_weights`: those layers are small, and Keras assigns each whole
+    array to its (sharded) variable."""
+    weights, config = directory / "task.weights.h5", directory / "task.json"
+    if not (weights.is_file() and config.is_file() and task.has_task_weights()):
+        return
+    saved = keras.saving.get_registered_object(
+        json.loads(config.read_text()).get("registered_name")
+    )
+    if isinstance(saved, type) and issubclass(saved, cls):
+        task.load_task_weights(str(weights))
 
 
 def _hub_models(cls: Any, preset: Any) -> Any:
