@@ -109,3 +109,24 @@ def test_a_task_with_its_own_head_loads_it_as_keras_hub_does(tmp_path, distribut
     )
     assert isinstance(model, keras_hub.models.BertTextClassifier)
     _assert_same(model, saved)
+
+
+def test_strict_false_is_what_the_mismatch_error_advises(tmp_path, distribution):
+    """A preset whose config has fewer layers than its weights: refused, with the advice to pass
+    strict=False, which from_preset takes (keras-hub's own from_preset swallows it unread)."""
+    import json
+
+    saved = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    saved.save_to_preset(str(tmp_path / "preset"))
+    config_file = tmp_path / "preset" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["config"]["num_layers"] -= 1
+    config_file.write_text(json.dumps(config))
+    distribution(keras.distribution.DataParallel())
+    gemma = keras_hub.models.GemmaBackbone
+    with pytest.raises(keras_orbax.errors.CheckpointMismatchError, match="pass strict=False"):
+        keras_orbax.from_preset(gemma, tmp_path / "preset")
+    model = keras_orbax.from_preset(gemma, tmp_path / "preset", strict=False)
+    assert model.num_layers == TINY_GEMMA["num_layers"] - 1  # the last layer's weights unread
+    embeddings = [m.get_layer("token_embedding").embeddings.value for m in (model, saved)]
+    np.testing.assert_array_equal(*map(np.asarray, embeddings))

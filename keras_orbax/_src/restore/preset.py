@@ -15,7 +15,9 @@ from keras_orbax._src.sources import resolve
 from keras_orbax.errors import NotDeferrableError
 
 
-def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Model:
+def from_preset(
+    cls: Any, preset: str | os.PathLike, *, strict: bool = True, **kwargs: Any
+) -> keras.Model:
     """Like keras-hub's `cls.from_preset(preset, **kwargs)`, with each weight read straight onto its
     devices under the active distribution, and no variable ever initialized.
 
@@ -32,6 +34,8 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
             task's backbone is built deferred and gets the preset's weights; a task's own layers
             (`task.weights.h5`, a classifier's head) are read as keras-hub reads them.
         preset: A preset handle or a local preset directory.
+        strict: As in `restore_sharded`: False restores what matches the preset and leaves the
+            rest initialized (warning with the list), where keras-hub's own loader would refuse.
         **kwargs: Passed to `cls.from_preset`, as with keras-hub: `dtype` (given to the backbone,
             the weights cast to it as keras-hub casts them), `preprocessor`, `num_classes`...
             `load_weights=False` returns keras-hub's own model, initialized, with no weights read;
@@ -61,7 +65,7 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     preset = os.fspath(directory)  # keras-hub reads the same resolved directory
     if not issubclass(cls, hub.Task):
         model = _deferred(cls, preset, kwargs)
-        restore_sharded(model, directory)
+        restore_sharded(model, directory, strict=strict)
         return model
     # A task compiles itself when it is made (its optimizer's counters come from numbers, which
     # cannot be deferred): only its backbone, which holds the weights, is built deferred. keras-hub
@@ -72,7 +76,7 @@ def from_preset(cls: Any, preset: str | os.PathLike, **kwargs: Any) -> keras.Mod
     }
     backbone = _deferred(hub.Backbone, preset, backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
-    restore_sharded(backbone, directory)
+    restore_sharded(backbone, directory, strict=strict)
     _load_task_weights(task, directory, cls)
     return task
 
