@@ -404,6 +404,27 @@ def test_convert_refuses_a_directory_that_holds_another_kind(saved, tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize(
+    ("removed", "says"),
+    [
+        ("model.weights.h5", "has a config.json but no weights file"),
+        ("config.json", "no config.json"),
+    ],
+)
+def test_half_a_preset_is_named_as_one(saved, tmp_path, removed, says):
+    """A preset directory that lost its weights file or its config is said to be one, naming what
+    it lacks, by every verb (it had been taken for a checkpoint directory without steps)."""
+    root, _ = saved
+    damaged = tmp_path / "preset"
+    shutil.copytree(root / "preset", damaged)
+    (damaged / removed).unlink()
+    for verb in (keras_orbax.inspect, keras_orbax.verify):
+        with pytest.raises(CheckpointNotFoundError, match=f"Preset directory .*{says}"):
+            verb(damaged)
+    with pytest.raises(CheckpointNotFoundError, match=says):
+        keras_orbax.restore_sharded(build_llama(), damaged)
+
+
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_restore_with_verify_warns_where_nothing_was_recorded(home, saved, kind):
     """`verify=True` on a source without checksums restores, but says that nothing was checked."""

@@ -29,6 +29,7 @@ from keras_orbax._src.sources.base import Source, SourceKind
 from keras_orbax._src.sources.hf_directory import TransformersSource, is_transformers_directory
 from keras_orbax._src.sources.keras_checkpoint import KerasCheckpointSource
 from keras_orbax._src.sources.keras_weights import (
+    PRESET_WEIGHTS,
     KerasPresetSource,
     KerasWeightsSource,
     is_weights_file,
@@ -151,7 +152,7 @@ def check_destination(destination: str | os.PathLike, kind: SourceKind) -> None:
 
 def _weights_kind(path: Path) -> SourceKind | None:
     """The kind of a local weights file or directory, or None for a checkpoint directory."""
-    if is_weights_file(path) or path.is_file():
+    if path.is_file() or (is_weights_file(path) and not path.is_dir()):
         if not path.exists():
             raise CheckpointNotFoundError(f"Weights file does not exist: '{path}'")
         if not is_weights_file(path):
@@ -165,7 +166,26 @@ def _weights_kind(path: Path) -> SourceKind | None:
         return "transformers"
     if path.is_dir() and preset_weights(path) is not None:
         return "keras-preset"
+    if path.is_dir():
+        _refuse_half_a_preset(path)
     return None
+
+
+def _refuse_half_a_preset(path: Path) -> None:
+    """A directory with a preset's config but no weights file, or the reverse, is a damaged
+    preset, not a checkpoint directory: said so, naming the file it lacks."""
+    has_config = (path / "config.json").is_file()
+    weights = [name for name in PRESET_WEIGHTS if (path / name).is_file()]
+    if has_config and not weights and (path / "metadata.json").is_file():
+        raise CheckpointNotFoundError(
+            f"Preset directory '{path}' has a config.json but no weights file "
+            f"({' or '.join(PRESET_WEIGHTS)})."
+        )
+    if weights and not has_config:
+        raise CheckpointNotFoundError(
+            f"Preset directory '{path}' has {weights[0]} but no config.json, which keras-hub "
+            "builds the model from."
+        )
 
 
 def _root_and_step(path: Any, step: int | None) -> tuple[Any, int | None]:
