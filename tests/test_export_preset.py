@@ -221,6 +221,13 @@ def test_a_task_with_its_preprocessor(tmp_path, distribution):
             assert (tmp_path / "ours" / name).read_bytes() == (
                 tmp_path / "theirs" / name
             ).read_bytes()
+    # `convert PRESET DIR --preset` of a task preset writes the task (its task.json, preprocessor
+    # and tokenizer assets), not only its backbone.
+    keras_orbax.convert(tmp_path / "theirs", tmp_path / "converted", preset=True)
+    _same_preset_files(tmp_path / "converted", tmp_path / "theirs", same_model=False)
+    assert assets == sorted(
+        p.relative_to(tmp_path / "converted") for p in (tmp_path / "converted").rglob("*")
+    )
     distribution(None)
     loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "ours"))
     assert loaded.preprocessor.tokenizer.vocabulary == preprocessor.tokenizer.vocabulary

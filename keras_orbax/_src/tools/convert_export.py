@@ -7,6 +7,7 @@ as it is resident plus one window, never a whole sharded variable more.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from keras_orbax._src.export import transformers as transformers_sink
 from keras_orbax._src.export import weights_h5
 from keras_orbax._src.restore import load_model, preset, restore
 from keras_orbax._src.sources import resolve
+from keras_orbax._src.storage import locations
 
 _HUB_KINDS = ("keras-preset", "transformers")
 
@@ -81,7 +83,15 @@ def _described_model(source: str | os.PathLike, to_preset: bool) -> keras.Model:
     if opened.kind in _HUB_KINDS:
         import keras_hub
 
-        return preset.from_preset(keras_hub.models.Backbone, source)
+        # A task preset (its `task.json`) as the task, preprocessor and head included, so that
+        # its export is the task's; otherwise the backbone.
+        task_json = locations.as_path(os.fspath(opened.location)) / "task.json"
+        task = None
+        if task_json.is_file():
+            name = json.loads(task_json.read_text()).get("registered_name")
+            task = keras.saving.get_registered_object(name)  # the class keras-hub saved
+        cls = task if isinstance(task, type) else keras_hub.models.Backbone
+        return preset.from_preset(cls, source)
     if opened.model_config is None:
         raise resolve.unsupported(
             opened,
