@@ -134,35 +134,30 @@ def test_keras_on_another_backend_is_one_clear_error(tmp_path):
     assert "Received: KERAS_BACKEND='numpy'" in message
     assert not (tmp_path / "ckpt").exists()
     # The command line says the same, in one line, exit 2.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, "-m", "keras_orbax", "verify", str(tmp_path / "ckpt")]
-    refused = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "numpy"},
-        timeout=300,
-    )
+    refused = _verify_under(tmp_path / "ckpt", "numpy")
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "KERAS_BACKEND=jax" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def _verify_under(location: Path, backend: str) -> subprocess.CompletedProcess:
+    """`keras-orbax verify location` in a fresh process with KERAS_BACKEND=backend."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-m", "keras_orbax", "verify", str(location)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": backend},
+        timeout=300,
+    )
 
 
 def test_a_backend_chosen_but_not_installed_is_the_same_clear_error(tmp_path):
     """Keras would import the backend KERAS_BACKEND names: the error is keras-orbax's, not that
     backend's ImportError (torch is not installed here; the check runs before Keras is imported,
     so the answer is the same where it is)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    command = [sys.executable, "-m", "keras_orbax", "verify", str(tmp_path / "ckpt")]
-    refused = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**env, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "torch"},
-        timeout=300,
-    )
+    refused = _verify_under(tmp_path / "ckpt", "torch")
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1, refused.stderr
     assert "KERAS_BACKEND chooses the 'torch' backend" in refused.stderr
