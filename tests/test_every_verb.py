@@ -423,6 +423,10 @@ def test_half_a_preset_is_named_as_one(saved, tmp_path, removed, says):
             verb(damaged)
     with pytest.raises(CheckpointNotFoundError, match=says):
         keras_orbax.restore_sharded(build_llama(), damaged)
+    # Exported into again (a preset export writes its weights first, so a failed one leaves a
+    # weights file without config): a destination of the same kind, not refused.
+    keras_orbax.convert(root / "preset", damaged, preset=True)
+    assert (damaged / "config.json").is_file() and (damaged / "model.weights.h5").is_file()
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

@@ -108,6 +108,8 @@ def locate(location: str | os.PathLike, step: int | None = None) -> Located:
         step = _same_step(step, int(at.group(2)), text)
     if not locations.is_remote(path):
         kind = _weights_kind(path)
+        if kind is None and path.is_dir():
+            _refuse_half_a_preset(path)  # what it holds is read, not taken for a checkpoint
         if kind is not None:
             if step is not None:
                 raise ValueError(
@@ -139,7 +141,8 @@ def check_destination(destination: str | os.PathLike, kind: SourceKind) -> None:
     path = locations.as_path(os.fspath(destination))
     if locations.is_remote(path) or not path.is_dir():
         return
-    held = [k for k in (_weights_kind(path),) if k is not None]
+    here = _weights_kind(path)
+    held = [here] if here is not None else []
     if step_dirs.committed_steps(path):
         held.append("keras-orbax")
     others = [k for k in held if k != kind]
@@ -166,8 +169,6 @@ def _weights_kind(path: Path) -> SourceKind | None:
         return "transformers"
     if path.is_dir() and preset_weights(path) is not None:
         return "keras-preset"
-    if path.is_dir():
-        _refuse_half_a_preset(path)
     return None
 
 
