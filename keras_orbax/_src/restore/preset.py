@@ -86,14 +86,24 @@ def _load_task_weights(task: Any, directory: Path, cls: Any) -> None:
     them: the preset's `task.json` names `cls` or a subclass, so the task was built from it. By
     keras-hub's own `load_task_weights`: those layers are small, and Keras assigns each whole
     array to its (sharded) variable."""
-    weights, config = directory / "task.weights.h5", directory / "task.json"
-    if not (weights.is_file() and config.is_file() and task.has_task_weights()):
+    weights = directory / "task.weights.h5"
+    if not (weights.is_file() and task.has_task_weights()):
         return
+    saved = saved_task_class(directory)
+    if saved is not None and issubclass(saved, cls):
+        task.load_task_weights(str(weights))
+
+
+def saved_task_class(directory: Path) -> type | None:
+    """The task class a preset's `task.json` names (registered by keras-hub once it is imported),
+    or None for a preset without one."""
+    config = directory / "task.json"
+    if not config.is_file():
+        return None
     saved = keras.saving.get_registered_object(
         json.loads(config.read_text()).get("registered_name")
     )
-    if isinstance(saved, type) and issubclass(saved, cls):
-        task.load_task_weights(str(weights))
+    return saved if isinstance(saved, type) else None
 
 
 def _hub_models(cls: Any, preset: Any) -> Any:

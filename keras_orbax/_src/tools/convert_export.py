@@ -7,7 +7,6 @@ as it is resident plus one window, never a whole sharded variable more.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -85,13 +84,8 @@ def _described_model(source: str | os.PathLike, to_preset: bool) -> keras.Model:
 
         # A task preset (its `task.json`) as the task, preprocessor and head included, so that
         # its export is the task's; otherwise the backbone.
-        task_json = locations.as_path(os.fspath(opened.location)) / "task.json"
-        task = None
-        if task_json.is_file():
-            name = json.loads(task_json.read_text()).get("registered_name")
-            task = keras.saving.get_registered_object(name)  # the class keras-hub saved
-        cls = task if isinstance(task, type) else keras_hub.models.Backbone
-        return preset.from_preset(cls, source)
+        task = preset.saved_task_class(locations.as_path(os.fspath(opened.location)))
+        return preset.from_preset(task or keras_hub.models.Backbone, source)
     if opened.model_config is None:
         raise resolve.unsupported(
             opened,
