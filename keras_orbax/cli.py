@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # one line, no traceback: every error of ours names its path
             # No command changes a model of the user's: the restore's assurance would mislead here.
             said = _one_line(error).replace(" No variable was modified.", "")
-            unnamed = [p for p in _locations(args) if p not in said]
-            if len(unnamed) == len(_locations(args)) and unnamed:  # another library's error
-                given = "location given" if len(unnamed) == 1 else "locations given"
-                said += f" ({given}: {', '.join(repr(p) for p in unnamed)})"
+            given = _locations(args)
+            if given and not any(p in said for p in given):  # another library's error
+                what = "location given" if len(given) == 1 else "locations given"
+                said += f" ({what}: {', '.join(repr(p) for p in given)})"
             print(f"keras-orbax {args.command}: error: {said}", file=sys.stderr)
             return EXIT_ERROR
         finally:
