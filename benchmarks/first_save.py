@@ -25,7 +25,8 @@ PYTHONPATH, alternating, e.g. after
 
 Besides the wall time, each save's CPU time on the loop's thread (`blocked_cpu_s`: a wait shows as
 wall time without CPU time) and the full garbage collections run in it (`blocked_gc2_s`) are
-recorded. `--settle S` sleeps S seconds before each save, off the clock (what is left is the save's
+recorded, and every collection during the `fit`, on any thread, by generation (`fit_collections`;
+the full ones' seconds in `fit_full_collections_s`). `--settle S` sleeps S seconds before each save, off the clock (what is left is the save's
 own cost, not a wait for what the train step left behind). `--devices`, `--mesh 0` (no
 distribution) and `--compile-first 0` (the timed `fit` compiles) vary the setup. `--profile PATH`
 writes a cProfile of each save of run 0 to PATH.<epoch> (PATH_tf.<epoch> with TensorFlow). Results
@@ -140,6 +141,8 @@ def child(args: argparse.Namespace) -> None:
                 "blocked_s": timed.seconds["on_epoch_end"],
                 "blocked_cpu_s": timed.seconds["on_epoch_end_cpu"],
                 "blocked_gc2_s": timed.seconds["on_epoch_end_gc2"],
+                "fit_collections": {g: len(c) for g, c in timed.collections.items()},
+                "fit_full_collections_s": timed.collections[2],
                 "save_windows_unix_s": windows,
                 "main_thread_id": threading.get_native_id(),
                 "on_train_end_s": timed.seconds["on_train_end"][0],
@@ -240,9 +243,11 @@ def main() -> None:
             runs[name].append(result)
             blocked = ", ".join(f"{t:.3f}" for t in result["blocked_s"])
             ratios = ", ".join(f"{r:.3f}" for r in result["ratios"])
+            collections = "/".join(str(n) for n in result["fit_collections"].values())
             print(
                 f"{name}, run {run}: blocked {blocked} s; sync {result['sync_median_s']:.3f} s; "
                 f"ratios {ratios}; on_train_begin {result['on_train_begin_s']:.3f} s; "
+                f"collections in fit (generations 0/1/2) {collections}; "
                 f"load {result['load_before']:.1f}",
                 flush=True,
             )

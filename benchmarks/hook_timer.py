@@ -6,6 +6,7 @@ model.fit(x, y, callbacks=[timed])
 timed.seconds["on_epoch_end"]        # wall seconds of each call
 timed.seconds["on_epoch_end_cpu"]    # CPU seconds of each, on the loop's thread
 timed.seconds["on_epoch_end_gc2"]    # full garbage collections run in each, on that thread
+timed.collections[2]                 # seconds of each full collection during fit, any thread
 ```
 
 Before each `on_epoch_end`, off the clock, it waits for the epoch's last train step to finish
@@ -51,18 +52,25 @@ class TimedCallback(keras.callbacks.Callback):
         self.seconds: dict[str, list[float]] = defaultdict(list)
         self._before = before_epoch_end
         self._around = around_epoch_end or (lambda epoch: contextlib.nullcontext())
+        # Seconds of every collection from `fit`'s start to its end, by generation, any thread.
+        self.collections: dict[int, list[float]] = {0: [], 1: [], 2: []}
         self._collections: list[float] = []
         self._collection_start: float | None = None
+        self._fitting = False
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        if info["generation"] != 2 or threading.current_thread() is not threading.main_thread():
-            return
-        if phase == "start":
+        if phase == "start":  # collections never overlap: the collector runs under the GIL
             self._collection_start = time.perf_counter()
-        elif self._collection_start is not None:
-            self._collections.append(time.perf_counter() - self._collection_start)
-            self._collection_start = None
+            return
+        if self._collection_start is None:
+            return
+        seconds = time.perf_counter() - self._collection_start
+        self._collection_start = None
+        if self._fitting:
+            self.collections[info["generation"]].append(seconds)
+        if info["generation"] == 2 and threading.current_thread() is threading.main_thread():
+            self._collections.append(seconds)
 
     def set_model(self, model: keras.Model) -> None:
         super().set_model(model)
@@ -81,6 +89,7 @@ class TimedCallback(keras.callbacks.Callback):
         self.seconds[f"{hook}_gc2"].append(sum(self._collections))
 
     def on_train_begin(self, logs=None):
+        self._fitting = True
         self._time("on_train_begin", logs)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -100,4 +109,5 @@ class TimedCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._time("on_train_end", logs)
+        self._fitting = False
         gc.callbacks.remove(self._on_gc)

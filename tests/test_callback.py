@@ -237,6 +237,7 @@ def test_failed_background_save_raises_and_the_last_step_survives(tmp_path, mp, 
     assert "File too large" in message
     assert message.endswith("The last committed step, 4, is intact.")
     assert result["sigterm_is_default"]  # cleaned up although fit raised
+    assert result["gc_enabled"]  # the failed save resumed the collector it had paused
     assert step_dirs.committed_steps(directory) == [4]
     fresh = _models.compile_adam(_models.mlp(width=16384))
     assert keras_orbax.restore_sharded(fresh, directory).step == 4

@@ -6,11 +6,12 @@ Run with KERAS_BACKEND=jax and 8 virtual CPU devices in XLA_FLAGS. After the fir
 is committed, no file of this process may grow past 32 KiB (RLIMIT_FSIZE, so writes fail with
 EFBIG even as root) while the model's shard files are 64 KiB and more. The limit is set here, in
 a process of its own, not in the test runner. Writes `RESULT_DIR/result.json` (the error `fit`
-raised, the SIGTERM handler after it) and `RESULT_DIR/after_first.npz` (the state at step 4).
+raised, the SIGTERM handler and the garbage collector after it) and `RESULT_DIR/after_first.npz` (the state at step 4).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import signal
@@ -54,6 +55,7 @@ def main() -> None:
     result = {
         "error": error,
         "sigterm_is_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+        "gc_enabled": gc.isenabled(),  # background saves pause the collector (gc_pause.hold)
     }
     (result_dir / "result.json").write_text(json.dumps(result))
 

@@ -27,7 +27,7 @@ class PendingSave:
         return self.error
 
 
-_Item = tuple[PendingSave, Any, Callable[[], None], Callable[[], None]]
+_Item = tuple[PendingSave, Any, Callable[[], None], Callable[[], None], Callable[[], None]]
 
 
 class Collector:
@@ -52,11 +52,13 @@ class Collector:
         on_done: Callable[[], None] = _nothing,
         *,
         then: Callable[[], None] = _nothing,
+        last: Callable[[], None] = _nothing,
     ) -> PendingSave:
         """Collects `response`; calls `then` once it returned (the step is committed and durable,
-        e.g. deleting older steps), and `on_done` in any case (e.g. releasing a lock)."""
+        e.g. deleting older steps), `on_done` in any case (e.g. releasing a lock), and `last`
+        once the collector holds nothing of the save (e.g. resuming the garbage collector)."""
         pending = PendingSave(step)
-        self._queue.put((pending, response, then, on_done))
+        self._queue.put((pending, response, then, on_done, last))
         return pending
 
     def close(self) -> None:
@@ -66,15 +68,26 @@ class Collector:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            pending, response, then, on_done = item
+            last = item[-1]
+            self._collect(*item[:-1])
+            del item  # Orbax's response, and through it the save's shards and futures
+            last()
+
+    def _collect(
+        self,
+        pending: PendingSave,
+        response: Any,
+        then: Callable[[], None],
+        on_done: Callable[[], None],
+    ) -> None:
+        try:
+            response.result()
+            then()
+        except BaseException as error:  # handed to the training thread by join()
+            pending.error = error
+        finally:
             try:
-                response.result()
-                then()
-            except BaseException as error:  # handed to the training thread by join()
-                pending.error = error
+                on_done()
             finally:
-                try:
-                    on_done()
-                finally:
-                    self.staging.release()
-                    pending.done.set()
+                self.staging.release()
+                pending.done.set()

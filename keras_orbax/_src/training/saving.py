@@ -21,7 +21,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
-from keras_orbax._src.runtime import quiet
+from keras_orbax._src.runtime import gc_pause, quiet
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.retention import Retention
@@ -146,7 +146,9 @@ class Saves:
         staging: contextlib.AbstractContextManager = contextlib.nullcontext()
         if not blocking and self._collector is not None:  # the shards are copied into warm buffers
             staging = self._collector.staging.active()
-        with contextlib.ExitStack() as lock:
+        with contextlib.ExitStack() as lock, contextlib.ExitStack() as collector_paused:
+            # Until the save has let go of its objects: see gc_pause.hold.
+            collector_paused.callback(gc_pause.hold())
             try:
                 lock.enter_context(writer_lock(self.directory, step))
                 with staging:
@@ -182,7 +184,11 @@ class Saves:
             else:  # the lock is held until the background save commits or fails
                 assert self._collector is not None, "`start` starts the collector"
                 self.pending = self._collector.submit(
-                    step, response, lock.pop_all().close, then=lambda: self.prune(step)
+                    step,
+                    response,
+                    lock.pop_all().close,
+                    then=lambda: self.prune(step),
+                    last=collector_paused.pop_all().close,
                 )
                 _in_flight.add(self.directory, self.pending)
 
