@@ -7,6 +7,7 @@ must equal, exactly, what keras-hub puts in that variable.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import types
 
@@ -19,7 +20,11 @@ import keras_orbax
 from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.sources import hub_convert, safetensors_files
 from keras_orbax._src.sources.hub_hooks import HookKind, classify
-from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from tests._hf_export import GEMMA
 from tests._hub import import_keras_hub
 
@@ -254,3 +259,43 @@ def test_converter_using_tensor_values_is_refused(llama_dir, monkeypatch):
     monkeypatch.setattr(hub_compat, "hub_preset_loader", lambda directory: loader)
     with pytest.raises(NotImplementedError, match=r"model\.norm\.weight"):
         hub_convert.port_tensors(keras.Sequential(), llama_dir)
+
+
+# A config.json edited (or taken from another size of the model) beside the original tensors.
+# keras-hub's own loader fails on these with a NumPy reshape error or safetensors' "File does not
+# contain tensor"; keras-orbax says which tensor, which variable, and both shapes.
+CONFIG_EDITS = {
+    # A transposed tensor: the line shows it as converted, the hint as stored.
+    "intermediate_size": (64, [r"model\.layers\.0\.mlp\.down_proj\.weight \(16, 32\)",
+                               r"decoder_block_0/ffw_linear/kernel \(64, 32\)",
+                               r"down_proj\.weight is stored as \(32, 16\)"]),
+    # A reshaping hook that the sizes cannot satisfy: shown as stored.
+    "num_attention_heads": (8, [r"model\.layers\.0\.self_attn\.q_proj\.weight \(32, 32\)",
+                                r"decoder_block_0/attention/query/kernel \(8, 32, 8\)"]),
+    # A tensor the converter asks for that the files lack.
+    "num_hidden_layers": (3, [r"no tensor 'model\.layers\.2\.input_layernorm\.weight'",
+                              r"reads into decoder_block_2/pre_attention_norm/scale \(32,\)"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", list(CONFIG_EDITS))
+def test_a_config_that_does_not_describe_the_tensors_names_both_sides(tmp_path, gemma_dir, field):
+    value, patterns = CONFIG_EDITS[field]
+    directory = tmp_path / "edited"
+    shutil.copytree(gemma_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config[field] = value
+    (directory / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(CheckpointMismatchError) as raised:
+        keras_orbax.from_preset(keras_hub.models.GemmaBackbone, directory, dtype="bfloat16")
+    for pattern in patterns:
+        assert re.search(pattern, str(raised.value)), str(raised.value)
+
+    # A model built from that config is left as it was.
+    model = hub_convert.build_backbone(directory, dtype="bfloat16")
+    before = [np.asarray(v.value) for v in model.variables]
+    with pytest.raises(CheckpointMismatchError):
+        keras_orbax.restore_sharded(model, directory)
+    for variable, value_before in zip(model.variables, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), value_before)

@@ -244,7 +244,7 @@ def _prepare(
     """
     prepared = source.prepare(model, strict=strict)
     if prepared.problems or prepared.reads is None:
-        hint = matching.strict_hint(prepared.plan, strict)
+        hint = " ".join(filter(None, [prepared.hint, matching.strict_hint(prepared.plan, strict)]))
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
     if verify and source.check_reads(reads) is None:

@@ -45,6 +45,7 @@ class Prepared:
         reads: How this process reads each planned array; None where there are problems (no
             file is checked for a restore that cannot go ahead).
         problems: Why a restore with this strictness cannot go ahead (empty: it can).
+        hint: What the source adds to a mismatch error about how it shows its side.
     """
 
     record: StepRecord
@@ -52,6 +53,7 @@ class Prepared:
     plan: Plan
     reads: ReadPlan | None
     problems: tuple[str, ...]
+    hint: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from keras_orbax._src.format.step_record import METRIC, StepRecord, VariableReco
 from keras_orbax._src.read.contiguous import ComputedArray, ContiguousArray
 from keras_orbax._src.sources import safetensors_files
 from keras_orbax._src.sources.base import Prepared, Source
+from keras_orbax._src.sources.safetensors_files import SafetensorsTensor
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty
 
 # Keras, JAX and the restore's modules load in the methods that restore: `resolve` asks
@@ -114,13 +115,21 @@ class TransformersSource(Source):
         key_of = {id(v): k for k, v in state.variables.items()}
         record = StepRecord(step=0, variables={}, format_version=0)
         readers: dict[str, Any] = {}
+        converted: dict[str, SafetensorsTensor] = {}  # by key: tensors the converter reshapes
         for ported in hub_convert.port_tensors(model, self.location):
             key = key_of[id(ported.variable)]
             shape = tuple(int(n) for n in ported.variable.shape)
-            readers[key] = _reader(ported, hub_convert.classify_hook(ported), shape)
+            hook = hub_convert.classify_hook(ported)
+            readers[key] = _reader(ported, hook, shape)
             name = ported.tensor.name
+            # The checkpoint's side is the tensor as the converter turns it into the variable:
+            # a config.json that describes other shapes than the tensors have is a mismatch here,
+            # not a NumPy error from the hook halfway through the reads.
+            saved_shape = hub_convert.converted_shape(ported, hook)
+            if saved_shape != tuple(ported.tensor.shape):
+                converted[key] = ported.tensor
             record.variables[key] = VariableRecord(
-                key, name, shape, str(readers[key].dtype), name, role=state.roles[key]
+                key, name, saved_shape, str(readers[key].dtype), name, role=state.roles[key]
             )
         optional = {
             k for k in state.variables if "/seed_generators/" in k or state.roles[k] == METRIC
@@ -130,7 +139,13 @@ class TransformersSource(Source):
         if not plan.problems:
             requests = list(plan.reads.values())
             reads = sharded_read.plan_reads(self.location, requests, lambda r: readers[r.key])
-        return Prepared(record, state, plan, reads, tuple(plan.problems))
+        hint = ""
+        if example := next((converted[k] for k in plan.mismatched if k in converted), None):
+            hint = (
+                "The checkpoint's shapes are its tensors as keras-hub's converter turns them into "
+                f"the model's variables ({example.name} is stored as {tuple(example.shape)})."
+            )
+        return Prepared(record, state, plan, reads, tuple(plan.problems), hint)
 
 
 def _reader(ported: Any, hook: Any, shape: tuple[int, ...]) -> Any:

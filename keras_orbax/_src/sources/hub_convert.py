@@ -11,6 +11,7 @@ variable's shards straight from the file. Needs keras-hub and safetensors (the `
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from keras_orbax._src.sources.safetensors_files import (
     read_directory,
     read_tensor,
 )
+from keras_orbax.errors import CheckpointMismatchError
 
 Hook = Callable[[Any, list[int]], Any]
 
@@ -33,6 +35,7 @@ __all__ = [
     "PortedTensor",
     "build_backbone",
     "classify_hook",
+    "converted_shape",
     "host_value",
     "port_tensors",
     "unported_variables",
@@ -78,6 +81,16 @@ def build_backbone(directory: str | os.PathLike, **kwargs: Any) -> keras.Model:
     return loader.load_backbone(loader.check_backbone_class(), load_weights=False, **kwargs)
 
 
+class _MissingTensor(KeyError):
+    """A tensor the converter asks for that the directory lacks: a KeyError still, as a converter
+    probing for an optional tensor expects."""
+
+    def __init__(self, directory: str, name: str, variable: keras.Variable | None) -> None:
+        super().__init__(f"{directory} has no tensor {name!r}.")
+        self.name = name
+        self.variable = variable
+
+
 class _Unread:
     """What the recorder's `get_tensor` returns: enough to probe for a key, never a value."""
 
@@ -102,13 +115,15 @@ def _recording_loader(
         def get_tensor(self, hf_weight_key: str) -> Any:
             key = self.get_prefixed_key(hf_weight_key, tensors)
             if key not in tensors:
-                raise KeyError(f"{directory} has no tensor {hf_weight_key!r}.")
+                raise _MissingTensor(directory, hf_weight_key, None)
             return _Unread(key)
 
         def port_weight(
             self, keras_variable: keras.Variable, hf_weight_key: str, hook_fn: Hook | None = None
         ) -> None:
-            key = self.get_tensor(hf_weight_key).name
+            key = self.get_prefixed_key(hf_weight_key, tensors)
+            if key not in tensors:
+                raise _MissingTensor(directory, hf_weight_key, keras_variable)
             record.append(PortedTensor(keras_variable, tensors[key], hook_fn))
 
     return RecordingLoader(directory)
@@ -128,13 +143,28 @@ def port_tensors(backbone: keras.Model, directory: str | os.PathLike) -> list[Po
         One `PortedTensor` per variable the converter fills, in the converter's order.
 
     Raises:
+        CheckpointMismatchError: the converter asks for a tensor the directory lacks (its
+            `config.json` describes another model than its safetensors files hold).
         NotImplementedError: the converter uses tensor values itself (e.g. stacks MoE experts).
     """
     loader = _transformers_loader(directory)
     tensors = read_directory(directory)
     record: list[PortedTensor] = []
-    with _recording_loader(os.fspath(directory), tensors, record) as recorder:
-        hub_compat.hub_convert_weights(loader, backbone, recorder)
+    try:
+        with _recording_loader(os.fspath(directory), tensors, record) as recorder:
+            hub_compat.hub_convert_weights(loader, backbone, recorder)
+    except _MissingTensor as missing:
+        into = ""
+        if (variable := missing.variable) is not None:
+            into = (
+                f", which keras-hub's converter reads into {variable.path} {tuple(variable.shape)}"
+            )
+        raise CheckpointMismatchError(
+            f"{directory} has no tensor {missing.name!r}{into}: its config.json describes "
+            f"another model than its {len(tensors)} safetensors tensors (compare its layer count, "
+            "sizes and `tie_word_embeddings` with the tensors: `keras-orbax inspect "
+            f"{directory}`). No variable was modified."
+        ) from None
     last = {id(p.variable): i for i, p in enumerate(record)}
     return [p for i, p in enumerate(record) if last[id(p.variable)] == i]
 
@@ -148,6 +178,23 @@ def unported_variables(backbone: keras.Model, ported: list[PortedTensor]) -> lis
 def classify_hook(ported: PortedTensor) -> HookPlan:
     """What `ported.hook` does to the tensor: identity, transpose, reshape, rearrange or other."""
     return classify(ported.hook, ported.tensor.shape, ported.tensor.dtype, ported.variable.shape)
+
+
+def converted_shape(ported: PortedTensor, hook: HookPlan) -> tuple[int, ...]:
+    """The shape `ported.hook` gives the tensor, found without reading it: the traced hook's, or
+    for a hook that cannot be traced and changes the element count (so cannot be a reshape), its
+    output on a stand-in that holds one element; the stored shape where the hook fails on it."""
+    if hook.shape is not None:
+        return hook.shape
+    target = tuple(int(n) for n in ported.variable.shape)
+    stored = tuple(ported.tensor.shape)
+    if ported.hook is None or math.prod(stored) == math.prod(target):
+        return target  # as traced hooks do; the read applies the hook to the tensor itself
+    stand_in = np.broadcast_to(np.zeros((), ported.tensor.dtype), stored)
+    try:
+        return tuple(np.shape(ported.hook(stand_in, list(target))))
+    except Exception:  # e.g. a reshape the sizes do not allow: the shapes say what is wrong
+        return stored
 
 
 def host_value(ported: PortedTensor) -> np.ndarray:
