@@ -16,6 +16,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.format import step_dirs
+from keras_orbax.errors import KerasOrbaxWarning
 from tests import _models
 from tests._beacons import Beacon
 from tests._harness import REPO_ROOT, WORKERS_DIR, start_workers
@@ -95,6 +96,17 @@ def test_resumed_fit_ends_exactly_where_an_uninterrupted_fit_does(tmp_path, mp, 
     saves = [f"Epoch {e}: saving step {4 * e} to '{tmp_path}'" for e in (1, 2, 3, 4)]
     resuming = f"Resuming from step 8 of '{tmp_path}': 2 epochs done, fit goes on at epoch 3/4."
     assert lines == [*saves[:2], resuming, *saves[2:]]
+
+
+def test_save_lines_start_their_own_line_under_a_progress_bar(tmp_path, capsys):
+    model = _models.compile_adam(_models.full_model())
+    x, y = _data(model)
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, verbose=1)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=1, callbacks=[checkpoint])
+    out = capsys.readouterr().out
+    # Keras's bar leaves its line open ("... loss: 0.35"): each save line begins a line of its own.
+    for step in (4, 8):
+        assert f"\nEpoch {step // 4}: saving step {step} to '{tmp_path}'\n" in out, out
 
 
 def test_mid_epoch_async_saves_hold_their_step_and_resume_skips_the_batches_done(tmp_path, mp):
@@ -383,6 +395,21 @@ def test_a_numpy_scalar_monitor_is_a_number(tmp_path, recwarn):
     summaries = keras_orbax.inspect(tmp_path).summaries
     assert [s.metrics["custom"] for s in summaries] == [3.0, 1.0]
     assert not [w for w in recwarn if "not a number" in str(w.message)]
+
+
+def test_keep_best_on_a_monitor_a_batch_does_not_log_warns_once(tmp_path):
+    model = _models.compile_adam(_models.mlp())
+    x, y = _data(model)
+    callback = keras_orbax.ModelCheckpoint(tmp_path, keep_best=1, save_freq=2)  # val_loss
+    with pytest.warns(KerasOrbaxWarning) as warned:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y),
+                  callbacks=[callback])  # fmt: skip
+    messages = [str(w.message) for w in warned if "cannot rank" in str(w.message)]
+    assert messages == [
+        "ModelCheckpoint(keep_best=1) cannot rank the steps it saves (only max_to_keep and "
+        "keep_every keep them) while 'val_loss' is not a number in the logs after a batch "
+        "(save_freq=2). Received: val_loss=None"
+    ]
 
 
 def test_a_preemption_save_ranks_kept_steps_in_the_monitor_direction(tmp_path):

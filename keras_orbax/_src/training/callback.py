@@ -263,6 +263,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             previous = "None" if self.best is None else f"{self.best:.5f}"
             note = f" ({self.monitor} improved from {previous} to {current:.5f})"
             self.best = current
+        elif self.keep_best and number(logs.get(self.monitor)) is None:
+            self._warn_missing(logs.get(self.monitor))
         reason = "epoch" if at_epoch_end else "batch"
         blocking = not self.save_on_background
         self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
@@ -341,14 +343,25 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._candidates = []
 
     def _warn_missing(self, current: Any) -> None:
-        if not self._warned_missing:
-            self._warned_missing = True
-            warnings.warn(
-                f"ModelCheckpoint(save_best_only=True) skips saves while '{self.monitor}' is not "
-                f"a number in the logs. Received: {self.monitor}={current!r}",
-                KerasOrbaxWarning,
-                stacklevel=3,
+        if self._warned_missing:
+            return
+        self._warned_missing = True
+        if self.save_best_only:
+            what = "ModelCheckpoint(save_best_only=True) skips saves"
+        else:
+            what = (
+                f"ModelCheckpoint(keep_best={self.keep_best}) cannot rank the steps it saves "
+                "(only max_to_keep and keep_every keep them)"
             )
+        where = ""
+        if self.save_freq != "epoch":  # a batch's logs hold no epoch-end metric (val_loss)
+            where = f" after a batch (save_freq={self.save_freq})"
+        warnings.warn(
+            f"{what} while '{self.monitor}' is not a number in the logs{where}. "
+            f"Received: {self.monitor}={current!r}",
+            KerasOrbaxWarning,
+            stacklevel=3,
+        )
 
     # -- reporting and cleanup -------------------------------------------------------------------
 
@@ -362,7 +375,10 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         line = f"{where}: {action} step {step} to '{self.directory}'{note}"
         logger.info(line)
         if self.verbose > 0:
-            print(line, flush=True)
+            # Keras's progress bar (`fit(verbose=1)`, the default) leaves its line open: start on
+            # a line of our own, as Keras's ModelCheckpoint does.
+            bar = self.params.get("verbose") in (1, "auto") if self.params else False
+            print(f"\n{line}" if bar else line, flush=True)
 
     def _close(self, *, failing: bool) -> None:
         """Puts back what on_train_begin changed, and closes the saves (`Saves.close`)."""
