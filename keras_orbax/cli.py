@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print("keras-orbax: interrupted", file=sys.stderr)
             return EXIT_ERROR
         except Exception as error:  # one line, no traceback: every error of ours names its path
-            # No command changes a model of the user's: the restore's assurance would mislead here.
-            said = _one_line(error).replace(" No variable was modified.", "")
+            said = _for_the_command_line(_one_line(error))
             given = _locations(args)
             if given and not any(p in said for p in given):  # another library's error
                 what = "location given" if len(given) == 1 else "locations given"
@@ -253,30 +252,40 @@ def _diff(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import keras
 
-    from keras_orbax._src.model.deferred import deferred_init
     from keras_orbax._src.tools.plan_report import plan_restore_report
 
     if args.mesh:
         keras.distribution.set_distribution(_distribution(args))
-    build = _load_function(args.model)
-    with deferred_init():
-        model = build()
+    model = _build_deferred(args.model)
     report = plan_restore_report(model, args.directory, args.step, processes=args.processes)
     if not args.quiet:
         _emit(json.dumps(report.to_json(), indent=1) if args.json else str(report))
     return 0 if not report.problems else EXIT_DIFFERENT
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _build_deferred(spec: str) -> Any:
+    """The model `--model SPEC` builds, under `deferred_init()`: nothing allocated."""
     from keras_orbax._src.model.deferred import deferred_init
+
+    build = _load_function(spec)
+    try:
+        with deferred_init():
+            return build()
+    except errors.NotDeferrableError:
+        raise errors.NotDeferrableError(
+            f"--model {spec} compiles the model with an optimizer it makes, which keras-orbax "
+            "cannot do while it builds the model without allocating it (Keras makes an "
+            "optimizer's step counter from a number). Make the optimizer outside the function, "
+            "at module level, and compile with that object; or return the model uncompiled (its "
+            "optimizer state is then left out)."
+        ) from None
+
+
+def _convert(args: argparse.Namespace) -> int:
     from keras_orbax._src.runtime.progress import Progress, human_bytes
     from keras_orbax._src.tools.convert import convert
 
-    model = None
-    if args.model:
-        build = _load_function(args.model)
-        with deferred_init():
-            model = build()
+    model = _build_deferred(args.model) if args.model else None
     progress: list[Progress] = []
     written = [0]
 
@@ -415,8 +424,36 @@ def _show_warning(
     if not issubclass(category, errors.KerasOrbaxWarning):
         show(message, category, *args, **kwargs)
         return
-    text = " ".join(str(message).split())
+    text = _for_the_command_line(" ".join(str(message).split()))
     print(f"keras-orbax {command}: warning: {text}", file=sys.stderr)
+
+
+# What the Python API's messages advise, said for the command line. No command changes a model of
+# the user's (the restore's assurance would mislead), none takes `strict`, and `--model`'s
+# function runs under `deferred_init()`, where only an optimizer made outside it can be compiled.
+_COMMAND_LINE_ADVICE = (
+    (" No variable was modified.", ""),
+    (" If the model changed on purpose, pass strict=False to restore only what matches.", ""),
+    (
+        "compile the model with its optimizer before convert",
+        "compile it in --model's function with an optimizer made outside the function (at "
+        "module level)",
+    ),
+    (
+        "Set a distribution before building and restoring the model: ModelParallel with a "
+        "LayoutMap to shard its weights over the devices, or DataParallel to replicate them.",
+        "The command line sets none: call keras_orbax's functions under a distribution to "
+        "spread the model over the devices.",
+    ),
+    ("(preset=True)", "(--preset)"),
+    ("(transformers=True)", "(--transformers)"),
+)
+
+
+def _for_the_command_line(text: str) -> str:
+    for python, command_line in _COMMAND_LINE_ADVICE:
+        text = text.replace(python, command_line)
+    return text
 
 
 def _one_line(error: BaseException) -> str:

@@ -13,6 +13,22 @@ def mlp() -> keras.Model:
     return keras.Model(inputs, outputs, name="mlp")
 
 
+def mlp_compiled() -> keras.Model:
+    """Compiled with an optimizer made inside: Keras cannot make one while nothing is allocated."""
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+OPTIMIZER = keras.optimizers.Adam()  # made at import, outside the CLI's deferred build
+
+
+def mlp_compiled_with_module_optimizer() -> keras.Model:
+    model = mlp()
+    model.compile(optimizer=OPTIMIZER, loss="mse")
+    return model
+
+
 def wide() -> keras.Model:
     """8 Dense kernels of 8 MiB each (1024 x 2048 float32), no biases: 64 MiB in all."""
     inputs = keras.Input((1024,))

@@ -203,7 +203,20 @@ def test_convert_a_keras_orbax_checkpoint_directory_with_a_model(tmp_path, capsy
     assert warning.startswith("keras-orbax convert: warning: Model ")
     assert "has no optimizer, so 10 optimizer variables" in warning and "not written" in warning
     assert "convert without a model" in warning
-    for converted in ("by_config", "ckpt"):
+    assert "compile it in --model's function with an optimizer made outside the function" in warning
+    # A function that compiles with an optimizer it makes cannot run deferred: the error says how
+    # to keep the optimizer; made at module level, the optimizer's state is converted.
+    inside = _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "inside"),
+                   "--model", "tests.cli_models:mlp_compiled", check=cli.EXIT_ERROR)  # fmt: skip
+    assert "--model tests.cli_models:mlp_compiled compiles the model" in inside.stderr
+    assert "Make the optimizer outside the function, at module level" in inside.stderr
+    assert "with` block" not in inside.stderr  # the Python API's advice
+    outside = _main(capsys, "convert", str(tmp_path / "keras"), str(tmp_path / "outside"),
+                    "--model", "tests.cli_models:mlp_compiled_with_module_optimizer")  # fmt: skip
+    assert outside.stderr == ""
+    kept = keras_orbax.inspect(tmp_path / "outside").record.variables
+    assert sum(key.startswith("optimizer/") for key in kept) == 10
+    for converted in ("by_config", "ckpt", "outside"):
         restored = cli_models.mlp()
         keras_orbax.restore_sharded(restored, tmp_path / converted)
         for got, want in zip(restored.weights, trained.weights, strict=True):

@@ -449,7 +449,7 @@ def test_restore_with_verify_warns_where_nothing_was_recorded(home, saved, kind)
 
 @pytest.mark.parametrize(
     ("inside", "passes"),
-    [(f"{STEP}/state", "folder"), (f"{STEP}/state/layers.dense.vars.0", "array directory")],
+    [(f"{STEP}/state", "a folder"), (f"{STEP}/state/layers.dense.vars.0", "an array directory")],
 )
 def test_a_location_inside_a_step_says_what_to_pass(home, inside, passes):
     location = f"orbax_ckpt/{inside}"
@@ -462,7 +462,7 @@ def test_a_location_inside_a_step_says_what_to_pass(home, inside, passes):
     ):
         with pytest.raises(CheckpointNotFoundError) as raised:
             verb()
-        assert f"a {passes} inside step {STEP}" in str(raised.value)
+        assert f"is {passes} inside step {STEP}" in str(raised.value)
         assert f"'{home / 'orbax_ckpt'}@{STEP}'" in str(raised.value)
 
 

@@ -201,11 +201,11 @@ def _root_and_step(path: Any, step: int | None) -> tuple[Any, int | None]:
     name, parent = path.name, path.parent
     if name.isdecimal() and int(name) in step_dirs.committed_steps(parent):
         return parent, _same_step(step, int(name), os.fspath(path))
-    for inside, level in ((parent, "folder"), (parent.parent, "array directory")):
+    for inside, level in ((parent, "a folder"), (parent.parent, "an array directory")):
         if inside.name.isdecimal() and int(inside.name) in step_dirs.committed_steps(inside.parent):
             root = inside.parent
             raise CheckpointNotFoundError(
-                f"'{path}' is a {level} inside step {inside.name} of the checkpoint '{root}', "
+                f"'{path}' is {level} inside step {inside.name} of the checkpoint '{root}', "
                 f"not a checkpoint. Pass '{root}' (its latest step) or '{root}@{inside.name}'."
             )
     return path, step

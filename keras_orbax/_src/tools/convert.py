@@ -154,8 +154,9 @@ def _refuse_keras_file(destination: str | os.PathLike) -> None:
     suffix = next((s for s in _KERAS_FILES if name.lower().endswith(s)), None)
     if suffix is not None:
         raise ValueError(
-            "convert writes a keras-orbax checkpoint directory, a `.weights.h5` file or a "
-            f"keras-hub preset (preset=True), not a Keras '{suffix}' file. To get one, restore "
+            "convert writes a keras-orbax checkpoint directory, a `.weights.h5` file, a "
+            "keras-hub preset (preset=True) or a Hugging Face directory (transformers=True), not "
+            f"a Keras '{suffix}' file. To get one, restore "
             "the state with `keras_orbax.restore_sharded(model, source)` and call Keras's "
             f"`model.save_weights(...)` or `model.save(...)`. "
             f"Received: destination={os.fspath(destination)!r}"

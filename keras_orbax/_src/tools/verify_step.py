@@ -98,10 +98,15 @@ def verify(
     """
     source = resolve.open_source(directory, step)
     total = sum(v.nbytes for v in source.record.variables.values())
-    with Progress("verify", total, enabled=bool(verbose)) as progress:
-        found = source.check_files(on_file=progress.advance)
-        read_back = found.unchecked if found is not None else tuple(source.record.variables)
-        nbytes = _read_back(source, read_back, progress.advance)
+    try:
+        with Progress("verify", total, enabled=bool(verbose)) as progress:
+            found = source.check_files(on_file=progress.advance)
+            read_back = found.unchecked if found is not None else tuple(source.record.variables)
+            nbytes = _read_back(source, read_back, progress.advance)
+    except CorruptCheckpointError as error:
+        # The checks are the restore's, whose errors assure that no variable was modified:
+        # verify has no variables, and says so nowhere.
+        raise CorruptCheckpointError(_without_restore_note(str(error))) from error
     files = (found.files if found else 0) + (0 if found else len(read_back))
     why = "" if not read_back else (source.no_checksums if found is None else found.why_unchecked)
     return VerifyResult(
@@ -114,6 +119,11 @@ def verify(
         kind=source.kind,
         why_unchecked=why,
     )
+
+
+def _without_restore_note(message: str) -> str:
+    note = "No variable was modified."
+    return message.replace(f"\n{note}", "").replace(f" {note}", "").rstrip()
 
 
 def _read_back(source: Source, keys: Sequence[str], on_read: Callable[[int], None]) -> int:
