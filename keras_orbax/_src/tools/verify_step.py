@@ -19,7 +19,8 @@ class VerifyResult:
 
     Attributes:
         step: The step checked (None for a weights file or model directory).
-        files: Files read back whole.
+        files: Files read back whole and checked (0 for a source that records no checksums,
+            which is read back array by array).
         bytes: Bytes read.
         checksummed: Files whose recorded checksum matched.
         unchecked: Keys of arrays that no recorded checksum covers: read back and found readable,
@@ -51,7 +52,9 @@ class VerifyResult:
             if self.step is not None
             else (f"'{self.location}'")
         )
-        read = f"{self.files} {'file' if self.files == 1 else 'files'}, {human_bytes(self.bytes)}"
+        read = human_bytes(self.bytes)
+        if self.files:
+            read = f"{self.files} {'file' if self.files == 1 else 'files'}, {read}"
         if self.intact:
             return f"{what} intact: {read} read, each matched its recorded checksum."
         if not self.unchecked and not self.checksummed:
@@ -107,7 +110,7 @@ def verify(
         # The checks are the restore's, whose errors assure that no variable was modified:
         # verify has no variables, and says so nowhere.
         raise CorruptCheckpointError(_without_restore_note(str(error))) from error
-    files = (found.files if found else 0) + (0 if found else len(read_back))
+    files = found.files if found else 0  # a source without checksums is read array by array
     why = "" if not read_back else (source.no_checksums if found is None else found.why_unchecked)
     return VerifyResult(
         step=source.step,
