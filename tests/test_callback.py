@@ -286,7 +286,8 @@ def test_preempted_training_saves_its_step_exits_cleanly_and_resumes(tmp_path, m
     assert json.loads(result.read_text()) == {"preempted": True, "step": 12, "epochs": [0, 1]}
     assert step_dirs.committed_steps(directory) == [8, 12]
     record = step_dirs.read_record(directory / "12")
-    assert (record.epoch, record.batch, record.extra) == (1, 4, {"reason": "preemption"})
+    preempted = {"reason": "preemption", "steps_per_epoch": 8}
+    assert (record.epoch, record.batch, record.extra) == (1, 4, preempted)
 
     model = preempt_train.build()
     checkpoint = keras_orbax.ModelCheckpoint(directory, max_to_keep=None, resume=True)

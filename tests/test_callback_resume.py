@@ -322,6 +322,28 @@ def test_resuming_from_a_step_without_optimizer_state_says_so(tmp_path):
     assert resumed.restored is not None and resumed.restored.step == 2
 
 
+def test_resuming_mid_epoch_with_other_epochs_warns(tmp_path, recwarn):
+    """The batches a mid-epoch resume drops are counted, not recognized: with another batch size
+    they are other samples than the checkpoint trained, and the resume says so."""
+    saving = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3)  # step 3: batch 3 of 4
+    _mlp()().fit(**_arrays(4)(), epochs=1, verbose=0, callbacks=[saving])
+    assert step_dirs.committed_steps(tmp_path) == [3]
+
+    same = keras_orbax.ModelCheckpoint(tmp_path, resume=True, save_freq=100)
+    _mlp()().fit(**_arrays(4)(), epochs=1, verbose=0, callbacks=[same])
+    assert not [w for w in recwarn if "this fit's epochs have" in str(w.message)]
+
+    other = keras_orbax.ModelCheckpoint(tmp_path, resume=True, save_freq=100)
+    x, y = _arrays(4)()["x"], _arrays(4)()["y"]
+    with pytest.warns(KerasOrbaxWarning) as warned:
+        _mlp()().fit(x, y, batch_size=2 * len(x) // 4, epochs=1, verbose=0, callbacks=[other])
+    (message,) = [str(w.message) for w in warned if "this fit's epochs have" in str(w.message)]
+    assert message.startswith(
+        f"Step 3 of '{tmp_path}' was saved after batch 3 of an epoch of 4 batches; this fit's "
+        "epochs have 2. It drops the first 3 batches of its epoch 1 as trained already"
+    )
+
+
 # -- what a resumed fit prints --------------------------------------------------------------------
 
 

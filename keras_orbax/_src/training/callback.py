@@ -300,6 +300,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 metrics=metrics,
                 reason=reason,
                 blocking=blocking,
+                steps_per_epoch=self.params.get("steps") if self.params else None,
             )
         except BaseException:
             self._close(failing=True)
@@ -327,8 +328,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
         epochs = self.params.get("epochs") if self.params else None
+        steps = self.params.get("steps") if self.params else None
         resumed = resume(
-            self.model, self.directory, checkpointer, epochs=epochs, verbose=self.verbose
+            self.model,
+            self.directory,
+            checkpointer,
+            epochs=epochs,
+            steps_per_epoch=steps,
+            verbose=self.verbose,
         )
         if resumed is not None:
             self.restored, self._resume_point = resumed.restored, resumed.point

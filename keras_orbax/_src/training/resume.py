@@ -40,6 +40,7 @@ def resume(
     checkpointer: ocp.training.Checkpointer,
     *,
     epochs: int | None,
+    steps_per_epoch: int | None = None,
     verbose: int,
 ) -> Resumed | None:
     """Restores the newest readable step of `directory` into `model` and sets `fit` to start at
@@ -90,6 +91,17 @@ def resume(
         )
     if record.epoch is None:
         return Resumed(restored, None, tuple(s for s, _ in unreadable))
+    saved_steps = record.extra.get("steps_per_epoch")
+    if record.batch and saved_steps is not None and steps_per_epoch not in (None, saved_steps):
+        warnings.warn(  # the batches dropped are counted, not recognized
+            f"Step {step} of '{directory}' was saved after batch {record.batch} of an epoch of "
+            f"{_count(saved_steps, 'batch')}; this fit's epochs have {steps_per_epoch}. It drops "
+            f"the first {_count(record.batch, 'batch')} of its epoch {record.epoch + 1} as "
+            "trained already, which are other samples than the checkpoint trained (another "
+            "batch size or dataset): resume mid-epoch with the same batches.",
+            KerasOrbaxWarning,
+            stacklevel=2,
+        )
     keras_compat.set_initial_epoch(model, record.epoch)
     point = ResumePoint(model, record.epoch, record.batch or 0)
     return Resumed(restored, point, tuple(s for s, _ in unreadable))

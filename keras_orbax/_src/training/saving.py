@@ -134,9 +134,11 @@ class Saves:
         metrics: dict[str, float] | None,
         reason: str,
         blocking: bool,
+        steps_per_epoch: int | None = None,
     ) -> None:
         """Writes `step`, in the background unless `blocking`; retention deletes older steps
-        once it is durable. Waits for the save in progress first."""
+        once it is durable. Waits for the save in progress first. `steps_per_epoch` is recorded
+        for a resume mid-epoch to check that its epochs are the same."""
         self.wait()
         if self.checkpointer is None:
             raise SaveFailedError(
@@ -159,7 +161,7 @@ class Saves:
                         epoch=epoch,
                         batch=batch,
                         metrics=metrics,
-                        extra={"reason": reason},
+                        extra={"reason": reason, "steps_per_epoch": steps_per_epoch},
                         blocking=blocking,
                         weights_only=self.weights_only,
                         incremental=self.incremental,
