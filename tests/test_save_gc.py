@@ -69,7 +69,10 @@ def test_background_saves_run_no_collection_and_resume_the_collector(tmp_path, d
         gc.callbacks.remove(on_gc)
 
     assert step_dirs.committed_steps(tmp_path / "ckpt") == [4, 8, 12, 16, 20, 24]
-    assert during_saves == []
+    # Without the pause, 51 collections ran during these saves. With it, none can, but the hook
+    # allocates a few objects (a frame's `super()`, the pause's own context) before the collector
+    # is paused: one of them may find a young collection due, once in a few hundred saves.
+    assert len(during_saves) <= 1, during_saves
     assert gc.isenabled()
 
 

@@ -126,7 +126,8 @@ def verify(
 
 def _without_restore_note(message: str) -> str:
     note = "No variable was modified."
-    return message.replace(f"\n{note}", "").replace(f" {note}", "").rstrip()
+    message = message.replace(f"\n{note}", "").replace(f" {note}", "").rstrip()
+    return message if message.endswith(".") else f"{message}."
 
 
 def _read_back(source: Source, keys: Sequence[str], on_read: Callable[[int], None]) -> int:

@@ -13,7 +13,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.restore.restore import RestoreResult
-from keras_orbax._src.runtime import multihost
+from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.training.callback_args import validate
 from keras_orbax._src.training.preemption import PreemptionWatcher
 from keras_orbax._src.training.resume import ResumePoint, resume
@@ -247,6 +247,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     # -- saving ----------------------------------------------------------------------------------
 
+    # The collector is paused from the start of the hook's work (the save's own hold goes on until
+    # the background save lets go of its objects): gc_pause.hold.
+    @gc_pause.paused()
     def _consider_save(self, logs: dict, *, at_epoch_end: bool) -> None:
         if self.save_best_only or self.keep_best:
             self._ensure_monitor_op()
@@ -269,6 +272,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         blocking = not self.save_on_background
         self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
 
+    @gc_pause.paused()
     def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
         if self.save_best_only or self.keep_best:
             self._ensure_monitor_op()  # retention ranks the kept steps after this save too
