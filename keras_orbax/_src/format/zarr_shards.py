@@ -38,6 +38,7 @@ from keras_orbax._src.storage.byte_runs import (
     cast,
     pread_fetch,
     read_box,
+    unreadable,
 )
 from keras_orbax.errors import CorruptCheckpointError
 
@@ -216,11 +217,14 @@ class FastArray:
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         path = self.local_file(coords)
         index = bytearray(_INDEX_BYTES)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            got = os.preadv(fd, [out.data, index], 0)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                got = os.preadv(fd, [out.data, index], 0)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise unreadable(path, error) from error
         if got != self.chunk_bytes + _INDEX_BYTES:  # short: the general path reads or says why
             return False
         if index == self._plain_index:  # the index every keras-orbax shard file has (CRC included)

@@ -261,12 +261,19 @@ def _read_with_orbax(
             loaded = ocp.load(step_dir, abstract, checkpointable_name=checkpointable)
     except Exception as error:  # tensorstore raises plain Exceptions; re-raised, never swallowed
         keys = ", ".join(r.record.key for r in requests[:10])
+        more = f" and {len(requests) - 10} more" if len(requests) > 10 else ""
         raise CorruptCheckpointError(
-            f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}): "
-            f"{str(error).rstrip('.')}. No variable was modified."
+            f"Cannot read arrays of checkpoint step '{step_dir}' ({keys}{more}): "
+            f"{_tensorstore_reason(error)}. No variable was modified."
         ) from error
     flat = state_keys.flatten(loaded, list(paths.values()))
     return {key: flat[path] for key, path in paths.items()}, _tensorstore_bytes_read() - before
+
+
+def _tensorstore_reason(error: BaseException) -> str:
+    """Tensorstore's message without the dump of the whole store's spec it appends."""
+    reason = str(error).split("See full TensorStore details")[0].strip().rstrip(".;:,")
+    return reason if len(reason) <= 600 else reason[:600] + " ..."
 
 
 def _tensorstore_bytes_read() -> int:

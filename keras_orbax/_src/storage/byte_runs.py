@@ -206,10 +206,18 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
 def _pread_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as error:  # EIO from a failing disk: the file is named, not the fd
+            raise unreadable(path, error) from error
         if n == 0:
             raise CorruptCheckpointError(f"{path} is truncated.")
         done += n
+
+
+def unreadable(path: Any, error: OSError) -> CorruptCheckpointError:
+    """The error for a file the system cannot read (EIO, a vanished mount), naming it."""
+    return CorruptCheckpointError(f"{path} cannot be read: {error.strerror or error}.")
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
