@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax.errors import CorruptCheckpointError
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 from tests import _models
 
 # These tests name the files of single shards (`c/1/2`) or cut the saved shards.
@@ -133,6 +133,29 @@ def test_restore_with_verify_refuses_a_flipped_byte_and_changes_nothing(saved, d
     for variable, want in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
     keras_orbax.restore_sharded(model, saved, strict=False)  # without verify it reads as it is
+
+
+def test_restore_with_verify_warns_for_arrays_it_could_not_verify(
+    tmp_path_factory, saved, distribution
+):
+    """A compact step (its data has no checksum), and a fast one whose checksum file is lost, are
+    restored as read, and `verify=True` says which arrays it could not check."""
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    compact = tmp_path_factory.mktemp("compact")
+    keras_orbax.save(model, compact, step=1, format="compact")
+    with pytest.warns(KerasOrbaxWarning) as warned:
+        keras_orbax.restore_sharded(_models.mlp(), compact, verify=True)
+    (message,) = [str(w.message) for w in warned if "could not verify" in str(w.message)]
+    assert message.startswith("restore_sharded(verify=True) could not verify 4 arrays of ")
+    assert "whose data Orbax stores without a checksum" in message and KERNEL in message
+
+    for lost in (saved / "3" / "state" / "keras_orbax_checksums").iterdir():
+        lost.unlink()
+    with pytest.warns(KerasOrbaxWarning) as warned:
+        keras_orbax.restore_sharded(_models.mlp(), saved, verify=True)
+    (message,) = [str(w.message) for w in warned if "could not verify" in str(w.message)]
+    assert "(the step was saved without checksums)" in message and KERNEL in message
 
 
 @pytest.mark.parametrize("batch_bytes", [1, 1 << 30])

@@ -109,7 +109,8 @@ def restore_sharded(
         verify: Before reading, check every shard file this process reads against the checksum
             written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
             A source that records no checksums (Keras and Hugging Face files, Keras's
-            `OrbaxCheckpoint` steps) is read as it is, with a `KerasOrbaxWarning` saying so.
+            `OrbaxCheckpoint` steps), and arrays no recorded checksum covers (a compact step's,
+            a lost checksum file's), are read as they are, with a `KerasOrbaxWarning` naming them.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
         single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
@@ -247,10 +248,18 @@ def _prepare(
         hint = " ".join(filter(None, [prepared.hint, matching.strict_hint(prepared.plan, strict)]))
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
-    if verify and source.check_reads(reads) is None:
+    found = source.check_reads(reads) if verify else None
+    if verify and found is None:
         _warn(
             f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
             "nothing was verified. Its arrays are read as they are."
+        )
+    elif found is not None and found.unchecked:
+        _warn(
+            f"restore_sharded(verify=True) could not verify {counted(len(found.unchecked), 'array')}"
+            f" of {resolve.describe(source)} ({found.why_unchecked}), restored as read: "
+            + ", ".join(found.unchecked[:5])
+            + (f" and {len(found.unchecked) - 5} more." if len(found.unchecked) > 5 else ".")
         )
     return dataclasses.replace(prepared, reads=reads)
 

@@ -119,15 +119,14 @@ def _file_check(
     uncovered: tuple[str, ...],
 ) -> FileCheck:
     """What `checksum.check_files` found, with the keys no checksum covers and why: arrays not in
-    the fast format (Orbax and tensorstore check those, crc32c, only as they read them), and
+    the fast format (Orbax writes their data without a checksum: zarr's crc32c covers only each
+    shard's index, and a changed byte of the data reads back as another value), and
     fast-format arrays with a file for which no checksum is recorded (every array of a step saved
     before checksums; some, where a process's checksum file is missing or incomplete)."""
     compact = tuple(key for key, array in arrays.items() if array is None)
     reasons = []
     if compact:
-        reasons.append(
-            "arrays of the compact format: Orbax checks them (crc32c) only as it reads them"
-        )
+        reasons.append("arrays of the compact format, whose data Orbax stores without a checksum")
     if uncovered and compared == 0:
         reasons.append("the step was saved without checksums")
     elif uncovered:
