@@ -283,3 +283,33 @@ def test_a_weights_only_step_restores_into_a_compiled_model_leaving_its_optimize
     assert loaded.optimizer is not None
     for saved, restored in zip(model.weights, loaded.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(restored.value), np.asarray(saved.value))
+
+
+def test_load_model_skips_optimizer_state_of_another_class_as_keras_does(tmp_path):
+    """A `mixed_float16` model saved with its LossScaleOptimizer, loaded under the float32 policy:
+    Keras's `load_model` compiles plain Adam, restores the weights and skips the optimizer state
+    with a warning; so does keras-orbax's (it had refused the whole model)."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = _models.compile_adam(_models.mlp())
+        model.optimizer.build(model.trainable_variables)
+        _models.fill_arange(model)
+        keras_orbax.save(model, tmp_path / "ckpt", step=1)
+        model.save(tmp_path / "m.keras")
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+    keras_model = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(keras_model.optimizer) is keras.optimizers.Adam
+    for location in (tmp_path / "ckpt", tmp_path / "m.keras"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras_orbax.load_model(location)
+        assert type(loaded.optimizer) is keras.optimizers.Adam
+        for got, want in zip(loaded.weights, keras_model.weights, strict=True):
+            np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+        (said,) = [m for m in _ours(caught) if "optimizer state" in m]
+        assert "does not fit the Adam compiled from its config" in said
+        assert "keras.config.set_dtype_policy('mixed_float16')" in said
+        assert not loaded.optimizer.built or int(loaded.optimizer.iterations) == 0

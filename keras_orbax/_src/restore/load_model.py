@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import keras
 
+from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.model.deferred import deferred_init
+from keras_orbax._src.model.matching import counted
+from keras_orbax._src.model.state_keys import OPTIMIZER
 from keras_orbax._src.restore.restore import restore_source
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
+from keras_orbax.errors import CheckpointMismatchError, KerasOrbaxWarning
 
 
 def load_model(
@@ -65,8 +70,48 @@ def load_model(
         )
     if compile and compile_config:  # {} for a model that was never compiled
         compile_deferred(model, compile_config, custom_objects, safe_mode)
-    restore_source(model, source, strict=strict)
+    try:
+        restore_source(model, source, strict=strict)
+    except CheckpointMismatchError:  # nothing was changed
+        if not (strict and _only_the_optimizer_differs(model, source)):
+            raise
+        restore_source(model, source, strict=False, warn_lenient=False)
     return model
+
+
+def _only_the_optimizer_differs(model: keras.Model, source: Source) -> bool:
+    """Keras's `load_model` restores the weights strictly but skips, with a warning, optimizer
+    state that does not fit the optimizer compiled from the config (another class: a
+    `mixed_float16` model loaded under the float32 policy gets Adam, not the LossScaleOptimizer it
+    saved). True, and warned as Keras does, where a strict restore would fail on that alone."""
+    if getattr(model, "optimizer", None) is None:
+        return False
+    prepared = source.prepare(model, strict=False)  # changes nothing
+    lenient, record = prepared.plan.lenient, prepared.record.variables
+    roles = {**{k: v.role for k, v in record.items()}, **prepared.state.roles}
+    if not lenient or prepared.plan.layouts or any(roles[k] != OPTIMIZER for k in lenient):
+        return False
+    saved = [v for v in record.values() if v.role == OPTIMIZER]
+    hint = ""
+    mixed = any(
+        layer.dtype_policy.name == "mixed_float16" for layer in saving_compat.all_layers(model)
+    )
+    if mixed and not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        hint = (
+            " Its layers are mixed_float16, whose LossScaleOptimizer Keras compiles only where "
+            "that is the global policy: keras.config.set_dtype_policy('mixed_float16') before "
+            "load_model restores it too."
+        )
+    mine = sum(role == OPTIMIZER for role in prepared.state.roles.values())
+    warnings.warn(
+        f"load_model('{source.label}'): its optimizer state ({counted(len(saved), 'variable')}) "
+        f"does not fit the {type(model.optimizer).__name__} compiled from its config "
+        f"({counted(mine, 'variable')}), so it is skipped, as keras.saving.load_model skips it: "
+        f"the weights are restored, the optimizer starts afresh.{hint}",
+        KerasOrbaxWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def _without_config(source: Source) -> str:

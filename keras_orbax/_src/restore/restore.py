@@ -180,9 +180,10 @@ def restore_source(
     read_window_bytes: int | None = None,
     single_replica_reads: bool | None = None,
     verbose: int = 0,
+    warn_lenient: bool = True,
 ) -> RestoreResult:
     """`restore_sharded` from a source every process has opened already (`load_model` opens it
-    first, for its model config)."""
+    first, for its model config). `warn_lenient=False`: the caller said what was skipped."""
     share = replicas.enabled(
         single_replica_reads, object_storage=locations.is_remote(source.location)
     )
@@ -218,7 +219,7 @@ def restore_source(
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
     warn_untaken(model, source, prepared)
-    if not strict:
+    if not strict and warn_lenient:
         _warn_lenient(model, source, prepared, paths)
     return RestoreResult(
         step=source.step,
