@@ -73,7 +73,8 @@ class SaveFailedError(KerasOrbaxError, RuntimeError):
 
 
 class ProcessSyncError(KerasOrbaxError, TimeoutError):
-    """Processes under `jax.distributed` did not meet at a barrier in time."""
+    """Processes under `jax.distributed` did not meet at a barrier in time, or were given other
+    arguments (directory, step) for one collective `save`."""
 
 
 class UnsupportedVersionError(KerasOrbaxError, ImportError):

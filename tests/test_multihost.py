@@ -172,11 +172,12 @@ def two_processes(written, tmp_path_factory) -> dict[str, Any]:
     bias.write_bytes(bytes(damaged))
 
     layouts = ["transposed", "1x8"]
-    names = ["written", "single", "own_view", "damaged"]
+    names = ["written", "single", "own_view", "save_mismatch", "damaged"]
     tasks = [
         {"action": "read", "directory": str(written / "arange"), "layouts": layouts},
         {"action": "read", "directory": str(root / "single"), "layouts": layouts},
         {"action": "read_own_view", "directories": [str(primary), str(other)]},
+        {"action": "save_mismatch", "directory": str(root / "mismatch")},
         {"action": "read_expect_error", "directories": [str(missing), str(bad_index)]},
     ]
     return dict(zip(names, _launch(2, 4, tasks, root / "w"), strict=True))
@@ -225,6 +226,19 @@ def test_process_0_decides_the_step_for_every_process(two_processes):
     results = two_processes["own_view"]
     assert [r["step"] for r in results] == [1, 1]
     assert all(r["mismatches"] == [] for r in results)
+    # Not silently: the process that was given another location is told.
+    assert results[0]["warned"] == []
+    (said,) = results[1]["warned"]
+    assert said.startswith("restore_sharded on process 1 was given '") and "process 0 '" in said
+
+
+def test_a_save_given_other_steps_on_other_processes_is_refused_everywhere(two_processes):
+    """Different steps (or directories) per process had left both waiting in Orbax's barriers."""
+    results = two_processes["save_mismatch"]
+    assert [r["type"] for r in results] == ["ProcessSyncError"] * 2
+    assert results[0]["message"] == results[1]["message"]
+    message = results[0]["message"]
+    assert "process 0: directory=" in message and "step=10" in message and "step=11" in message
 
 
 def test_four_processes_write_and_read_a_bucket_once(four_processes):

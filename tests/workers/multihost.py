@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +221,22 @@ def read_own_view(directories: list[str]) -> dict:
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     with keras_orbax.deferred_init():
         model = _models.mlp(width=WIDTH)
-    result = keras_orbax.restore_sharded(model, directories[jax.process_index()])
-    return {"step": result.step, "mismatches": _compare_with_arange(model)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = keras_orbax.restore_sharded(model, directories[jax.process_index()])
+    said = [str(w.message) for w in caught if "every process reads" in str(w.message)]
+    return {"step": result.step, "mismatches": _compare_with_arange(model), "warned": said}
+
+
+def save_mismatch(directory: str) -> dict:
+    """Each process saves another step of one directory: refused on both, before any write."""
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp()
+    try:
+        keras_orbax.save(model, directory, step=10 + jax.process_index())
+    except keras_orbax.errors.KerasOrbaxError as error:
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None}
 
 
 def bucket(url: str, layouts: list[str]) -> dict:
@@ -244,6 +259,8 @@ def run(task: dict[str, Any], workdir: Path) -> Any:
         return save_killed(Path(task["directory"]))
     if action == "read_own_view":
         return read_own_view(task["directories"])
+    if action == "save_mismatch":
+        return save_mismatch(task["directory"])
     if action == "read_expect_error":
         return {"restores": read_expect_error(task["directories"])}
     raise ValueError(f"unknown action {action!r}")

@@ -19,6 +19,7 @@ from keras_orbax._src.compat import hub_compat, saving_compat
 from keras_orbax._src.export import regions, weights_h5
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import locations
+from keras_orbax.errors import SaveFailedError
 
 
 def save_to_preset(
@@ -54,7 +55,8 @@ def save_to_preset(
     Raises:
         ValueError: `model` is neither a keras-hub `Backbone` nor a `Task`, or `directory` is an
             object-store URL.
-        OSError: a file could not be written; no weights file was left half written.
+        OSError: a file could not be written; no weights file was left half written. Under
+            `jax.distributed`, `SaveFailedError` on every process, naming each one's error.
     """
     import keras_hub
 
@@ -144,4 +146,4 @@ def _on_primary(name: str, write: Any) -> None:
             write()
         except Exception as failed:  # reported to every process by `agree`, which re-raises
             error = failed
-    multihost.agree(name, error, unchanged=multihost.NOTHING_EXPORTED)
+    multihost.agree(name, error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError)

@@ -68,7 +68,8 @@ def export_to_transformers(
     Raises:
         UnsupportedSourceError: keras-hub cannot export this model to Hugging Face format.
         SaveFailedError: writing failed on some process (each process raises, naming it); no
-            weights file is left in `directory`.
+            weights file is left in `directory`. In a single process, a file that cannot be
+            opened raises its own `OSError`.
     """
     if window_bytes < 1:
         raise ValueError(f"window_bytes must be at least 1. Received: window_bytes={window_bytes}")
@@ -97,7 +98,10 @@ def export_to_transformers(
 
     try:
         abandoned = multihost.NOTHING_EXPORTED
-        multihost.run_collectively(f"{name}: prepare", prepare, unchanged=abandoned)
+        failed = SaveFailedError  # what another library's error (an OSError) becomes
+        multihost.run_collectively(
+            f"{name}: prepare", prepare, unchanged=abandoned, fallback=failed
+        )
         multihost.run_collectively(
             f"{name}: write",
             _write_regions,
@@ -106,9 +110,15 @@ def export_to_transformers(
             layouts,
             window_bytes,
             unchanged=abandoned,
+            fallback=failed,
         )
         multihost.run_collectively(
-            f"{name}: commit", _commit_if_primary, directory, layouts, unchanged=abandoned
+            f"{name}: commit",
+            _commit_if_primary,
+            directory,
+            layouts,
+            unchanged=abandoned,
+            fallback=failed,
         )
     except BaseException:
         if multihost.is_primary():

@@ -32,6 +32,7 @@ from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.export import regions
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import durable, locations
+from keras_orbax.errors import SaveFailedError
 
 SUFFIX = ".weights.h5"
 SHARDED_SUFFIX = ".weights.json"
@@ -72,7 +73,8 @@ def save_weights(
     Raises:
         ValueError: `path` does not end in `.weights.h5` (`.weights.json` with `max_shard_size`)
             or is an object-store URL, or `model` is not built.
-        OSError: the file could not be written; nothing was left at `path`.
+        OSError: the file could not be written; nothing was left at `path`. Under
+            `jax.distributed`, `SaveFailedError` on every process, naming each one's error.
     """
     destination = _local_destination(path, SUFFIX if max_shard_size is None else SHARDED_SUFFIX)
     if not model.built:
@@ -132,7 +134,9 @@ def write(
                 staging.mkdir()
         except OSError as failed:
             error = failed
-    multihost.agree(f"{name}: prepare", error, unchanged=multihost.NOTHING_EXPORTED)
+    multihost.agree(
+        f"{name}: prepare", error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError
+    )
     writer = _Writer(window_bytes, staging, primary)
     target: Any = (partial / destination.name if sharded else partial) if primary else io.BytesIO()
     try:
@@ -141,14 +145,21 @@ def write(
             saving_compat.save_state(model, target, writer, skip, max_shard_size=shards)
         except Exception as failed:  # reported to every process by `agree`, which re-raises
             error = failed
-        multihost.agree(f"{name}: regions", error, unchanged=multihost.NOTHING_EXPORTED)
+        multihost.agree(
+            f"{name}: regions",
+            error,
+            unchanged=multihost.NOTHING_EXPORTED,
+            fallback=SaveFailedError,
+        )
         if primary:
             try:
                 writer.copy_staged()
                 _move_into_place(partial, destination, sharded)
             except Exception as failed:
                 error = failed
-        multihost.agree(f"{name}: commit", error, unchanged=multihost.NOTHING_EXPORTED)
+        multihost.agree(
+            f"{name}: commit", error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError
+        )
     finally:
         if primary:
             _remove(partial, staging)

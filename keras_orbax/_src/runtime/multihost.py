@@ -34,6 +34,10 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def process_index() -> int:
+    return jax.process_index()
+
+
 def is_primary() -> bool:
     """True on the process that prints and writes shared files (process 0)."""
     return jax.process_index() == 0
@@ -57,6 +61,7 @@ def agree(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     unchanged: str = NOTHING_RESTORED,
+    fallback: type[KerasOrbaxError] = KerasOrbaxError,
 ) -> None:
     """Every process reports how its part of `name` went; all raise if any failed.
 
@@ -65,7 +70,8 @@ def agree(
     `timeout_s` from now.
 
     Raises:
-        The failing process's error type (from `keras_orbax.errors`), with a message that names
+        The failing process's error type (from `keras_orbax.errors`; `fallback` for another
+        library's, an `OSError` say), with a message that names
         each failed process and its details (a mismatch's `problems` too), on every process;
         `ProcessSyncError` naming the processes that did not report in time, and ending with
         `unchanged`: what this process left as it was.
@@ -93,7 +99,7 @@ def agree(
         )
         raise _mark(late) from error
     if failures:
-        raise _mark(_combined(name, failures)) from error
+        raise _mark(_combined(name, failures, fallback)) from error
 
 
 def _mark(error: KerasOrbaxError) -> KerasOrbaxError:
@@ -131,6 +137,49 @@ def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
     return found["value"]
 
 
+def gather(name: str, value: Any) -> list[Any]:
+    """Every process's JSON-safe `value`, by process index, on every process (e.g. the arguments
+    each was given for a collective call, to compare).
+
+    Raises:
+        ProcessSyncError: a process did not give its value within the timeout.
+    """
+    if process_count() == 1:
+        return [value]
+    client = orbax_compat.distributed_client()
+    key = f"keras_orbax/{name}/{next(_calls)}/gathered"
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps({"value": value}))
+    deadline = time.monotonic() + DEFAULT_TIMEOUT_S
+    found = [_get(client, f"{key}/{process}", deadline) for process in range(process_count())]
+    missing = [process for process, got in enumerate(found) if got is None]
+    if missing:
+        raise ProcessSyncError(
+            f"Processes {missing} did not reach '{name}' within {DEFAULT_TIMEOUT_S:.0f} s (this "
+            f"is process {jax.process_index()}). They may have crashed or be stuck."
+        )
+    return [got["value"] for got in found if got is not None]
+
+
+def same_arguments(verb: str, **arguments: Any) -> None:
+    """Raises on every process unless every process gave `verb` the same `arguments`: a
+    collective write given another directory or step elsewhere would wait in Orbax's barriers.
+
+    Raises:
+        ProcessSyncError: they differ; the message lists each process's.
+    """
+    given = gather(f"{verb}/arguments", arguments)  # JSON-safe: paths as strings, steps as ints
+    if all(g == given[0] for g in given):
+        return
+    each = "; ".join(
+        f"process {p}: " + ", ".join(f"{k}={v!r}" for k, v in g.items())
+        for p, g in enumerate(given)
+    )
+    raise ProcessSyncError(
+        f"{verb} was given other arguments on other processes ({each}). Every process writes its "
+        "part of one step into one directory: pass each the same. Nothing was written."
+    )
+
+
 def _outcome(error: BaseException | None) -> dict[str, Any]:
     if error is None:
         return {"ok": True}
@@ -152,7 +201,11 @@ def _get(client: Any, key: str, deadline: float) -> dict[str, Any] | None:
 
 
 def run_collectively(
-    name: str, fn: Callable[..., T], *args: Any, unchanged: str = NOTHING_RESTORED
+    name: str,
+    fn: Callable[..., T],
+    *args: Any,
+    unchanged: str = NOTHING_RESTORED,
+    fallback: type[KerasOrbaxError] = KerasOrbaxError,
 ) -> T:
     """Runs `fn(*args)` on this process, then `agree`s (`unchanged` as there): returns only if it
     succeeded everywhere.
@@ -165,18 +218,20 @@ def run_collectively(
     except Exception as error:  # reported to every process by `agree`, which re-raises
         if error in _agreed:
             raise
-        agree(name, error, unchanged=unchanged)
+        agree(name, error, unchanged=unchanged, fallback=fallback)
         raise
-    agree(name, None, unchanged=unchanged)
+    agree(name, None, unchanged=unchanged, fallback=fallback)
     return result
 
 
-def _combined(name: str, failures: dict[int, dict]) -> KerasOrbaxError:
+def _combined(
+    name: str, failures: dict[int, dict], fallback: type[KerasOrbaxError] = KerasOrbaxError
+) -> KerasOrbaxError:
     """One error, the same on every process, naming each process that failed and why."""
     first = failures[min(failures)]
-    error_type = getattr(errors, first["type"], KerasOrbaxError)
+    error_type = getattr(errors, first["type"], fallback)
     if not (isinstance(error_type, type) and issubclass(error_type, KerasOrbaxError)):
-        error_type = KerasOrbaxError
+        error_type = fallback
     lines = [f"'{name}' failed on {len(failures)} of {process_count()} processes:"]
     lines += [f"process {p}: {f['type']}: {f['message']}" for p, f in sorted(failures.items())]
     message = "\n".join(lines)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from keras_orbax._src.sources.keras_weights import (
 )
 from keras_orbax._src.sources.orbax_step import OrbaxStepSource
 from keras_orbax._src.storage import locations
-from keras_orbax.errors import CheckpointNotFoundError, UnsupportedSourceError
+from keras_orbax.errors import CheckpointNotFoundError, KerasOrbaxWarning, UnsupportedSourceError
 
 _AT_STEP = re.compile(r"^(.*)@(\d+)$")
 
@@ -70,6 +71,17 @@ def open_on_every_process(location: str | os.PathLike, step: int | None, verb: s
     Collective: every process calls it, with the same `verb`."""
     from keras_orbax._src.runtime import multihost  # imports JAX: not on `inspect`'s path
 
+    given = multihost.gather(f"{verb}/arguments", [os.fspath(location), step])
+    me = given[multihost.process_index()]
+    if me != given[0]:  # process 0 decides: said where this process was told otherwise
+        warnings.warn(
+            f"{verb} on process {multihost.process_index()} was given '{me[0]}'"
+            f"{'' if me[1] is None else f' (step {me[1]})'}, process 0 '{given[0][0]}'"
+            f"{'' if given[0][1] is None else f' (step {given[0][1]})'}: every process reads "
+            "what process 0 names. Pass each process the same location and step.",
+            KerasOrbaxWarning,
+            stacklevel=3,
+        )
     located = multihost.primary_value(f"{verb}/locate", _locate_json, os.fspath(location), step)
     return open_located(Located(**located))
 

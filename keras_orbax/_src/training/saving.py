@@ -21,7 +21,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
-from keras_orbax._src.runtime import gc_pause, quiet
+from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.retention import Retention
@@ -105,6 +105,7 @@ class Saves:
         a `fit` that raised (no `on_train_end` ran), which would otherwise commit its step under
         this run (resume would not see it, and a save of that step would find it taken)."""
         self.pending = None
+        multihost.same_arguments("ModelCheckpoint", directory=self.directory)
         _in_flight.wait(self.directory)
         self._notices.close()  # left open by a fit that raised before on_train_end
         self._notices.enter_context(quiet.skipped_merge_notices(self.directory))

@@ -24,7 +24,7 @@ from keras_orbax._src.format.step_record import (
     versions,
 )
 from keras_orbax._src.model import shardings, state_keys
-from keras_orbax._src.runtime import gc_pause, quiet
+from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
@@ -101,6 +101,7 @@ def save(
     """
     step = checked_step(step)
     _check_format(format, directory)
+    multihost.same_arguments("save", directory=os.fspath(directory), step=step, format=format)
     checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
         with (
