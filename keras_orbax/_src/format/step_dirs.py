@@ -122,10 +122,10 @@ def read_record(path: Path) -> StepRecord:
     problems = record_problems(record, FORMAT_VERSION)
     if problems:
         lines = "\n".join(f"  {p}" for p in problems[:20])
+        count = f"{len(problems)} {'problem' if len(problems) == 1 else 'problems'}"
         raise CorruptCheckpointError(
             f"The keras-orbax record of checkpoint step '{path}' (in {file}) is damaged or not "
-            f"one this version reads; {len(problems)} {'problem' if len(problems) == 1 else 'problems'}"
-            f":\n{lines}\nNo variable was modified."
+            f"one this version reads; {count}:\n{lines}\nNo variable was modified."
         )
     return StepRecord.from_json(record)
 

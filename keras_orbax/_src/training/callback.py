@@ -304,7 +304,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 metrics=metrics,
                 reason=reason,
                 blocking=blocking,
-                steps_per_epoch=self.params.get("steps") if self.params else None,
+                steps_per_epoch=self._param("steps"),
             )
         except BaseException:
             self._close(failing=True)
@@ -319,7 +319,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         length is unknown: its epoch counts as unfinished). At an epoch's end, it is done unless
         it stopped before its known number of batches (another callback stopped `fit`).
         """
-        steps = self.params.get("steps") if self.params else None
+        steps = self._param("steps")
         done = 0 if self._last_batch is None else self._last_batch + 1
         finished = (
             (steps is None or done >= steps)
@@ -331,14 +331,12 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     # -- resume, retention, monitoring -----------------------------------------------------------
 
     def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
-        epochs = self.params.get("epochs") if self.params else None
-        steps = self.params.get("steps") if self.params else None
         resumed = resume(
             self.model,
             self.directory,
             checkpointer,
-            epochs=epochs,
-            steps_per_epoch=steps,
+            epochs=self._param("epochs"),
+            steps_per_epoch=self._param("steps"),
             verbose=self.verbose,
         )
         if resumed is not None:
@@ -352,6 +350,10 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._retention.higher_is_better = self.monitor_op is keras.ops.greater
         self.best = self._retention.best([self.best, *self._candidates])
         self._candidates = []
+
+    def _param(self, name: str) -> Any:
+        """What `fit` told its callbacks (`epochs`, `steps` per epoch, `verbose`), None before."""
+        return (self.params or {}).get(name)
 
     def _warn_missing(self, current: Any) -> None:
         if self._warned_missing:
@@ -388,7 +390,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self.verbose > 0:
             # Keras's progress bar (`fit(verbose=1)`, the default) leaves its line open: start on
             # a line of our own, as Keras's ModelCheckpoint does.
-            bar = self.params.get("verbose") in (1, "auto") if self.params else False
+            bar = self._param("verbose") in (1, "auto")
             print(f"\n{line}" if bar else line, flush=True)
 
     def _close(self, *, failing: bool) -> None:

@@ -16,6 +16,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import OPTIMIZER
+from keras_orbax._src.model.matching import counted
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
@@ -61,7 +62,7 @@ def resume(
         return None
     step, unreadable = multihost.primary_value("resume", _newest_readable, directory, steps)
     if step is None:
-        count = _count(len(unreadable), "step")
+        count = counted(len(unreadable), "step")
         reasons = "\n".join(f"  step {s}: {why}" for s, why in unreadable)
         raise CorruptCheckpointError(
             f"No step of '{directory}' can be read to resume from ({count}):\n{reasons}\n"
@@ -93,12 +94,14 @@ def resume(
         return Resumed(restored, None, tuple(s for s, _ in unreadable))
     saved_steps = record.extra.get("steps_per_epoch")
     if record.batch and saved_steps is not None and steps_per_epoch not in (None, saved_steps):
+        batches = counted(saved_steps, "batch", "batches")
+        dropped = counted(record.batch, "batch", "batches")
         warnings.warn(  # the batches dropped are counted, not recognized
             f"Step {step} of '{directory}' was saved after batch {record.batch} of an epoch of "
-            f"{_count(saved_steps, 'batch')}; this fit's epochs have {steps_per_epoch}. It drops "
-            f"the first {_count(record.batch, 'batch')} of its epoch {record.epoch + 1} as "
-            "trained already, which are other samples than the checkpoint trained (another "
-            "batch size or dataset): resume mid-epoch with the same batches.",
+            f"{batches}; this fit's epochs have {steps_per_epoch}. It drops the first {dropped} "
+            f"of its epoch {record.epoch + 1} as trained already, which are other samples than "
+            "the checkpoint trained (another batch size or dataset): resume mid-epoch with the "
+            "same batches.",
             KerasOrbaxWarning,
             stacklevel=2,
         )
@@ -137,7 +140,7 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
         logger.warning(line)
     elif epochs is not None and record.epoch >= epochs:
         done = _position(record.epoch, record.batch)
-        line = f"{start} ({done}): all {_count(epochs, 'epoch')} are done, nothing left to train."
+        line = f"{start} ({done}): all {counted(epochs, 'epoch')} are done, nothing left to train."
         logger.info(line)
     elif record.batch:
         line = (
@@ -154,7 +157,7 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
         logger.info(line)
     else:
         line = (
-            f"{start}: {_count(record.epoch, 'epoch')} done, fit goes on at epoch "
+            f"{start}: {counted(record.epoch, 'epoch')} done, fit goes on at epoch "
             f"{record.epoch + 1}{of}."
         )
         logger.info(line)
@@ -163,14 +166,7 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
 
 
 def _position(epoch: int, batch: int | None) -> str:
-    return f"epoch {epoch + 1}, batch {batch}" if batch else f"{_count(epoch, 'epoch')} done"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun if n == 1 else _PLURALS[noun]}"
-
-
-_PLURALS = {"epoch": "epochs", "batch": "batches", "step": "steps"}
+    return f"epoch {epoch + 1}, batch {batch}" if batch else f"{counted(epoch, 'epoch')} done"
 
 
 class ResumePoint:

@@ -351,8 +351,8 @@ def _checked_variables(
         )
     if not overwrite and step in step_dirs.committed_steps(directory):
         raise StepExistsError(
-            f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass overwrite=True "
-            f"to replace it. Received: step={step}"
+            f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass "
+            f"overwrite=True to replace it. Received: step={step}"
         )
     return state, variables
 
