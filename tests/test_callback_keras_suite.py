@@ -305,3 +305,32 @@ def test_training_resumption(tmp_path, steps_per_execution, first, then):
     history = reloaded.fit(x, y, epochs=3, batch_size=25, callbacks=[oc2], verbose=0)
     assert history.epoch == [2]
     assert step_dirs.committed_steps(tmp_path) == first + then
+
+
+def test_save_best_only_on_a_monitor_not_logged_saves_every_epoch_as_keras_does(tmp_path):
+    """Keras's `ModelCheckpoint` warns and saves each epoch when `monitor` is not in the logs
+    (its documented fall back to `save_best_only=False`); keras-orbax's does the same, on the
+    same fit."""
+    x, y = _create_dummy_data()  # 4 batches of 32 per epoch
+    keras_callback = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "keras" / "e{epoch}.weights.h5"),
+        monitor="unknown",
+        mode="min",  # "auto" raises in both: neither can tell the direction of an unknown metric
+        save_best_only=True,
+        save_weights_only=True,
+    )
+    ours = keras_orbax.ModelCheckpoint(
+        tmp_path / "ours", monitor="unknown", mode="min", save_best_only=True, max_to_keep=None
+    )
+    with pytest.warns(UserWarning) as warned:
+        _create_test_model().fit(x, y, epochs=3, callbacks=[keras_callback, ours], verbose=0)
+    keras_epochs = sorted(int(p.name[1:-11]) for p in (tmp_path / "keras").iterdir())
+    assert keras_epochs == [1, 2, 3]
+    assert step_dirs.committed_steps(tmp_path / "ours") == [4 * e for e in keras_epochs]
+    messages = [str(w.message) for w in warned if "unknown" in str(w.message)]
+    assert "Can save best model only with unknown available." in messages  # Keras's own
+    ours_warned = [m for m in messages if m.startswith("ModelCheckpoint(save_best_only=True)")]
+    assert ours_warned == [
+        "ModelCheckpoint(save_best_only=True) saves every time, as Keras's does, while "
+        "'unknown' is not a number in the logs. Received: unknown=None"
+    ]

@@ -255,17 +255,18 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._ensure_monitor_op()
         note = ""
         if self.save_best_only:
+            # Keras's ModelCheckpoint saves when the monitor is missing or not a scalar (it
+            # falls back to save_best_only=False for that save, with a warning): so does this.
             current = number(logs.get(self.monitor))
             if current is None:
                 self._warn_missing(logs.get(self.monitor))
-                improved = False
-            else:
-                improved = keras_compat.is_improvement(self, current, self.best)
+            improved = current is None or keras_compat.is_improvement(self, current, self.best)
             if not multihost.primary_decision(improved):
                 return
-            previous = "None" if self.best is None else f"{self.best:.5f}"
-            note = f" ({self.monitor} improved from {previous} to {current:.5f})"
-            self.best = current
+            if current is not None:
+                previous = "None" if self.best is None else f"{self.best:.5f}"
+                note = f" ({self.monitor} improved from {previous} to {current:.5f})"
+                self.best = current
         elif self.keep_best and number(logs.get(self.monitor)) is None:
             self._warn_missing(logs.get(self.monitor))
         reason = "epoch" if at_epoch_end else "batch"
@@ -360,7 +361,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             return
         self._warned_missing = True
         if self.save_best_only:
-            what = "ModelCheckpoint(save_best_only=True) skips saves"
+            what = "ModelCheckpoint(save_best_only=True) saves every time, as Keras's does,"
         else:
             what = (
                 f"ModelCheckpoint(keep_best={self.keep_best}) cannot rank the steps it saves "
