@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format.record_check import record_problems
@@ -41,6 +44,41 @@ def _step_dirs(root: Any) -> list[tuple[int, Any]]:
     ]
 
 
+def checked_step(step: Any) -> int:
+    """`step` as the non-negative `int` that names its directory: a Python or NumPy integer, a 0-d
+    integer array, or a Keras variable holding one (`optimizer.iterations`). Every verb that takes
+    a step checks it here, so each gives the same answer.
+
+    Raises:
+        TypeError: not an integer (a float, a string, a bool); a string of digits is named as such.
+        ValueError: negative.
+    """
+    try:
+        number = _as_index(step)
+    except TypeError:
+        hint = "for example int(model.optimizer.iterations)"
+        if isinstance(step, str) and step.isdecimal():  # read from argv, say
+            hint = f"not a string: pass step=int({step!r})"
+        raise TypeError(
+            f"step must be an integer (it names the step's directory), {hint}. "
+            f"Received: step={step!r}"
+        ) from None
+    if number < 0:
+        raise ValueError(f"step must be 0 or more. Received: step={number}")
+    return number
+
+
+def _as_index(step: Any) -> int:
+    if isinstance(step, bool | np.bool_ | str | bytes):
+        raise TypeError
+    if hasattr(step, "__index__"):
+        return operator.index(step)
+    array = np.asarray(step)  # a Keras variable, a 0-d array (without importing Keras here)
+    if array.ndim != 0 or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError
+    return int(array)
+
+
 def _is_complete(step_dir: Any) -> bool:
     """The step has its metadata file and, in object storage, Orbax's commit marker: objects are
     written in place, so the marker, written last, is what commits the step."""
@@ -56,6 +94,7 @@ def step_path(directory: str | os.PathLike, step: int | None) -> tuple[int, Path
         CheckpointNotFoundError: `directory` is missing, holds no committed step, or not `step`.
         CorruptCheckpointError: `step` (or, with no committed step, the latest) lacks its metadata.
     """
+    step = None if step is None else checked_step(step)
     root = locations.as_path(directory)
     if not root.exists():
         raise CheckpointNotFoundError(f"Checkpoint directory does not exist: '{root}'")

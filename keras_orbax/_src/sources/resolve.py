@@ -71,6 +71,7 @@ def open_on_every_process(location: str | os.PathLike, step: int | None, verb: s
     Collective: every process calls it, with the same `verb`."""
     from keras_orbax._src.runtime import multihost  # imports JAX: not on `inspect`'s path
 
+    step = None if step is None else step_dirs.checked_step(step)  # JSON-safe, checked
     given = multihost.gather(f"{verb}/arguments", [os.fspath(location), step])
     me = given[multihost.process_index()]
     if me != given[0]:  # process 0 decides: said where this process was told otherwise
@@ -112,6 +113,7 @@ def open_located(located: Located) -> Source:
 def locate(location: str | os.PathLike, step: int | None = None) -> Located:
     """Decides what `location` names, and for a checkpoint which committed step (the latest if
     none is given by `step`, `@STEP` or a step directory)."""
+    step = None if step is None else step_dirs.checked_step(step)
     text = os.fspath(location)
     path = locations.as_path(text)
     at = _AT_STEP.match(text.rstrip("/"))  # `ckpt@5/` as `ckpt@5`, as `ckpt/5/` is `ckpt/5`

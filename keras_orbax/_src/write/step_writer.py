@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import operator
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -130,27 +129,7 @@ def save(
     return locations.as_path(directory) / str(step)
 
 
-def checked_step(step: Any) -> int:
-    """`step` as the non-negative `int` that names its directory: a Python or NumPy integer, a 0-d
-    integer array, or a Keras variable holding one (`optimizer.iterations`).
-
-    Raises:
-        TypeError: not an integer (a float, a string, a bool).
-        ValueError: negative.
-    """
-    value = step.value if isinstance(step, keras.Variable) else step
-    try:
-        if isinstance(value, bool | np.bool_):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            "step must be an integer (it names the step's directory), for example "
-            f"int(model.optimizer.iterations). Received: step={step!r}"
-        ) from None
-    if number < 0:
-        raise ValueError(f"step must be 0 or more. Received: step={number}")
-    return number
+checked_step = step_dirs.checked_step  # the one check of a step, shared with every reading verb
 
 
 def warm_up() -> None:
