@@ -38,9 +38,13 @@ def test_inspect_describes_every_variable(tmp_path, distribution):
     ).stdout
     assert "steps [5, 9]; step 9, epoch 3, 4 variables, 3.2 KiB" in printed
     assert re.search(
-        r"layers/dense/vars/0 +hidden/kernel +\(16, 32\) +float32 +2.0 KiB +mesh \(2, 4\)", printed
+        r"layers/dense/vars/0 +hidden/kernel +\(16, 32\) +float32 +2.0 KiB +partition "
+        r"\('batch', 'model'\)",
+        printed,
     )
-    assert "partition ('batch', 'model')" in printed
+    # The one mesh is said once, with the step, not on each row.
+    assert "step 9 on mesh (2, 4) ('batch', 'model'):" in printed
+    assert printed.count("mesh (2, 4)") == 1
 
 
 def test_command_line_reports_a_missing_directory(tmp_path):

@@ -3,13 +3,21 @@ README and the docs, as a test of what a user now gets."""
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import keras
 import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import cli
 from keras_orbax._src.tools.plan_report import plan_restore_report
-from tests import cli_models
+from keras_orbax.errors import CheckpointNotFoundError, SaveFailedError, UnsupportedSourceError
+from tests import _models, cli_models
+from tests._hub import import_keras_hub
+
+keras_hub = import_keras_hub()
 
 STEPS = (4, 8, 12)
 
@@ -60,3 +68,85 @@ def test_an_integer_step_of_any_kind_names_the_step(ckpt, step):
     model = cli_models.mlp()
     assert keras_orbax.restore_sharded(model, ckpt, step=step).step == 8
     assert keras_orbax.inspect(ckpt, step=step).step == 8
+
+
+def _unique_bytes(root) -> int:
+    """What `du` counts for the steps under `root`: each file once, hard links included."""
+    stats = [p.stat() for p in root.glob("[0-9]*/**/*") if p.is_file()]
+    return sum({(s.st_dev, s.st_ino): s.st_size for s in stats}.values())
+
+
+def test_inspect_shows_what_an_incremental_step_alone_holds(tmp_path):
+    """`inspect` showed each incremental step at its full size where `du` showed far less: it now
+    shows what each step alone holds, which is what deleting it frees, and the total `du` shows."""
+    model = _models.mlp(width=256)  # a kernel large enough to dwarf the metadata files
+    ckpt = tmp_path / "ckpt"
+    keras_orbax.save(model, ckpt, step=1)
+    model.layers[-1].kernel.assign(np.ones(model.layers[-1].kernel.shape))  # the head changes
+    keras_orbax.save(model, ckpt, step=2)
+    info = keras_orbax.inspect(ckpt)
+    first, second = info.summaries
+    assert info.disk_bytes == _unique_bytes(ckpt)
+    assert second.own_bytes < second.disk_bytes / 2  # the hidden kernel is linked, not held
+    assert second.own_bytes > 256 * 8 * 4 / 2  # the changed head's shard is held
+    before = _unique_bytes(ckpt)
+    shutil.rmtree(ckpt / "1")
+    assert before - _unique_bytes(ckpt) == first.own_bytes
+    printed = str(info)
+    assert re.search(r"on disk +its own +metrics\n +1 ", printed)
+    assert "on disk for all steps; 'its own' is what no other step shares" in printed
+    assert keras_orbax.inspect(ckpt).summaries[0].own_bytes == second.disk_bytes
+
+
+@pytest.mark.parametrize("spelling", ["ckpt/9", "ckpt/9/", "ckpt@9"])
+def test_a_step_not_committed_lists_the_committed_ones_however_it_is_spelled(
+    ckpt, monkeypatch, spelling
+):
+    monkeypatch.chdir(ckpt.parent)
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        keras_orbax.inspect(spelling)
+    assert str(raised.value).startswith(
+        f"Step 9 is not a committed step of '{ckpt}'. Committed steps: [4, 8, 12]."
+    )
+    assert cli.main(["inspect", spelling]) == 2
+
+
+def test_a_folder_of_keras_files_is_not_called_a_preset(tmp_path):
+    model = cli_models.mlp()
+    model.save_weights(tmp_path / "model.weights.h5")
+    model.save(tmp_path / "model.keras")
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        keras_orbax.inspect(tmp_path)
+    assert str(raised.value) == (
+        f"'{tmp_path}' holds Keras files (model.keras, model.weights.h5) but no config.json: it "
+        "is not a keras-hub preset (keras-hub builds the model from its config.json) nor a "
+        f"checkpoint directory. Pass one of the files, e.g. '{tmp_path / 'model.keras'}'."
+    )
+
+
+def test_a_keras_archive_is_called_an_archive(tmp_path, capsys):
+    cli_models.mlp().save(tmp_path / "m.keras")
+    assert cli.main(["inspect", str(tmp_path / "m.keras")]) == 0
+    assert "written by Keras (a .keras archive)" in capsys.readouterr().out
+    with pytest.raises(UnsupportedSourceError, match=r"m\.keras' \(Keras \.keras archive\)"):
+        keras_orbax.from_preset(keras_hub.models.GemmaBackbone, tmp_path / "m.keras")
+
+
+def test_a_mistyped_preset_name_is_no_missing_checkpoint_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        keras_orbax.from_preset(keras_hub.models.GemmaBackbone, "gemma_2b_ne")
+    assert str(raised.value) == (
+        f"No such preset: 'gemma_2b_ne' is neither a directory ('{tmp_path / 'gemma_2b_ne'}' does "
+        "not exist) nor one of keras-hub's preset names for GemmaBackbone. Did you mean "
+        "'gemma_2b_en' or 'gemma2_2b_en' or 'gemma2_27b_en'? Received: preset='gemma_2b_ne'"
+    )
+    with pytest.raises(CheckpointNotFoundError, match=r"GemmaBackbone\.presets lists the \d+"):
+        keras_orbax.from_preset(keras_hub.models.GemmaBackbone, "gemma_tyop")
+
+
+def test_a_failed_save_message_ends_without_a_trailing_space(tmp_path):
+    (tmp_path / "afile.txt").write_text("not a directory")
+    with pytest.raises(SaveFailedError) as raised:
+        keras_orbax.save(cli_models.mlp(), tmp_path / "afile.txt", step=1)
+    assert str(raised.value).endswith("Nothing was committed.")

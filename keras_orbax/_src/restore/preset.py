@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,8 @@ import keras
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.sources import resolve
-from keras_orbax.errors import NotDeferrableError
+from keras_orbax._src.storage import locations
+from keras_orbax.errors import CheckpointNotFoundError, NotDeferrableError
 
 
 def from_preset(
@@ -61,7 +63,7 @@ def from_preset(
     if not kwargs.get("load_weights", True) or "backbone" in kwargs:
         return cls.from_preset(preset, **kwargs)  # nothing for keras-orbax to read
     kwargs.pop("load_weights", None)
-    directory = _local_directory(preset)
+    directory = _local_directory(preset, cls)
     preset = os.fspath(directory)  # keras-hub reads the same resolved directory
     if not issubclass(cls, hub.Task):
         model = _deferred(cls, preset, kwargs)
@@ -144,16 +146,17 @@ def _deferred(cls: Any, preset: str, kwargs: dict[str, Any]) -> keras.Model:
         ) from error.__cause__
 
 
-def _local_directory(preset: str | os.PathLike) -> Path:
-    """The preset's local directory (as given, or where keras-hub downloaded a handle to),
-    checked to be a preset or a Hugging Face directory.
+def _local_directory(preset: str | os.PathLike, cls: Any) -> Path:
+    """The preset's local directory (as given, or where keras-hub downloaded a handle or one of
+    its built-in preset names to), checked to be a preset or a Hugging Face directory.
 
     Raises:
+        CheckpointNotFoundError: neither a directory nor a keras-hub preset name.
         UnsupportedSourceError: it names another kind of saved state; the message says what to
             call instead.
     """
     text = os.fspath(preset)
-    if text.startswith(("kaggle://", "hf://", "modelscope://")):
+    if _names_a_builtin_preset(text, cls):
         from keras_orbax._src.compat import hub_compat
 
         text = os.fspath(hub_compat.downloaded_preset(text))
@@ -167,3 +170,33 @@ def _local_directory(preset: str | os.PathLike) -> Path:
         )
         raise resolve.unsupported(source, "from_preset", use)
     return Path(located.location)
+
+
+def _names_a_builtin_preset(text: str, cls: Any) -> bool:
+    """Whether `text` is a handle (`kaggle://`, `hf://`, ...) or one of keras-hub's preset names
+    for `cls` (which keras-hub downloads, as a handle), rather than a local directory.
+
+    Raises:
+        CheckpointNotFoundError: no such directory, nor such a preset name: the message names
+            keras-hub's closest preset names for `cls`.
+    """
+    if "://" in text:
+        return True
+    path = locations.as_path(text)
+    if path.exists() or locations.is_remote(path):
+        return False
+    presets = list(getattr(cls, "presets", None) or {})
+    if text in presets:
+        return True
+    close = difflib.get_close_matches(text, presets, n=3, cutoff=0.6)
+    if close:
+        hint = f" Did you mean {' or '.join(repr(name) for name in close)}?"
+    else:
+        some = ", ".join(repr(name) for name in presets[:3])
+        hint = f" {cls.__name__}.presets lists the {len(presets)} it knows" + (
+            f" ({some}, ...)." if presets else "."
+        )
+    raise CheckpointNotFoundError(
+        f"No such preset: '{text}' is neither a directory ('{path}' does not exist) nor one of "
+        f"keras-hub's preset names for {cls.__name__}.{hint} Received: preset={text!r}"
+    )

@@ -134,3 +134,10 @@ class KerasPresetSource(KerasWeightsSource):
     def model_config(self) -> None:
         """A preset's config is keras-hub's, built by `from_preset`, not by `load_model`."""
         return None
+
+
+class KerasArchiveSource(KerasWeightsSource):
+    """A Keras `.keras` archive: its `model.weights.h5`, read in place, and its model config."""
+
+    description = "Keras .keras archive"
+    no_checksums = "is a Keras .keras archive, which records no checksums"

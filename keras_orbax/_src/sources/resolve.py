@@ -31,6 +31,7 @@ from keras_orbax._src.sources.hf_directory import TransformersSource, is_transfo
 from keras_orbax._src.sources.keras_checkpoint import KerasCheckpointSource
 from keras_orbax._src.sources.keras_weights import (
     PRESET_WEIGHTS,
+    KerasArchiveSource,
     KerasPresetSource,
     KerasWeightsSource,
     is_weights_file,
@@ -95,7 +96,7 @@ def open_located(located: Located) -> Source:
     """The source of a `locate` decision."""
     path = locations.as_path(located.location)
     if located.kind == "keras-weights":
-        return KerasWeightsSource(path)
+        return (KerasArchiveSource if path.name.endswith(".keras") else KerasWeightsSource)(path)
     if located.kind == "keras-preset":
         weights = preset_weights(path)
         if weights is None:
@@ -188,7 +189,8 @@ def _weights_kind(path: Path) -> SourceKind | None:
 
 def _refuse_half_a_preset(path: Path) -> None:
     """A directory with a preset's config but no weights file, or the reverse, is a damaged
-    preset, not a checkpoint directory: said so, naming the file it lacks."""
+    preset, not a checkpoint directory: said so, naming the file it lacks. Keras files saved side
+    by side (no keras-hub `metadata.json`) are named as such, with the file to pass."""
     has_config = (path / "config.json").is_file()
     weights = [name for name in PRESET_WEIGHTS if (path / name).is_file()]
     if has_config and not weights and (path / "metadata.json").is_file():
@@ -196,10 +198,17 @@ def _refuse_half_a_preset(path: Path) -> None:
             f"Preset directory '{path}' has a config.json but no weights file "
             f"({' or '.join(PRESET_WEIGHTS)})."
         )
-    if weights and not has_config:
+    if weights and not has_config and (path / "metadata.json").is_file():  # keras-hub's
         raise CheckpointNotFoundError(
             f"Preset directory '{path}' has {weights[0]} but no config.json, which keras-hub "
             "builds the model from."
+        )
+    if weights and not has_config:  # Keras files, saved side by side
+        files = sorted(f.name for f in path.iterdir() if f.is_file() and is_weights_file(f))
+        raise CheckpointNotFoundError(
+            f"'{path}' holds Keras files ({', '.join(files)}) but no config.json: it is not a "
+            "keras-hub preset (keras-hub builds the model from its config.json) nor a checkpoint "
+            f"directory. Pass one of the files, e.g. '{path / files[0]}'."
         )
 
 
@@ -210,11 +219,13 @@ def _root_and_step(path: Any, step: int | None) -> tuple[Any, int | None]:
         CheckpointNotFoundError: `path` is inside a step (its `state/` folder, an array's
             directory): the message names the root and step to pass.
     """
-    if step_dirs.committed_steps(path) or not path.exists():
+    if step_dirs.committed_steps(path):
         return path, step
     name, parent = path.name, path.parent
-    if name.isdecimal() and int(name) in step_dirs.committed_steps(parent):
-        return parent, _same_step(step, int(name), os.fspath(path))
+    if name.isdecimal() and step_dirs.committed_steps(parent):  # `ckpt/9`: step 9 of `ckpt`,
+        return parent, _same_step(step, int(name), os.fspath(path))  # committed or not
+    if not path.exists():
+        return path, step
     for inside, level in ((parent, "a folder"), (parent.parent, "an array directory")):
         if inside.name.isdecimal() and int(inside.name) in step_dirs.committed_steps(inside.parent):
             root = inside.parent

@@ -18,7 +18,12 @@ from keras_orbax.errors import KerasOrbaxError
 @dataclasses.dataclass(frozen=True)
 class StepSummary:
     """One committed step: its epoch, the metrics saved with it, its array bytes and disk size;
-    or, for a step whose record cannot be read, why (`damaged`: `verify` it for the details)."""
+    or, for a step whose record cannot be read, why (`damaged`: `verify` it for the details).
+
+    `disk_bytes` counts every file of the step; `own_bytes` only those no other step shares (an
+    incremental save hard-links the files unchanged since the step before): what deleting the
+    step frees, and what `du` shows for it after the steps before it.
+    """
 
     step: int
     epoch: int | None
@@ -26,6 +31,7 @@ class StepSummary:
     nbytes: int
     disk_bytes: int
     damaged: str | None = None
+    own_bytes: int | None = None  # None: as `disk_bytes`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +46,8 @@ class CheckpointInfo:
             kind keys them (Keras's `OrbaxCheckpoint`: tree paths; Keras weights files: h5
             dataset paths; Hugging Face directories: tensor names).
         summaries: Epoch, metrics and sizes of every committed step.
+        disk_bytes: The bytes of every committed step on disk, a file shared by several steps
+            (hard links) counted once, as `du` counts them.
         writer: `"keras-orbax"`, `"keras"` (Keras's `OrbaxCheckpoint`, `save_weights`,
             `model.save`), `"keras-hub"` (a preset) or `"transformers"`.
         kind: Which kind of source (`"keras-orbax"`, `"keras-checkpoint"`, `"keras-weights"`,
@@ -53,6 +61,7 @@ class CheckpointInfo:
     summaries: tuple[StepSummary, ...] = ()
     writer: str = "keras-orbax"
     kind: str = "keras-orbax"
+    disk_bytes: int = 0  # of every step, a file that steps share counted once (as `du` counts)
 
     @property
     def nbytes(self) -> int:
@@ -71,21 +80,17 @@ class CheckpointInfo:
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
         else:
-            lines.append(f"written by {_WRITTEN_BY[self.kind]}")
+            archive = self.kind == "keras-weights" and self.directory.name.endswith(".keras")
+            lines.append(
+                f"written by {'Keras (a .keras archive)' if archive else _WRITTEN_BY[self.kind]}"
+            )
         if self.summaries:
-            lines.append(f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  metrics")
-            for s in self.summaries:
-                metrics = " ".join(f"{k}={_number(v)}" for k, v in s.metrics.items())
-                if s.damaged is not None:
-                    metrics = f"damaged: {s.damaged.splitlines()[0]}"
-                epoch = "-" if s.epoch is None else str(s.epoch)
-                lines.append(
-                    f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
-                    f"{human_bytes(s.disk_bytes):>10}  {metrics}".rstrip()
-                )
-        lines.append(f"step {self.step}:" if self.step is not None else "arrays:")
+            lines.extend(self._step_table())
+        meshes = {_mesh(v.layout) for v in record.variables.values() if v.layout}
+        mesh = f" on {next(iter(meshes))}" if len(meshes) == 1 else ""  # said once, not per row
+        lines.append(f"step {self.step}{mesh}:" if self.step is not None else f"arrays{mesh}:")
         rows = [
-            (key, v.path, str(v.shape), v.dtype, human_bytes(v.nbytes), _where(v.layout))
+            (key, v.path, str(v.shape), v.dtype, human_bytes(v.nbytes), _where(v.layout, mesh))
             for key, v in record.variables.items()
         ]
         widths = [max((len(r[i]) for r in rows), default=0) for i in range(5)]
@@ -98,6 +103,30 @@ class CheckpointInfo:
             )
         return "\n".join(lines)
 
+    def _step_table(self) -> list[str]:
+        """One row per step: epoch, array bytes, bytes on disk and those it alone holds, metrics."""
+        lines = [
+            f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  {'its own':>10}  "
+            "metrics"
+        ]
+        for s in self.summaries:
+            metrics = " ".join(f"{k}={_number(v)}" for k, v in s.metrics.items())
+            if s.damaged is not None:
+                metrics = f"damaged: {s.damaged.splitlines()[0]}"
+            epoch = "-" if s.epoch is None else str(s.epoch)
+            own = s.disk_bytes if s.own_bytes is None else s.own_bytes
+            lines.append(
+                f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
+                f"{human_bytes(s.disk_bytes):>10}  {human_bytes(own):>10}  {metrics}".rstrip()
+            )
+        if any(s.own_bytes is not None and s.own_bytes < s.disk_bytes for s in self.summaries):
+            lines.append(
+                f"  {human_bytes(self.disk_bytes)} on disk for all steps; 'its own' is what no "
+                "other step shares (an incremental step\n  hard-links the files unchanged since "
+                "the step before): what deleting that step frees."
+            )
+        return lines
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description: the steps and every variable of the step described."""
         return {
@@ -108,6 +137,7 @@ class CheckpointInfo:
             "step": self.step,
             "epoch": self.record.epoch,
             "nbytes": self.nbytes,
+            "disk_bytes": self.disk_bytes,
             "versions": self.record.versions,
             "variables": [
                 {**dataclasses.asdict(v), "shape": list(v.shape), "nbytes": v.nbytes}
@@ -137,12 +167,14 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     """
     source = resolve.open_source(directory, step)
     summaries = []
+    files = _step_files(source.location, source.steps)
     for each in source.steps:
         step_dir = source.location / str(each)
+        disk, own = _disk_bytes(step_dir, files, each)
         try:
             opened = source if each == source.step else resolve.open_source(source.location, each)
         except KerasOrbaxError as error:  # another step's damage: said in its row, not raised
-            summaries.append(StepSummary(each, None, {}, 0, _disk_bytes(step_dir), str(error)))
+            summaries.append(StepSummary(each, None, {}, 0, disk, str(error), own))
             continue
         summaries.append(
             StepSummary(
@@ -150,7 +182,8 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
                 opened.record.epoch,
                 orbax_compat.step_metrics(step_dir),
                 sum(v.nbytes for v in opened.record.variables.values()),
-                _disk_bytes(step_dir),
+                disk,
+                own_bytes=own,
             )
         )
     return CheckpointInfo(
@@ -161,6 +194,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         summaries=tuple(summaries),
         writer=_WRITERS[source.kind],
         kind=source.kind,
+        disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
     )
 
 
@@ -180,21 +214,45 @@ _WRITERS = {
 }
 
 
-def _disk_bytes(path: Any) -> int:
-    if locations.is_remote(path):
-        return locations.total_bytes(path)
-    # Each inode once: arrays of one shape share a hard-linked `zarr.json` (`_write._Once`).
-    stats = [f.stat() for f in path.rglob("*") if f.is_file()]
-    return sum({(s.st_dev, s.st_ino): s.st_size for s in stats}.values())
+_Files = dict[int, dict[tuple[int, int], int]]  # step -> (device, inode) -> size
 
 
-def _where(layout: dict[str, Any] | None) -> str:
+def _step_files(root: Any, steps: tuple[int, ...]) -> _Files:
+    """Each local step's files, by inode: arrays of one shape share a hard-linked `zarr.json`
+    within a step, and an incremental step hard-links the shard files of the step before."""
+    if locations.is_remote(root):
+        return {}  # a store copies objects on the server: no step shares another's bytes
+    found = {}
+    for step in steps:
+        stats = [f.stat() for f in (root / str(step)).rglob("*") if f.is_file()]
+        found[step] = {(s.st_dev, s.st_ino): s.st_size for s in stats}
+    return found
+
+
+def _disk_bytes(step_dir: Any, files: _Files, step: int) -> tuple[int, int | None]:
+    """The step's bytes on disk, and those no other step shares (None where unknown)."""
+    if step not in files:
+        return locations.total_bytes(step_dir), None
+    mine = files[step]
+    others = [held for other, held in files.items() if other != step]
+    own = sum(size for inode, size in mine.items() if not any(inode in h for h in others))
+    return sum(mine.values()), own
+
+
+def _total_bytes(files: _Files) -> int:
+    return sum({inode: size for held in files.values() for inode, size in held.items()}.values())
+
+
+def _mesh(layout: dict[str, Any]) -> str:
+    return f"mesh {tuple(layout['mesh_shape'])} {tuple(layout['axis_names'])}"
+
+
+def _where(layout: dict[str, Any] | None, mesh: str) -> str:
+    """Where an array was: one device, or its partition (on its mesh, unless `mesh` says it)."""
     if not layout:
         return "one device"
-    return (
-        f"mesh {tuple(layout['mesh_shape'])} {tuple(layout['axis_names'])} "
-        f"partition {tuple(layout['partition'])}"
-    )
+    partition = f"partition {tuple(layout['partition'])}"
+    return partition if mesh else f"{_mesh(layout)} {partition}"
 
 
 def _number(value: Any) -> str:

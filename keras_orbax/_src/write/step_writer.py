@@ -121,10 +121,10 @@ def save(
         raise
     except Exception as error:  # the write itself failed: a full disk, a read-only directory...
         steps = step_dirs.committed_steps(directory)
-        intact = f"The last committed step, {steps[-1]}, is intact." if steps else ""
+        intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
             f"Saving step {step} to '{locations.as_path(directory)}' failed: "
-            f"{type(error).__name__}: {error}. {intact}"
+            f"{type(error).__name__}: {error}. Nothing was committed.{intact}"
         ) from error
     return locations.as_path(directory) / str(step)
 
