@@ -1,12 +1,12 @@
 """The `keras-orbax` command line (also `python -m keras_orbax`).
 
-    keras-orbax inspect DIR [--step N] [--json]
+    keras-orbax inspect SRC [--step N] [--json]
     keras-orbax diff A B [--values] [--json]          A, B: DIR, DIR@STEP, .weights.h5, .keras, ...
-    keras-orbax plan DIR --model MODULE:FUNCTION [--mesh 2x4] [--axes batch,model]
-                         [--layout-map MODULE:FUNCTION] [--processes P] [--step N] [--json]
+    keras-orbax plan SRC --model MODULE:FUNCTION [--step N] [--processes P]
+                     [--mesh 2x4 [--axes batch,model] [--layout-map MODULE:FUNCTION]] [--json]
     keras-orbax convert SRC DST [--model MODULE:FUNCTION] [--step N] [--preset | --transformers]
-                                [--json]          DST: DIR, x.weights.h5, PRESET_DIR (--preset),
-                                                  HF_DIR (--transformers)
+                     [--mesh 2x4 [--axes batch,model] [--layout-map MODULE:FUNCTION]] [--json]
+                     DST: DIR, x.weights.h5, PRESET_DIR (--preset), HF_DIR (--transformers)
     keras-orbax verify SRC [--step N] [--json]
 
 Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
@@ -25,6 +25,7 @@ it needs when it runs, so `--help` and a usage error load neither JAX, Keras nor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -35,7 +36,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `--help | head -1`, with more help than a pipe holds
         _detach_stdout()
         return 0
-    if getattr(args, "axes", None) and not args.mesh:
-        print(
-            f"keras-orbax {args.command}: error: --axes names the axes of --mesh", file=sys.stderr
-        )
-        return EXIT_ERROR
+    for option, says in (("axes", "names the axes of"), ("layout_map", "lays out")):
+        if getattr(args, option, None) and not args.mesh:
+            flag = "--" + option.replace("_", "-")
+            print(f"keras-orbax {args.command}: error: {flag} {says} --mesh", file=sys.stderr)
+            return EXIT_ERROR
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))
     # Libraries that log their own retries and tracebacks (absl's notices; gcsfs and s3fs on an
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = functools.partial(_show_warning, args.command, warnings.showwarning)
         try:
             _prepare()
-            return int(args.run(args) or 0)
+            with _distributed(args):
+                return int(args.run(args) or 0)
         except KeyboardInterrupt:
             print("keras-orbax: interrupted", file=sys.stderr)
             return EXIT_ERROR
@@ -132,14 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument("directory", help=source)
     dry.add_argument("--model", required=True, help=model_help)
     dry.add_argument("--step", type=int, default=None, help=step)
-    dry.add_argument(
-        "--mesh",
-        type=_mesh_argument,
-        default=None,
-        help="device mesh shape, e.g. 2x4 (virtual CPU devices)",
-    )
-    dry.add_argument("--axes", default=None, help="mesh axis names, e.g. batch,model")
-    dry.add_argument("--layout-map", default=None, help="MODULE:FUNCTION(device_mesh) -> LayoutMap")
+    _add_mesh_arguments(dry)
     dry.add_argument(
         "--processes", type=_positive, default=None, help="split the devices over P processes"
     )
@@ -159,7 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     write.add_argument(
         "--model", default=None, help=f"{model_help}, whose loader maps SRC onto its variables"
     )
-    write.add_argument("--step", type=int, default=0, help="the step to write (default: 0)")
+    write.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the step to write (default: SRC's step, with its epoch and metrics; else 0)",
+    )
     write.add_argument(
         "--preset",
         action="store_true",
@@ -171,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write DST as a Hugging Face directory (safetensors), as keras-hub exports it",
     )
+    _add_mesh_arguments(write)
     write.add_argument("--json", action="store_true", help=json_help)
     write.set_defaults(run=_convert)
 
@@ -182,6 +183,20 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help=json_help)
     check.set_defaults(run=_verify)
     return parser
+
+
+def _add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--mesh`, `--axes`, `--layout-map`: the distribution a command restores a model under."""
+    parser.add_argument(
+        "--mesh",
+        type=_mesh_argument,
+        default=None,
+        help="device mesh shape, e.g. 2x4 (virtual CPU devices)",
+    )
+    parser.add_argument("--axes", default=None, help="mesh axis names, e.g. batch,model")
+    parser.add_argument(
+        "--layout-map", default=None, help="MODULE:FUNCTION(device_mesh) -> LayoutMap"
+    )
 
 
 def _emit(text: str) -> None:
@@ -250,12 +265,9 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import keras
 
     from keras_orbax._src.tools.plan_report import plan_restore_report
 
-    if args.mesh:
-        keras.distribution.set_distribution(_distribution(args))
     model = _build_deferred(args.model)
     report = plan_restore_report(model, args.directory, args.step, processes=args.processes)
     if not args.quiet:
@@ -310,10 +322,11 @@ def _convert(args: argparse.Namespace) -> int:
             progress[0].__exit__(None, None, None)
     if not args.quiet:
         if args.json:
-            document = {"step_dir": str(step_dir), "step": args.step, "bytes": written[0]}
             exported = args.preset or args.transformers or str(step_dir).endswith(".weights.h5")
-            if exported:  # an export: no step
-                document = {"path": str(step_dir), "bytes": written[0]}
+            document: dict[str, Any] = {"path": str(step_dir), "bytes": written[0]}  # no step
+            if not exported:
+                step = int(step_dir.name)
+                document = {"step_dir": str(step_dir), "step": step, "bytes": written[0]}
             _emit(json.dumps(document))
         else:
             _emit(f"wrote {step_dir} ({human_bytes(written[0])})")
@@ -387,6 +400,23 @@ def _virtual_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
+@contextlib.contextmanager
+def _distributed(args: argparse.Namespace) -> Iterator[None]:
+    """The command runs under the distribution `--mesh` describes, if given; the caller's is put
+    back after (`main` also runs inside other programs)."""
+    if not getattr(args, "mesh", None):
+        yield
+        return
+    import keras
+
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(_distribution(args))
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
 def _distribution(args: argparse.Namespace) -> Any:
     import jax
     from keras.distribution import DataParallel, DeviceMesh, LayoutMap, ModelParallel
@@ -442,8 +472,8 @@ _COMMAND_LINE_ADVICE = (
     (
         "Set a distribution before building and restoring the model: ModelParallel with a "
         "LayoutMap to shard its weights over the devices, or DataParallel to replicate them.",
-        "The command line sets none: call keras_orbax's functions under a distribution to "
-        "spread the model over the devices.",
+        "Pass --mesh (e.g. --mesh 1x8) with --layout-map MODULE:FUNCTION to shard its weights "
+        "over the devices, or a 1-D --mesh (e.g. --mesh 8) to replicate them.",
     ),
     ("(preset=True)", "(--preset)"),
     ("(transformers=True)", "(--transformers)"),

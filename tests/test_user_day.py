@@ -3,8 +3,10 @@ README and the docs, as a test of what a user now gets."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import warnings
 
 import keras
 import numpy as np
@@ -13,7 +15,12 @@ import pytest
 import keras_orbax
 from keras_orbax import cli
 from keras_orbax._src.tools.plan_report import plan_restore_report
-from keras_orbax.errors import CheckpointNotFoundError, SaveFailedError, UnsupportedSourceError
+from keras_orbax.errors import (
+    CheckpointNotFoundError,
+    KerasOrbaxWarning,
+    SaveFailedError,
+    UnsupportedSourceError,
+)
 from tests import _models, cli_models
 from tests._hub import import_keras_hub
 
@@ -150,3 +157,50 @@ def test_a_failed_save_message_ends_without_a_trailing_space(tmp_path):
     with pytest.raises(SaveFailedError) as raised:
         keras_orbax.save(cli_models.mlp(), tmp_path / "afile.txt", step=1)
     assert str(raised.value).endswith("Nothing was committed.")
+
+
+def test_convert_keeps_the_source_steps_step_epoch_and_metrics(tmp_path, capsys):
+    """`convert ckpt@8 DST` wrote step 0 with the source's epoch and no metrics: the converted
+    step is now the source's, unless a step is given."""
+    model = _models.compile_adam(_models.mlp())
+    rng = np.random.default_rng(0)
+    x, y = rng.random((32, 16)), rng.random((32, 8))  # 4 batches of 8 per epoch
+    callback = keras_orbax.ModelCheckpoint(tmp_path / "ckpt", max_to_keep=None)
+    model.fit(x, y, batch_size=8, epochs=2, callbacks=[callback], verbose=0)
+    source = keras_orbax.inspect(tmp_path / "ckpt", step=4)
+    assert cli.main(["convert", f"{tmp_path / 'ckpt'}@4", str(tmp_path / "dst"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+    converted = keras_orbax.inspect(tmp_path / "dst")
+    assert converted.steps == (4,) and converted.record.epoch == source.record.epoch == 1
+    assert converted.summaries[0].metrics == source.summaries[0].metrics
+    assert set(converted.summaries[0].metrics) == {"loss", "mae"}
+    keras_orbax.convert(tmp_path / "ckpt", tmp_path / "dst", step=20)  # told otherwise
+    assert keras_orbax.inspect(tmp_path / "dst").steps == (4, 20)
+    keras_orbax.convert(tmp_path / "ckpt" / "8", tmp_path / "other")
+    assert keras_orbax.inspect(tmp_path / "other").record.epoch == 2
+
+
+def test_convert_on_the_command_line_can_set_a_distribution(tmp_path, capsys):
+    """The warning that no distribution is set named a Python call; the command line now takes
+    `--mesh` and `--layout-map`, and the warning names them."""
+    model = cli_models.mlp()
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    destination = str(tmp_path / "x.weights.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KerasOrbaxWarning)
+        code = cli.main(["convert", str(tmp_path / "ckpt"), destination, "--mesh", "8"])
+    assert code == 0
+    _, err = capsys.readouterr()
+    assert "warning" not in err
+    layout_map = "tests.cli_models:layout_map"
+    args = ["convert", str(tmp_path / "ckpt"), destination, "--mesh", "2x4"]
+    assert cli.main([*args, "--layout-map", layout_map]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "ckpt"), destination]) == 0
+    err = capsys.readouterr().err
+    assert "No keras.distribution is set" in err
+    assert "Pass --mesh (e.g. --mesh 1x8) with --layout-map MODULE:FUNCTION" in err
+    restored = cli_models.mlp()
+    restored.load_weights(destination)  # Keras's own loader
+    for got, want in zip(restored.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

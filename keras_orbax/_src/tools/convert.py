@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import keras
 
-from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.compat import keras_compat, orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord, versions
 from keras_orbax._src.model import matching
@@ -42,7 +42,7 @@ def convert(
     destination: str | os.PathLike,
     *,
     model: keras.Model | None = None,
-    step: int = 0,
+    step: int | None = None,
     on_write: Callable[[int, int], None] | None = None,
     incremental: bool = True,
     preset: bool = False,
@@ -62,7 +62,8 @@ def convert(
         model: The architecture (built, or under `deferred_init()`): keys and values are then what
             `restore_sharded(model, source)` gives, i.e. Keras's own `load_weights`. Required for a
             Hugging Face directory, and for an `OrbaxCheckpoint` step saved without a model config.
-        step: The step written.
+        step: The step written; `None`: the source's step where it is a checkpoint step (its
+            epoch and metrics are kept too), else 0.
         on_write: Called with `(nbytes, total)` after each array is written.
         incremental: Link each shard file unchanged since `destination`'s latest committed step
             before `step` (in object storage: copy it on the server) instead of writing it
@@ -104,18 +105,27 @@ def convert(
         )
     _refuse_keras_file(destination)
     resolve.check_destination(destination, "keras-orbax")
-    if step in step_dirs.committed_steps(destination):  # before reading the source
+    opened = resolve.open_source(source)  # its metadata only
+    step = step_dirs.checked_step(step if step is not None else opened.step or 0)
+    if step in step_dirs.committed_steps(destination):  # before reading the arrays
         raise StepExistsError(
             f"Step {step} is already committed in '{locations.as_path(os.fspath(destination))}'; "
             "nothing was written. "
             f"Received: step={step}"
         )
     if model is None:
-        record, reads = _by_structure(source)
+        record, reads = _by_structure(opened)
     else:
-        record, reads = _by_model(source, model)
+        record, reads = _by_model(opened, model)
     total = sum(v.nbytes for v in record.variables.values())
-    record = dataclasses.replace(record, step=step, versions=versions())
+    # Where the source is a step: its epoch, position and metrics are the converted step's too.
+    saved = opened.record
+    record = dataclasses.replace(
+        record, step=step, epoch=saved.epoch, batch=saved.batch, versions=versions()
+    )
+    metrics = None
+    if opened.step is not None:
+        metrics = orbax_compat.step_metrics(opened.location / str(opened.step)) or None
 
     def read_each() -> Iterator[tuple[str, jax.Array]]:
         for key, plan in reads:
@@ -130,7 +140,13 @@ def convert(
     made = not locations.is_remote(root) and not root.exists()
     try:
         return array_writer.save_arrays(
-            destination, step, record, read_each(), on_written=written, incremental=incremental
+            destination,
+            step,
+            record,
+            read_each(),
+            on_written=written,
+            incremental=incremental,
+            metrics=metrics,
         )
     except BaseException:
         if made and root.is_dir():  # made by this convert: nothing else can be in it
@@ -168,11 +184,10 @@ def _one_device() -> jax.sharding.Sharding:
 
 
 def _by_structure(
-    source: str | os.PathLike,
+    opened: Source,
 ) -> tuple[StepRecord, list[tuple[str, sharded_read.ReadPlan]]]:
-    """Every array of `source` under its own key; a Keras `OrbaxCheckpoint` step that holds its
+    """Every array of `opened` under its own key; a Keras `OrbaxCheckpoint` step that holds its
     model config is converted by that model (its keys are variable paths, not structure)."""
-    opened = resolve.open_source(source)
     if opened.kind == "keras-checkpoint":
         if opened.model_config is None:
             raise resolve.unsupported(

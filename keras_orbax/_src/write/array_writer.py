@@ -154,6 +154,7 @@ def save_arrays(
     *,
     on_written: Callable[[str], None] | None = None,
     incremental: bool = True,
+    metrics: dict[str, Any] | None = None,
 ) -> Any:
     """Writes `arrays` as the committed step `step` of `directory`, described by `record`.
 
@@ -171,6 +172,7 @@ def save_arrays(
         incremental: Link each shard file unchanged since the latest committed step before
             `step` (in object storage: copy it on the server) instead of writing it
             (`incremental`).
+        metrics: Stored with the step as Orbax's step metrics (what `inspect` shows).
 
     Returns:
         The step's directory.
@@ -202,7 +204,7 @@ def save_arrays(
                 )
             try:
                 plan = incremental_saves.plan_for(directory, step) if incremental else None
-                _save_held(directory, step, record, keys, caller, plan)
+                _save_held(directory, step, record, keys, caller, plan, metrics)
             except BaseException:
                 _remove_unfinished(directory, step)
                 raise
@@ -227,6 +229,7 @@ def _save_held(
     keys: list[str],
     caller: _Caller,
     plan: incremental_saves.Plan | None = None,
+    metrics: dict[str, Any] | None = None,
 ) -> None:
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
@@ -241,6 +244,7 @@ def _save_held(
             step,
             state_keys.nest(dict.fromkeys(keys, placeholder)),
             force=True,
+            metrics=metrics,
             custom_metadata={FORMAT_NAME: record.to_json()},
         )
     except BaseException:
