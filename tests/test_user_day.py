@@ -204,3 +204,29 @@ def test_convert_on_the_command_line_can_set_a_distribution(tmp_path, capsys):
     restored.load_weights(destination)  # Keras's own loader
     for got, want in zip(restored.weights, model.weights, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+GEMMA = dict(
+    vocabulary_size=64,
+    num_layers=2,
+    num_query_heads=4,
+    num_key_value_heads=4,
+    hidden_dim=16,
+    intermediate_dim=32,
+    head_dim=8,
+)
+
+
+def test_a_preset_converted_to_a_checkpoint_converts_back_to_a_preset(tmp_path):
+    """preset -> checkpoint -> preset: the step keeps keras-hub's config, so the second convert
+    knows the model; keras-hub's own `from_preset` reads the result as it reads the original."""
+    backbone = keras_hub.models.GemmaBackbone(**GEMMA)
+    backbone.save_to_preset(tmp_path / "preset")
+    for args in (["preset", "ckpt"], ["ckpt", "again", "--preset"]):
+        assert cli.main(["convert", *(str(tmp_path / a) for a in args[:2]), *args[2:]]) == 0
+    original = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "preset"))
+    again = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "again"))
+    assert again.get_config() == original.get_config()
+    for got, want in zip(again.weights, original.weights, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    assert isinstance(keras_orbax.load_model(tmp_path / "ckpt"), keras_hub.models.GemmaBackbone)

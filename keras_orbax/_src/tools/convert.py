@@ -12,6 +12,7 @@ A Keras `OrbaxCheckpoint` step is converted by the model its saved config descri
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -212,7 +213,14 @@ def _by_structure(
     for key, saved in opened.record.variables.items():
         target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=_one_device())
         reads.append((key, opened.plan_reads([ReadRequest(saved, target)])))
-    return dataclasses.replace(opened.record, variables=variables, format_version=2), reads
+    config = opened.record.model_config
+    if opened.kind == "keras-preset":  # keras-hub's config.json is the backbone, serialized by
+        # Keras: kept, `load_model` builds it and a preset export writes it again.
+        config = json.loads((locations.as_path(opened.location) / "config.json").read_text())
+    record = dataclasses.replace(
+        opened.record, variables=variables, model_config=config, format_version=2
+    )
+    return record, reads
 
 
 def _deferred_model(config: dict[str, Any]) -> keras.Model:
