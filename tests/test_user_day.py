@@ -17,6 +17,7 @@ from keras_orbax import cli
 from keras_orbax._src.tools.plan_report import plan_restore_report
 from keras_orbax.errors import (
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     KerasOrbaxWarning,
     SaveFailedError,
     UnsupportedSourceError,
@@ -230,3 +231,35 @@ def test_a_preset_converted_to_a_checkpoint_converts_back_to_a_preset(tmp_path):
     for got, want in zip(again.weights, original.weights, strict=True):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     assert isinstance(keras_orbax.load_model(tmp_path / "ckpt"), keras_hub.models.GemmaBackbone)
+
+
+def _no_codecs(spec: dict) -> dict:
+    return {**spec, "codecs": []}
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda p: p.write_text(p.read_text()[:40]), "is damaged: not valid JSON"),
+        (lambda p: p.write_text("[1, 2]"), "is damaged: not a JSON object"),
+        (lambda p: p.unlink(), "is missing"),
+        (lambda p: p.write_text(json.dumps(_no_codecs(json.loads(p.read_text())))), "codec"),
+    ],
+    ids=["truncated", "not-an-object", "deleted", "no-codecs"],
+)
+def test_a_damaged_zarr_json_is_one_clear_error_naming_the_file(
+    tmp_path, capfd, caplog, damage, says
+):
+    """A damaged `zarr.json` gave Orbax's `WARNING:root:` line, then an error carrying about
+    1,000 characters of tensorstore spec."""
+    model = cli_models.mlp()
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    spec = tmp_path / "ckpt" / "1" / "state" / "layers.dense.vars.0" / "zarr.json"
+    damage(spec)
+    capfd.readouterr()
+    with pytest.raises(CorruptCheckpointError) as raised:
+        keras_orbax.restore_sharded(cli_models.mlp(), tmp_path / "ckpt")
+    message = str(raised.value)
+    assert str(spec) in message and says in message and "layers/dense/vars/0" in message
+    assert "tensorstore_spec" not in message and len(message.replace(str(tmp_path), "")) < 400
+    assert "TensorStore data files not found" not in capfd.readouterr().err + caplog.text

@@ -84,10 +84,14 @@ class FastArray:
         """`open` of the array in `directory`, given the contents of its `zarr.json` (None: there
         is none)."""
         if spec is None:
+            _refuse_missing_spec(directory, record)
             return None
         raw = spec.tobytes() if isinstance(spec, np.ndarray) else spec
         layout = _plain_layout(raw, np_dtype(record.dtype).itemsize == 1)
-        if layout is None or layout[:2] != (record.dtype, record.shape):
+        if layout is None:
+            _refuse_unparsable_spec(directory, record, raw)
+            return None  # another layout: Orbax reads it, or says what is wrong
+        if layout[:2] != (record.dtype, record.shape):
             return None
         _, shape, chunk, separator = layout
         return cls(record.key, directory, shape, chunk, np_dtype(record.dtype), separator)
@@ -271,6 +275,31 @@ class FastArray:
                 f"{self.key}: the shard index of {path} fails its CRC-32C check."
             )
         return offset
+
+
+def _refuse_missing_spec(directory: Any, record: VariableRecord) -> None:
+    """An array directory of the fast format without its `zarr.json` is damage, said naming the
+    file (Orbax would fail with a page of tensorstore spec). A compact step has no such directory:
+    its arrays are in OCDBT files, which Orbax reads."""
+    if not locations.is_remote(directory) and os.path.isdir(directory):
+        raise CorruptCheckpointError(
+            f"{record.key}: its array metadata file {directory}/zarr.json is missing. The step is "
+            "damaged: restore another step."
+        )
+
+
+def _refuse_unparsable_spec(directory: Any, record: VariableRecord, raw: bytes) -> None:
+    """A `zarr.json` that is not a JSON object is damage, said naming the file."""
+    try:
+        if isinstance(json.loads(raw), dict):
+            return
+        problem = "not a JSON object"
+    except ValueError as error:  # UnicodeDecodeError too
+        problem = f"not valid JSON ({error})"
+    raise CorruptCheckpointError(
+        f"{record.key}: its array metadata file {directory}/zarr.json is damaged: {problem}. "
+        "The step is damaged: restore another step."
+    )
 
 
 def _read_small(directory: Any, name: str) -> bytes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +43,7 @@ from keras_orbax._src.read.read_ahead import (
     region_bytes,
     units_of,
 )
+from keras_orbax._src.runtime import quiet
 from keras_orbax._src.runtime.progress import Progress
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.byte_runs import ArrayReader, Index, bounds
@@ -257,7 +259,7 @@ def _read_with_orbax(
     try:
         context = ocp.Context()
         context.pytree.loading.partial_load = True
-        with context:
+        with context, quiet.no_data_files_notices():
             loaded = ocp.load(step_dir, abstract, checkpointable_name=checkpointable)
     except Exception as error:  # tensorstore raises plain Exceptions; re-raised, never swallowed
         keys = ", ".join(r.record.key for r in requests[:10])
@@ -270,9 +272,15 @@ def _read_with_orbax(
     return {key: flat[path] for key, path in paths.items()}, _tensorstore_bytes_read() - before
 
 
+_TS_SPEC = re.compile(
+    r" ?\[tensorstore_spec(?:\[\d+\])?='(?:[^'\\]|\\.)*'\]"
+)  # the store's whole spec
+
+
 def _tensorstore_reason(error: BaseException) -> str:
     """Tensorstore's message without the dump of the whole store's spec it appends."""
-    reason = str(error).split("See full TensorStore details")[0].strip().rstrip(".;:,")
+    reason = str(error).split("See full TensorStore details")[0]
+    reason = _TS_SPEC.sub("", reason).strip().rstrip(".;:,")
     return reason if len(reason) <= 600 else reason[:600] + " ..."
 
 

@@ -41,3 +41,28 @@ def skipped_merge_notices(directory: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         _ORBAX_LOGGER.removeFilter(notice_filter)
+
+
+_NO_DATA_FILES = "TensorStore data files not found in checkpoint path"
+
+
+class _NoDataFilesFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and _NO_DATA_FILES in record.msg)
+
+
+@contextlib.contextmanager
+def no_data_files_notices() -> Iterator[None]:
+    """Within the block, Orbax's WARNING that a step has no TensorStore data files is dropped.
+
+    Orbax's v1 loader looks for OCDBT or zarr v2 data files (`orbax_v0_layout`, through Python's
+    root logger), which a step of the fast format never has (its arrays are zarr3 shard files):
+    the notice comes with every Orbax read of such a step, and one that fails says why itself.
+    """
+    notice_filter = _NoDataFilesFilter()
+    root = logging.getLogger()
+    root.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        root.removeFilter(notice_filter)
