@@ -263,3 +263,20 @@ def test_a_damaged_zarr_json_is_one_clear_error_naming_the_file(
     assert str(spec) in message and says in message and "layers/dense/vars/0" in message
     assert "tensorstore_spec" not in message and len(message.replace(str(tmp_path), "")) < 400
     assert "TensorStore data files not found" not in capfd.readouterr().err + caplog.text
+
+
+def test_a_restore_result_names_variables_by_their_keras_paths(tmp_path):
+    """`RestoreResult` listed `optimizer/vars/0` where Keras paths are wanted."""
+    trained = _models.compile_adam(_models.mlp())
+    rng = np.random.default_rng(0)
+    trained.fit(rng.random((8, 16)), rng.random((8, 8)), verbose=0)
+    keras_orbax.save(trained, tmp_path / "ckpt", step=1)
+    model = _models.mlp()  # not compiled: the optimizer's and the metrics' state is skipped
+    with pytest.warns(KerasOrbaxWarning, match="has no optimizer"):
+        result = keras_orbax.restore_sharded(model, tmp_path / "ckpt", strict=False)
+    assert result.restored_paths == tuple(v.path for v in model.weights)
+    saved = [v.path for v in trained.optimizer.variables + trained.metrics_variables]
+    assert sorted(result.skipped_paths) == sorted(saved)
+    assert result.initialized_paths == ()
+    shown = repr(result)
+    assert f"skipped=[{saved[0]}, " in shown and "optimizer/vars" not in shown

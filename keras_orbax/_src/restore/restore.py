@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import os
@@ -41,7 +42,8 @@ class RestoreResult:
             instead of reading them (`single_replica_reads`); with `bytes_read`, every distinct
             region its devices hold, once.
         paths: The Keras path of each key above: the model variable's, or for a checkpoint
-            entry the model lacks, the path it was saved under.
+            entry the model lacks, the path it was saved under. `restored_paths`,
+            `initialized_paths` and `skipped_paths` list the keys above by these paths.
     """
 
     step: int | None
@@ -58,8 +60,23 @@ class RestoreResult:
     def num_variables(self) -> int:
         return len(self.restored)
 
+    @property
+    def restored_paths(self) -> tuple[str, ...]:
+        """`restored` by Keras path (`dense/kernel`, `adam/iteration`)."""
+        return tuple(self.paths.get(k, k) for k in self.restored)
+
+    @property
+    def initialized_paths(self) -> tuple[str, ...]:
+        """`initialized` by Keras path."""
+        return tuple(self.paths.get(k, k) for k in self.initialized)
+
+    @property
+    def skipped_paths(self) -> tuple[str, ...]:
+        """`skipped` by Keras path."""
+        return tuple(self.paths.get(k, k) for k in self.skipped)
+
     def __repr__(self) -> str:
-        """The restored variables counted, the others named by key and Keras path."""
+        """The restored variables counted, the others named by Keras path."""
         return (
             f"RestoreResult(step={self.step}, epoch={self.epoch}, "
             f"restored={counted(len(self.restored), 'variable')}, "
@@ -69,8 +86,11 @@ class RestoreResult:
         )
 
     def _named(self, keys: Sequence[str]) -> str:
-        paths = self.paths
-        return listed([f"{k} ({paths[k]})" if paths.get(k, k) != k else k for k in keys])
+        """Each key by its Keras path; by both where two keys share a path (two sub-layers of a
+        subclassed model named alike)."""
+        shared = collections.Counter(self.paths.values())
+        named = [self.paths.get(k, k) for k in keys]
+        return listed([f"{p} ({k})" if shared[p] > 1 else p for k, p in zip(keys, named)])
 
 
 @gc_pause.paused()
