@@ -89,8 +89,8 @@ class RestoreResult:
         """Each key by its Keras path; by both where two keys share a path (two sub-layers of a
         subclassed model named alike)."""
         shared = collections.Counter(self.paths.values())
-        named = [self.paths.get(k, k) for k in keys]
-        return listed([f"{p} ({k})" if shared[p] > 1 else p for k, p in zip(keys, named)])
+        named = [(k, self.paths.get(k, k)) for k in keys]
+        return listed([f"{p} ({k})" if shared[p] > 1 else p for k, p in named])
 
 
 @gc_pause.paused()
