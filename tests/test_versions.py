@@ -206,3 +206,13 @@ def test_compat_modules_are_the_only_ones_with_private_imports():
             if pattern.search(code) and not code.lstrip().startswith(("`", '"', "'")):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+def test_the_license_is_an_spdx_expression_the_build_backend_reads():
+    """`license = {text = ...}` made every install print setuptools' deprecation banner; an SPDX
+    string (PEP 639) is read from setuptools 77 on, so the build requires that."""
+    project = _pyproject()
+    assert project["project"]["license"] == "Apache-2.0"
+    (setuptools,) = [Requirement(r) for r in project["build-system"]["requires"]]
+    assert setuptools.name == "setuptools"
+    assert not setuptools.specifier.contains("76.1") and setuptools.specifier.contains("77.0")
