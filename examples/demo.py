@@ -82,7 +82,10 @@ def _train(directory: str) -> None:
 
     import keras_orbax
 
-    keras.distribution.set_distribution(_distribution((2, 4)))
+    distribution = _distribution((2, 4))
+    keras.distribution.set_distribution(distribution)
+    mesh = distribution.device_mesh
+    print(f"training on mesh {mesh.shape} {mesh.axis_names} ({mesh.devices.size} devices)")
     keras.utils.set_random_seed(0)
     model = _build()
     model.compile(optimizer="adam", loss="mse")
@@ -99,7 +102,13 @@ def _restore(directory: str) -> None:
 
     import keras_orbax
 
-    keras.distribution.set_distribution(_distribution((4, 2)))  # another mesh than training's
+    distribution = _distribution((4, 2))  # another mesh than training's (2, 4)
+    keras.distribution.set_distribution(distribution)
+    mesh = distribution.device_mesh
+    print(
+        f"restoring onto mesh {mesh.shape} {mesh.axis_names} ({mesh.devices.size} devices; "
+        "trained on mesh (2, 4))"
+    )
     with keras_orbax.deferred_init():
         model = _build()  # no variable is allocated
     model.compile(optimizer="adam", loss="mse")

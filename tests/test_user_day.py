@@ -4,9 +4,13 @@ README and the docs, as a test of what a user now gets."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -280,3 +284,20 @@ def test_a_restore_result_names_variables_by_their_keras_paths(tmp_path):
     assert result.initialized_paths == ()
     shown = repr(result)
     assert f"skipped=[{saved[0]}, " in shown and "optimizer/vars" not in shown
+
+
+def test_the_demo_says_which_mesh_it_restores_onto(tmp_path):
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+    env = {**os.environ, "PYTHONPATH": str(demo.parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(demo), "--directory", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "training on mesh (2, 4) ('batch', 'model') (8 devices)" in done.stdout
+    restoring = "restoring onto mesh (4, 2) ('batch', 'model') (8 devices; trained on mesh (2, 4))"
+    assert restoring in done.stdout
+    assert "predictions match the trained model's" in done.stdout
