@@ -301,3 +301,38 @@ def test_the_demo_says_which_mesh_it_restores_onto(tmp_path):
     restoring = "restoring onto mesh (4, 2) ('batch', 'model') (8 devices; trained on mesh (2, 4))"
     assert restoring in done.stdout
     assert "predictions match the trained model's" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("layout", "breaks"),
+    [
+        (dict(num_key_value_heads=2, hidden_dim=32), "load"),  # k/v: the first head only
+        (dict(num_key_value_heads=1, hidden_dim=16), "query"),  # q_proj reshaped, not transposed
+        (dict(num_key_value_heads=1, hidden_dim=32), None),  # Gemma 2B's layout
+    ],
+    ids=["two-kv-heads", "hidden-not-heads-x-head-dim", "gemma-2b-layout"],
+)
+def test_what_keras_hub_reads_back_of_a_gemma_hugging_face_export(tmp_path, layout, breaks):
+    """docs/exporting.md says which Gemma exports keras-hub 0.32 reads back: its own exporter's
+    limits, which keras-orbax's export (the same bytes) shares. A keras-hub that fixes them fails
+    this test, and the page is to be updated."""
+    config = {**GEMMA, "num_query_heads": 4, "head_dim": 8, **layout}
+    backbone = keras_hub.models.GemmaBackbone(**config)
+    backbone.export_to_transformers(str(tmp_path / "hub"))
+    keras_orbax.export_to_transformers(backbone, tmp_path / "ours")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hub" / name).read_bytes() == (tmp_path / "ours" / name).read_bytes()
+    if breaks == "load":
+        with pytest.raises(ValueError, match="cannot reshape array"):
+            keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "hub"))
+        return
+    reloaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "hub"))
+    differ = [
+        a.path
+        for a, b in zip(backbone.weights, reloaded.weights, strict=True)
+        if not np.array_equal(a.numpy(), b.numpy())
+    ]
+    assert differ == ([] if breaks is None else ["decoder_block_0/attention/query/kernel",
+                                                  "decoder_block_1/attention/query/kernel"])  # fmt: skip
+    with pytest.raises(KeyError, match="architectures"):
+        keras_hub.models.CausalLM.from_preset(str(tmp_path / "hub"))
