@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +184,8 @@ def _names_a_builtin_preset(text: str, cls: Any) -> bool:
     if "://" in text:
         return True
     path = locations.as_path(text)
-    if path.exists() or locations.is_remote(path):
+    root = locations.as_path(re.sub(r"@\d+/*$", "", text))  # `ckpt@3` names `ckpt`
+    if path.exists() or root.exists() or locations.is_remote(path):
         return False
     presets = list(getattr(cls, "presets", None) or {})
     if text in presets:
