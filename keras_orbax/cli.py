@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `--help | head -1`, with more help than a pipe holds
         _detach_stdout()
         return 0
-    for option, says in (("axes", "names the axes of"), ("layout_map", "lays out")):
+    for option, says in (
+        ("axes", "--axes names the axes of --mesh"),
+        ("layout_map", "--layout-map needs --mesh, whose device mesh it is given"),
+    ):
         if getattr(args, option, None) and not args.mesh:
-            flag = "--" + option.replace("_", "-")
-            print(f"keras-orbax {args.command}: error: {flag} {says} --mesh", file=sys.stderr)
+            print(f"keras-orbax {args.command}: error: {says}", file=sys.stderr)
             return EXIT_ERROR
     if getattr(args, "mesh", None):
         _virtual_devices(math.prod(_mesh_shape(args.mesh)))

@@ -201,6 +201,12 @@ def test_convert_on_the_command_line_can_set_a_distribution(tmp_path, capsys):
     args = ["convert", str(tmp_path / "ckpt"), destination, "--mesh", "2x4"]
     assert cli.main([*args, "--layout-map", layout_map]) == 0
     assert "warning" not in capsys.readouterr().err
+    assert (
+        cli.main(["convert", str(tmp_path / "ckpt"), destination, "--layout-map", layout_map]) == 2
+    )
+    assert (
+        "error: --layout-map needs --mesh, whose device mesh it is given" in capsys.readouterr().err
+    )
     assert cli.main(["convert", str(tmp_path / "ckpt"), destination]) == 0
     err = capsys.readouterr().err
     assert "No keras.distribution is set" in err
