@@ -3,10 +3,12 @@
 args: {"directory": str, "ready": str}
 
 1. save_best_only with a monitored value that differs per process (process 1 sees the opposite
-   trend): every process must follow process 0's decisions, or they would enter the collective
-   save at different steps and hang.
+   trend, and no value at all in the last epoch): every process must follow process 0's
+   decisions, or they would enter the collective save at different steps and hang.
 2. save_on_preemption: after writing `ready`, trains on until the test sends SIGTERM to one
    process; JAX's preemption service must make both save at the same step and stop.
+3. The coordination service's keys that keras-orbax set for all this are deleted once every
+   process has read them: `keys_left` counts the ones left.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import keras
 import numpy as np
 
 import keras_orbax
+from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.runtime import multihost
 from tests import _models
 from tests._worker_util import init_worker, write_result
 
 
 class _Scores(keras.callbacks.Callback):
-    def __init__(self, scores: list[float]) -> None:
+    def __init__(self, scores: list[float | None]) -> None:
         super().__init__()
         self.scores = scores
 
@@ -45,8 +49,9 @@ def main() -> None:
     rng = np.random.default_rng(ctx.process_id)
     x, y = rng.random((16, 16), dtype="float32"), rng.random((16, 8), dtype="float32")
 
-    # Epochs 0..3: process 0 improves at epochs 0, 1 and 3; process 1 only at epoch 0 and 2.
-    scores = [0.5, 0.4, 0.45, 0.3] if ctx.process_id == 0 else [0.5, 0.6, 0.4, 0.7]
+    # Epochs 0..3: process 0 improves at epochs 0, 1 and 3; process 1 only at epoch 0 and 2, and
+    # has no score at epoch 3, where process 0 decides to save.
+    scores = [0.5, 0.4, 0.45, 0.3] if ctx.process_id == 0 else [0.5, 0.6, 0.4, None]
     best_only = keras_orbax.ModelCheckpoint(
         directory / "best", monitor="score", mode="min", save_best_only=True, max_to_keep=None
     )
@@ -72,8 +77,12 @@ def main() -> None:
         callbacks=[preemptible, keras.callbacks.LambdaCallback(on_train_batch_end=pace)],
         **fit_kwargs,
     )
+    multihost.gather("test/first", 0)
+    multihost.gather("test/second", 0)  # every process is past the first, its deletions done
+    keys = orbax_compat.distributed_client().key_value_dir_get("keras_orbax/")
     write_result(
         {
+            "keys_left": sorted(key for key, _ in keys),
             "best_steps": best_steps,
             "best": best_only.best,
             "start_step": start_step,

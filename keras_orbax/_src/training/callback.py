@@ -204,6 +204,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._resume_point.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._raise_if_failed()
         if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
             self._last_batch = batch  # trained before the checkpoint; read and dropped now
             return
@@ -220,6 +221,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._save_for_preemption(at_epoch_end=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._raise_if_failed()
         if self._resume_point is not None:
             self._resume_point.close()  # the input may have ended before the dropped batches did
         if self.preempted:
@@ -232,6 +234,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self.wait_until_finished()
         self._close(failing=False)
+
+    def _raise_if_failed(self) -> None:
+        """A background save that failed stops `fit` at the next hook, not the next save."""
+        try:
+            self._saves.raise_if_failed()
+        except BaseException:
+            self._close(failing=True)
+            raise
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in progress, if any, is committed.
@@ -263,9 +273,10 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 improved = keras_compat.is_improvement(self, current, self.best)
             if not multihost.primary_decision(improved):
                 return
-            previous = "None" if self.best is None else f"{self.best:.5f}"
-            note = f" ({self.monitor} improved from {previous} to {current:.5f})"
-            self.best = current
+            if current is not None:  # None: process 0 decided, seeing a value this one lacks
+                previous = "None" if self.best is None else f"{self.best:.5f}"
+                note = f" ({self.monitor} improved from {previous} to {current:.5f})"
+                self.best = current
         elif self.keep_best and number(logs.get(self.monitor)) is None:
             self._warn_missing(logs.get(self.monitor))
         reason = "epoch" if at_epoch_end else "batch"
