@@ -57,11 +57,15 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         max_to_keep: Keep the latest N steps; `None` keeps every step.
         keep_best: Also keep the N best steps by `monitor`.
         keep_every: Also keep every step that is a multiple of K.
-        resume: When `fit` starts, restore the latest committed step (`restore_sharded`) and
-            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run. A newer
-            step whose record cannot be read is passed over (`KerasOrbaxWarning`) and deleted.
+        resume: When `fit` starts, restore the newest intact committed step (`restore_sharded`,
+            its array files checked against their checksums) and continue from its epoch:
+            rerunning the same `fit(epochs=N)` finishes the run. A newer step whose record cannot
+            be read or whose files fail their checks is passed over and moved aside to
+            `<step>.unreadable`, never deleted (`KerasOrbaxWarning`); one of a newer format
+            raises `UnsupportedVersionError`.
         save_on_background: Write checkpoints while training continues. A failed background
-            save raises `SaveFailedError` at the next save or when `fit` ends.
+            save (or its cleanup) is logged at once and raises `SaveFailedError` at the next
+            batch or epoch end, save, or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
         incremental: Write only the shard files that changed since the previous committed step;
             the others are hard links to its files, as in `keras_orbax.save`.
@@ -73,6 +77,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     Raises:
         ValueError: an argument is out of range, or `directory` is a Keras file name or template.
         SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
+        UnsupportedVersionError: (from `fit`, with `resume`) the newest step is of a newer
+            keras-orbax format than this one reads.
 
     Example:
     ```python
