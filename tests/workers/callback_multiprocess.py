@@ -7,7 +7,10 @@ args: {"directory": str, "ready": str}
    decisions, or they would enter the collective save at different steps and hang.
 2. save_on_preemption: after writing `ready`, trains on until the test sends SIGTERM to one
    process; JAX's preemption service must make both save at the same step and stop.
-3. The coordination service's keys that keras-orbax set for all this are deleted once every
+3. resume=True into the save_best_only directory once process 0 has flipped a byte of its newest
+   step's array file: every process falls back to the same older step, and process 0 moves the
+   damaged one aside.
+4. The coordination service's keys that keras-orbax set for all this are deleted once every
    process has read them: `keys_left` counts the ones left.
 """
 
@@ -36,6 +39,30 @@ class _Scores(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         assert logs is not None
         logs["score"] = self.scores[epoch]
+
+
+def _resume_past_a_damaged_step(
+    best: Path, x: np.ndarray, y: np.ndarray
+) -> tuple[int | None, list[str], list[int]]:
+    """Flips a byte of the newest step's largest array file of its own (process 0), then resumes
+    a fresh model from `best` on every process: (step restored, names moved aside, steps)."""
+    newest = best / str(step_dirs.committed_steps(best)[-1])
+    if jax.process_index() == 0:
+        files = [f for f in (newest / "state").rglob("*") if f.is_file() and f.parent.name == "c"]
+        own = [f for f in files if f.stat().st_nlink == 1]  # not hard-linked to an older step
+        with open(max(own, key=lambda f: f.stat().st_size), "r+b") as damaged:
+            first = damaged.read(1)
+            damaged.seek(0)
+            damaged.write(bytes([first[0] ^ 0x40]))
+    multihost.gather("test/damaged", 0)
+    model = _models.compile_adam(_models.mlp())
+    resumer = keras_orbax.ModelCheckpoint(best, resume=True, max_to_keep=None)
+    # The older step records epoch 2: with epochs=2 there is nothing left to train.
+    model.fit(x, y, epochs=2, batch_size=4, shuffle=False, verbose=0, callbacks=[resumer])
+    multihost.gather("test/resumed", 0)  # process 0 has moved the step aside
+    restored = resumer.restored.step if resumer.restored is not None else None
+    aside = sorted(p.name for p in best.iterdir() if not p.name.isdecimal())
+    return restored, aside, step_dirs.committed_steps(best)
 
 
 def main() -> None:
@@ -77,12 +104,16 @@ def main() -> None:
         callbacks=[preemptible, keras.callbacks.LambdaCallback(on_train_batch_end=pace)],
         **fit_kwargs,
     )
+    resumed_step, aside, best_after = _resume_past_a_damaged_step(directory / "best", x, y)
     multihost.gather("test/first", 0)
     multihost.gather("test/second", 0)  # every process is past the first, its deletions done
     keys = orbax_compat.distributed_client().key_value_dir_get("keras_orbax/")
     write_result(
         {
             "keys_left": sorted(key for key, _ in keys),
+            "resumed_step": resumed_step,
+            "aside": aside,
+            "best_after": best_after,
             "best_steps": best_steps,
             "best": best_only.best,
             "start_step": start_step,
