@@ -78,7 +78,8 @@ class ProcessSyncError(KerasOrbaxError, TimeoutError):
 
 
 class UnsupportedVersionError(KerasOrbaxError, ImportError):
-    """An installed Keras, keras-hub, Orbax, JAX or etils lacks a private symbol keras-orbax uses.
+    """An installed Keras, keras-hub, Orbax, JAX or etils lacks a private symbol keras-orbax uses,
+    or a checkpoint step was written in a newer keras-orbax format than this version reads.
 
-    The message names the symbol and the versions keras-orbax supports.
+    The message names the symbol or the step, and the versions keras-orbax supports.
     """

@@ -13,6 +13,7 @@ readable one; and what `verbose=1` prints when `fit` resumes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -25,7 +26,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.format import step_dirs
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning, UnsupportedVersionError
 from tests import _models
 
 BATCH = 8
@@ -231,19 +232,40 @@ def test_loss_scaling_resumes_exactly(tmp_path, mp, mixed_float16):
 # -- a damaged latest step ----------------------------------------------------------------------
 
 
+def _largest_array_file(step_dir) -> Any:
+    """The largest shard file the step alone holds (a kernel's or its optimizer slot's; an
+    incremental save hard-links the files of unchanged arrays to the step before)."""
+    state = step_dir / "state"
+    files = [
+        f
+        for f in state.rglob("*")
+        if f.is_file() and "c" in f.relative_to(state).parts[1:] and f.stat().st_nlink == 1
+    ]
+    return max(files, key=lambda f: f.stat().st_size)
+
+
 def _damage(step_dir, how: str) -> None:
-    """Damages the step's record as a power loss or a bad disk could."""
+    """Damages the step as a power loss, a bad disk or a failing mount could."""
     metadata = step_dir / "_CHECKPOINT_METADATA"
     if how == "missing":
         metadata.unlink()
-    elif how == "not_json":
+    elif how == "not_json":  # also what a read failing with EIO leaves: no record
         metadata.write_text('{"custom_metadata": {"keras_orb')
-    else:  # valid JSON, with a keras-orbax record that is not one
+    elif how == "bad_record":  # valid JSON, with a keras-orbax record that is not one
         metadata.write_text('{"custom_metadata": {"keras_orbax": {"format_version": "x"}}}')
+    elif how == "array_bit_flipped":  # same size, same index: only the checksum tells
+        with open(_largest_array_file(step_dir), "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0x40]))
+    else:  # array_truncated
+        os.truncate(_largest_array_file(step_dir), 10)
 
 
-@pytest.mark.parametrize("how", ["missing", "not_json", "bad_record"])
-def test_an_unreadable_latest_step_is_passed_over_for_the_newest_readable(tmp_path, mp, how):
+@pytest.mark.parametrize(
+    "how", ["missing", "not_json", "bad_record", "array_bit_flipped", "array_truncated"]
+)
+def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp, how):
     inputs = _arrays(2)  # 2 batches per epoch
     keras.utils.set_random_seed(1)
     uninterrupted = _mlp()()
@@ -251,24 +273,56 @@ def test_an_unreadable_latest_step_is_passed_over_for_the_newest_readable(tmp_pa
     uninterrupted.fit(**inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[saving])
     assert step_dirs.committed_steps(tmp_path) == [2, 4, 6]
     _damage(tmp_path / "6", how)
+    damaged = sorted(p.relative_to(tmp_path / "6") for p in (tmp_path / "6").rglob("*"))
+    earlier = tmp_path / "6.unreadable"  # set aside by an earlier resume: never overwritten
+    earlier.mkdir()
+    (earlier / "keep").write_text("x")
 
     keras.utils.set_random_seed(2)
     resumed = _mlp()()
-    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=1, resume=True)
+    aside = tmp_path / "6.unreadable-2"
     with pytest.warns(
-        KerasOrbaxWarning, match=r"Step 6 of .* cannot be read, so fit resumes from step 4"
+        KerasOrbaxWarning,
+        match=rf"Step 6 of .* cannot be restored, so fit resumes from step 4, the newest intact "
+        rf"one. Step 6 was moved aside to '{aside}' \(nothing is deleted.*CorruptCheckpointError",
     ):
         history = resumed.fit(
             **inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
         )
     assert checkpoint.restored is not None and checkpoint.restored.step == 4
     assert history.epoch == [2]  # the epoch that step 6 had ended, trained again
-    assert step_dirs.committed_steps(tmp_path) == [2, 4, 6]  # step 6 written anew, readable
+    # Step 6 written anew and readable; retention (max_to_keep=1) deleted 2 and 4, which this
+    # run superseded, and never what was set aside.
+    assert step_dirs.committed_steps(tmp_path) == [6]
     assert keras_orbax.restore_sharded(_mlp()(), tmp_path).step == 6
+    assert keras_orbax.inspect(tmp_path).step == 6
+    assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == damaged  # all of it, moved
+    assert (earlier / "keep").read_text() == "x"
     for variable, got, want in zip(
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):
         np.testing.assert_array_equal(got, want, err_msg=variable.path)
+
+
+def test_a_latest_step_of_a_newer_format_stops_the_resume(tmp_path, mp):
+    """A step a newer install wrote is intact: the job must not train on from an older step,
+    nor move that step aside."""
+    model = _mlp()()
+    saving = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    model.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[saving])
+    metadata = tmp_path / "4" / "_CHECKPOINT_METADATA"
+    content = json.loads(metadata.read_text())
+    content["custom_metadata"]["keras_orbax"]["format_version"] = 99
+    metadata.write_text(json.dumps(content))
+    before = _state(model)
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=1, resume=True)
+    with pytest.raises(UnsupportedVersionError, match=r"step '.*4' is in keras-orbax format 99"):
+        model.fit(**_arrays(2)(), epochs=3, verbose=0, callbacks=[checkpoint])
+    assert step_dirs.committed_steps(tmp_path) == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4"]
+    for got, want in zip(_state(model), before, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_no_readable_step_to_resume_from_is_an_error(tmp_path, mp):
@@ -280,7 +334,7 @@ def test_no_readable_step_to_resume_from_is_an_error(tmp_path, mp):
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, resume=True)
     with pytest.raises(CorruptCheckpointError, match=r"(?s)No step of .* \(1 step\):.*step 2: "):
         model.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[checkpoint])
-    assert (tmp_path / "2").is_dir()  # left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]  # left as it was, not moved
 
 
 def test_resume_waits_for_the_save_a_fit_that_raised_left_in_flight(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import strategies as st
 
 import keras_orbax
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxError
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxError, UnsupportedVersionError
 from tests import _models
 
 STEP = 3
@@ -171,7 +171,6 @@ def _set_kernel(field: str, value: object) -> Callable[[dict], None]:
 
 
 RECORD_CASES = {
-    "format_version_unknown": (_set("format_version", 99), r"unknown format_version 99"),
     "format_version_text": (_set("format_version", "2"), r"unknown format_version '2'"),
     "format_version_zero": (_set("format_version", 0), r"unknown format_version 0"),
     "no_variables": (lambda r: r.pop("variables"), r"variables is NoneType, not a list"),
@@ -212,6 +211,19 @@ def test_record_that_lies_is_refused_before_anything_is_read(originals, tmp_path
     assert "_CHECKPOINT_METADATA" in str(caught)
     assert re.search(match, str(caught)), str(caught)
     with pytest.raises(CorruptCheckpointError, match=match):  # inspect reads the record too
+        keras_orbax.inspect(directory)
+
+
+def test_a_newer_format_is_unsupported_not_damaged(originals, tmp_path, mesh):
+    """A step a newer install wrote is intact: upgrading reads it. It is never called corrupt
+    (resume would set it aside as damaged and train from an older step)."""
+    directory = _copy(originals, "fast", tmp_path)
+    _edit_record(directory, _set("format_version", 99))
+    caught = restore_or_untouched(directory, originals["values"])
+    assert isinstance(caught, UnsupportedVersionError), caught
+    assert not isinstance(caught, CorruptCheckpointError)
+    assert re.search(r"format 99, newer than .*Upgrade keras-orbax", str(caught)), str(caught)
+    with pytest.raises(UnsupportedVersionError, match="format 99"):
         keras_orbax.inspect(directory)
 
 

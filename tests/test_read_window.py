@@ -14,6 +14,7 @@ import pytest
 import keras_orbax
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.read import coalesce, read_ahead, sharded_read
+from tests import _models
 
 
 class _CountingReader:
@@ -108,3 +109,31 @@ def test_regions_in_short_runs_are_read_by_one_thread_per_core(
         os.sched_setaffinity(0, cores)
     np.testing.assert_array_equal(np.asarray(target.get_layer("e").embeddings.value), want)
     assert len(threads) == 1, threads  # not spread over the reading pool (4 threads per core)
+
+
+def test_reading_ahead_stops_when_placing_fails(tmp_path, monkeypatch, distribution):
+    """A restore that fails while placing what was read stops its reading threads at once, not
+    once the error (whose traceback holds the reading generator) is freed."""
+    distribution(_models.model_parallel((2, 4)))
+
+    def build() -> keras.Model:  # regions over 1 MiB: read by the pool's threads
+        layers = [keras.layers.Dense(1024, name=f"wide_{i}") for i in range(3)]
+        return keras.Sequential([keras.Input((512,)), *layers])
+
+    keras_orbax.save(build(), tmp_path, step=1)
+    before = set(threading.enumerate())
+    placed = sharded_read._place
+
+    def fails_on_the_second(*args, **kwargs):
+        if fails_on_the_second.calls:
+            raise RuntimeError("placing failed")
+        fails_on_the_second.calls += 1
+        return placed(*args, **kwargs)
+
+    fails_on_the_second.calls = 0
+    monkeypatch.setattr(sharded_read, "_place", fails_on_the_second)
+    with pytest.raises(RuntimeError, match="placing failed") as caught:
+        keras_orbax.restore_sharded(build(), tmp_path)
+    readers = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert caught.value.__traceback__ is not None  # still held here
+    assert readers == [], readers

@@ -209,3 +209,32 @@ def test_a_content_whose_first_file_is_gone_is_written_again(tmp_path):
     assert Path(b).read_bytes() == Path(c).read_bytes() == b"{}"
     assert once.written == [a, b]  # c is a link to b
     assert os.stat(c).st_ino == os.stat(b).st_ino
+
+
+def test_a_step_committed_while_waiting_for_the_lock_is_step_exists(
+    tmp_path, monkeypatch, distribution
+):
+    """Whether the step is taken is decided under its writer lock: another writer that held the
+    lock may commit the step between a save's first check and its taking the lock."""
+    from keras_orbax._src.storage import writer_lock
+
+    distribution(_models.model_parallel((2, 4)))
+    model, other = _models.mlp(), _models.mlp()
+    _models.fill_arange(other)
+    acquire = writer_lock._acquire
+    raced: list[bool] = []
+
+    def another_writer_commits_first(directory, step):
+        if not raced:  # that writer takes the lock, commits step 5 and releases it
+            raced.append(True)
+            keras_orbax.save(other, directory, step=step)
+        return acquire(directory, step)
+
+    monkeypatch.setattr(writer_lock, "_acquire", another_writer_commits_first)
+    with pytest.raises(keras_orbax.errors.StepExistsError, match="Step 5 is already committed"):
+        keras_orbax.save(model, tmp_path, step=5)
+    restored = _models.mlp()
+    keras_orbax.restore_sharded(restored, tmp_path, 5)  # the other writer's step, untouched
+    got, want = _models.values(restored.variables), _models.values(other.variables)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)

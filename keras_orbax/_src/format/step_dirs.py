@@ -14,7 +14,11 @@ from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format.record_check import record_problems
 from keras_orbax._src.format.step_record import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._src.storage import locations
-from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
+from keras_orbax.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedVersionError,
+)
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
@@ -152,12 +156,22 @@ def read_record(path: Path) -> StepRecord:
     Raises:
         CorruptCheckpointError: the step has no readable, valid keras-orbax record; the message
             names the metadata file and each problem.
+        UnsupportedVersionError: the record is of a newer format than this version reads (a
+            step a newer install wrote: intact, not damaged).
     """
     file = orbax_compat.step_metadata_file(path)
     custom = orbax_compat.step_custom_metadata(path) or {}  # unreadable: None, explained below
     record = custom.get(FORMAT_NAME) if isinstance(custom, dict) else None
     if record is None:
         raise CorruptCheckpointError(_no_record_message(path, file))
+    version = record.get("format_version") if isinstance(record, dict) else None
+    if type(version) is int and version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"Checkpoint step '{path}' is in keras-orbax format {version}, newer than this "
+            f"version of keras-orbax reads (formats 1 to {FORMAT_VERSION}): it was written by a "
+            "newer install. Upgrade keras-orbax to read it; nothing was modified. "
+            f"Received: format_version={version}"
+        )
     problems = record_problems(record, FORMAT_VERSION)
     if problems:
         lines = "\n".join(f"  {p}" for p in problems[:20])

@@ -15,6 +15,7 @@ replicas of a region, `replicas.share` lets one of them read it and the others r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -173,10 +174,15 @@ def read_arrays(
     # A unit of at most BATCH_BYTES holds no region larger than the default window.
     largest = [region_bytes(r, i) for u in units if u.size > BATCH_BYTES for r, _, i in u.tasks]
     window = window_bytes or max([DEFAULT_WINDOW_BYTES, *largest])
-    pieces = read_ahead(units, workers, window)
+    # Closed on any error: its pools stop reading and let go of their buffers now, not when the
+    # traceback holding this frame is freed.
+    reading = contextlib.closing(read_ahead(units, workers, window))
     exchange = replicas.Exchange(plan, window_bytes or DEFAULT_WINDOW_BYTES)  # same everywhere
     error: Exception | None = None
-    with Progress("restore_sharded", sum(u.size for u in units), enabled=show_progress) as progress:
+    with (
+        reading as pieces,
+        Progress("restore_sharded", sum(u.size for u in units), enabled=show_progress) as progress,
+    ):
         for request, _, indices in plan.fast:
             sharing = plan.shared.get(request.record.key)
             read = []

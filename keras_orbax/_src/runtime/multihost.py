@@ -28,6 +28,7 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = float(os.environ.get("KERAS_ORBAX_SYNC_TIMEOUT_S", "300"))
 _calls = itertools.count()
 _agreed: weakref.WeakSet[BaseException] = weakref.WeakSet()  # raised by `agree`: reported already
+_published: list[str] = []  # keys this process set that another process may still have to read
 
 
 def process_count() -> int:
@@ -83,7 +84,7 @@ def agree(
     client = orbax_compat.distributed_client()
     key = f"keras_orbax/{name}/{next(_calls)}"
     me = jax.process_index()
-    client.key_value_set(f"{key}/{me}", json.dumps(_outcome(error)))
+    _publish(client, f"{key}/{me}", json.dumps(_outcome(error)))
     deadline = time.monotonic() + timeout_s
     failures, missing = {}, []
     for process in range(process_count()):
@@ -92,6 +93,8 @@ def agree(
             missing.append(process)
         elif not found["ok"]:
             failures[process] = found
+    if not missing:
+        _delete_earlier(client, f"{key}/{me}")
     if missing:
         late = ProcessSyncError(
             f"Processes {missing} did not reach '{name}' within {timeout_s:.0f} s (this is process "
@@ -122,9 +125,9 @@ def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             value = fn(*args)
         except Exception as error:  # published to every process, then raised here too
-            client.key_value_set(key, json.dumps(_outcome(error)))
+            _publish(client, key, json.dumps(_outcome(error)))
             raise
-        client.key_value_set(key, json.dumps({"ok": True, "value": value}))
+        _publish(client, key, json.dumps({"ok": True, "value": value}))
         return value
     found = _get(client, key, time.monotonic() + DEFAULT_TIMEOUT_S)
     if found is None:
@@ -148,10 +151,13 @@ def gather(name: str, value: Any) -> list[Any]:
         return [value]
     client = orbax_compat.distributed_client()
     key = f"keras_orbax/{name}/{next(_calls)}/gathered"
-    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps({"value": value}))
+    mine = f"{key}/{jax.process_index()}"
+    _publish(client, mine, json.dumps({"value": value}))
     deadline = time.monotonic() + DEFAULT_TIMEOUT_S
     found = [_get(client, f"{key}/{process}", deadline) for process in range(process_count())]
     missing = [process for process, got in enumerate(found) if got is None]
+    if not missing:
+        _delete_earlier(client, mine)
     if missing:
         raise ProcessSyncError(
             f"Processes {missing} did not reach '{name}' within {DEFAULT_TIMEOUT_S:.0f} s (this "
@@ -178,6 +184,26 @@ def same_arguments(verb: str, **arguments: Any) -> None:
         f"{verb} was given other arguments on other processes ({each}). Every process writes its "
         "part of one step into one directory: pass each the same. Nothing was written."
     )
+
+
+def _publish(client: Any, key: str, value: str) -> None:
+    client.key_value_set(key, value)
+    _published.append(key)
+
+
+def _delete_earlier(client: Any, current: str) -> None:
+    """Deletes the keys this process set before `current`, once every process has set its key of
+    the round that `current` belongs to: each process takes part in the collective calls one at
+    a time, in the same order, so each has read every key of the rounds before. The
+    coordination service keeps a key until it is deleted; a long job would otherwise pile up
+    several per save and restore."""
+    earlier = [key for key in _published if key != current]
+    _published[:] = [current]
+    for key in earlier:
+        try:
+            client.key_value_delete(key)
+        except Exception:  # the service going away: nothing left to free
+            return
 
 
 def _outcome(error: BaseException | None) -> dict[str, Any]:

@@ -57,11 +57,15 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         max_to_keep: Keep the latest N steps; `None` keeps every step.
         keep_best: Also keep the N best steps by `monitor`.
         keep_every: Also keep every step that is a multiple of K.
-        resume: When `fit` starts, restore the latest committed step (`restore_sharded`) and
-            continue from its epoch: rerunning the same `fit(epochs=N)` finishes the run. A newer
-            step whose record cannot be read is passed over (`KerasOrbaxWarning`) and deleted.
+        resume: When `fit` starts, restore the newest intact committed step (`restore_sharded`,
+            its array files checked against their checksums) and continue from its epoch:
+            rerunning the same `fit(epochs=N)` finishes the run. A newer step whose record cannot
+            be read or whose files fail their checks is passed over and moved aside to
+            `<step>.unreadable`, never deleted (`KerasOrbaxWarning`); one of a newer format
+            raises `UnsupportedVersionError`.
         save_on_background: Write checkpoints while training continues. A failed background
-            save raises `SaveFailedError` at the next save or when `fit` ends.
+            save (or its cleanup) is logged at once and raises `SaveFailedError` at the next
+            batch or epoch end, save, or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
         incremental: Write only the shard files that changed since the previous committed step;
             the others are hard links to its files, as in `keras_orbax.save`.
@@ -73,6 +77,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     Raises:
         ValueError: an argument is out of range, or `directory` is a Keras file name or template.
         SaveFailedError: (from `fit`) a save failed; the previous committed step is intact.
+        UnsupportedVersionError: (from `fit`, with `resume`) the newest step is of a newer
+            keras-orbax format than this one reads.
 
     Example:
     ```python
@@ -204,6 +210,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._resume_point.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._raise_if_failed()
         if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
             self._last_batch = batch  # trained before the checkpoint; read and dropped now
             return
@@ -220,6 +227,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._save_for_preemption(at_epoch_end=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._raise_if_failed()
         if self._resume_point is not None:
             self._resume_point.close()  # the input may have ended before the dropped batches did
         if self.preempted:
@@ -232,6 +240,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     def on_train_end(self, logs: dict | None = None) -> None:
         self.wait_until_finished()
         self._close(failing=False)
+
+    def _raise_if_failed(self) -> None:
+        """A background save that failed stops `fit` at the next hook, not the next save."""
+        try:
+            self._saves.raise_if_failed()
+        except BaseException:
+            self._close(failing=True)
+            raise
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in progress, if any, is committed.
@@ -263,7 +279,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             improved = current is None or keras_compat.is_improvement(self, current, self.best)
             if not multihost.primary_decision(improved):
                 return
-            if current is not None:
+            if current is not None:  # None: process 0 decided, seeing a value this one lacks
                 previous = "None" if self.best is None else f"{self.best:.5f}"
                 note = f" ({self.monitor} improved from {previous} to {current:.5f})"
                 self.best = current

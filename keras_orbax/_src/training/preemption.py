@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -25,6 +26,13 @@ logger = logging.getLogger("keras_orbax")
 # as JAX's sync protocol requires: it picks "max step seen + 1" as the step to save at, so a counter
 # that jumped (optimizer steps under `steps_per_execution`) could skip that step.
 _sync_counter = itertools.count(1)
+_watching: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()  # with a handler installed
+
+
+def _after_fork_in_child() -> None:
+    for watcher in list(_watching):
+        watcher._forked()
+    _watching.clear()
 
 
 class PreemptionWatcher:
@@ -60,11 +68,21 @@ class PreemptionWatcher:
         self._previous = signal.SIG_DFL if previous is None else previous
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
+        _watching.add(self)
 
     def stop(self) -> None:
+        _watching.discard(self)
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous)
             self._installed = False
+
+    def _forked(self) -> None:
+        """In a child forked during `fit` (a `PyDataset` pool, a user's subprocess): SIGTERM
+        does there what it did before `fit`, by default terminating the child, which saves
+        nothing (`Pool.terminate()` relies on it)."""
+        if self._installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous)
+        self._installed = False
 
     def reached(self) -> bool:
         """Whether to save and stop now. Call once per training batch, on every process."""
@@ -97,3 +115,7 @@ class PreemptionWatcher:
             previous(signum, frame)
         elif previous != signal.SIG_IGN:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)

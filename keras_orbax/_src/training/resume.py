@@ -20,6 +20,7 @@ from keras_orbax._src.model.matching import counted
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
+from keras_orbax._src.storage import durable, locations
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError, KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
@@ -28,11 +29,13 @@ logger = logging.getLogger("keras_orbax")
 @dataclasses.dataclass(frozen=True)
 class Resumed:
     """What `resume` did: the restore, where `fit` goes on (None: the step records no epoch), and
-    the newer steps it passed over and deleted because their record could not be read."""
+    the newer steps it passed over because they could not be restored, each moved aside to
+    `set_aside[step]`."""
 
     restored: RestoreResult
     point: ResumePoint | None
     unreadable: tuple[int, ...] = ()
+    set_aside: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def resume(
@@ -44,42 +47,80 @@ def resume(
     steps_per_epoch: int | None = None,
     verbose: int,
 ) -> Resumed | None:
-    """Restores the newest readable step of `directory` into `model` and sets `fit` to start at
+    """Restores the newest intact step of `directory` into `model` and sets `fit` to start at
     the epoch (and batch) it records; None if the directory holds no step.
 
-    A newer step whose record cannot be read (its `_CHECKPOINT_METADATA` is missing or damaged,
-    or holds no valid keras-orbax record) cannot be resumed from, nor saved over: it is passed
-    over with a `KerasOrbaxWarning` and deleted once the older step is restored, so that this run
-    can write those steps again and retention does not rank it as the latest.
+    A newer step that cannot be restored (its `_CHECKPOINT_METADATA` is missing, damaged or
+    unreadable, or one of its array files fails its size, zarr index or checksum) is passed over
+    for the newest step that restores, as Keras's `BackupAndRestore(double_checkpoint=True)` falls
+    back to its previous backup. Once that step is restored, each one passed over is moved aside
+    to `<step>.unreadable` (never deleted; no listing of steps, retention included, sees it), with
+    a `KerasOrbaxWarning` naming the step, why and where it went: this run writes those steps
+    again.
 
     Raises:
-        CorruptCheckpointError: the directory holds steps, and none of them can be read.
+        CorruptCheckpointError: the directory holds steps, and none of them can be restored
+            (nothing is moved).
+        UnsupportedVersionError: the newest readable step is of a newer format than this version
+            reads: the job must not train on from an older step, nor move one a newer install
+            wrote.
     """
     steps = sorted(
         set(step_dirs.committed_steps(directory)) | {c.step for c in checkpointer.checkpoints}
     )
     if not steps:
         return None
-    step, unreadable = multihost.primary_value("resume", _newest_readable, directory, steps)
-    if step is None:
-        count = counted(len(unreadable), "step")
-        reasons = "\n".join(f"  step {s}: {why}" for s, why in unreadable)
-        raise CorruptCheckpointError(
-            f"No step of '{directory}' can be read to resume from ({count}):\n{reasons}\n"
-            "Delete the directory or pass another one to start afresh."
-        )
-    for skipped, why in unreadable:
+    restored, passed_over = _restore_newest_intact(model, directory, steps)
+    moved = multihost.primary_value(
+        "resume/set aside", _set_aside, directory, [s for s, _ in passed_over]
+    )
+    if passed_over:
+        checkpointer.reload()  # its listing still holds the steps moved aside
+    for (skipped, why), where in zip(passed_over, moved, strict=True):
         warnings.warn(
-            f"Step {skipped} of '{directory}' cannot be read, so fit resumes from step {step} "
-            f"instead and step {skipped} is deleted (this run trains it again). {why}",
+            f"Step {skipped} of '{directory}' cannot be restored, so fit resumes from step "
+            f"{restored.step}, the newest intact one. Step {skipped} was moved aside to '{where}' "
+            f"(nothing is deleted; inspect it, then remove it yourself); this run trains its "
+            f"steps again. {why}",
             KerasOrbaxWarning,
             stacklevel=2,
         )
-    restored = restore_sharded(model, directory, step)
-    for skipped, _ in unreadable:
-        checkpointer.delete(skipped, missing_ok=True)
     _announce(restored, directory, epochs, verbose)
-    record = restored.record
+    point = _resume_point(model, restored, directory, steps_per_epoch)
+    skipped_steps = tuple(s for s, _ in passed_over)
+    return Resumed(restored, point, skipped_steps, dict(zip(skipped_steps, moved, strict=True)))
+
+
+def _restore_newest_intact(
+    model: keras.Model, directory: str, steps: list[int]
+) -> tuple[RestoreResult, list[tuple[int, str]]]:
+    """The restore of the newest of `steps` whose record reads and whose array files pass their
+    checks (a failed restore leaves `model` untouched), and the newer ones passed over, why."""
+    passed_over: list[tuple[int, str]] = []
+    while True:
+        step, unreadable = multihost.primary_value("resume", _newest_readable, directory, steps)
+        passed_over += [(s, why) for s, why in unreadable]
+        if step is None:
+            count = counted(len(passed_over), "step")
+            reasons = "\n".join(f"  step {s}: {why}" for s, why in passed_over)
+            raise CorruptCheckpointError(
+                f"No step of '{directory}' can be read to resume from ({count}):\n{reasons}\n"
+                "Nothing was moved or deleted. Delete the directory or pass another one to start "
+                "afresh."
+            )
+        try:
+            # Checked before it is trusted: a damaged newest step falls back to the one before.
+            return restore_sharded(model, directory, step, verify=True), passed_over
+        except CorruptCheckpointError as error:
+            passed_over.append((step, f"{type(error).__name__}: {error}"))
+            steps = [s for s in steps if s < step]
+
+
+def _resume_point(
+    model: keras.Model, restored: RestoreResult, directory: str, steps_per_epoch: int | None
+) -> ResumePoint | None:
+    """Sets `fit` to start at the epoch `restored` records; its batches to drop, if any."""
+    record, step = restored.record, restored.step
     if model.optimizer is not None and not any(
         v.role == OPTIMIZER for v in record.variables.values()
     ):
@@ -88,10 +129,10 @@ def resume(
             "save_weights_only=True, or from a model without an optimizer): fit resumes from its "
             "weights with the optimizer as it is, not where that run's optimizer was.",
             KerasOrbaxWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if record.epoch is None:
-        return Resumed(restored, None, tuple(s for s, _ in unreadable))
+        return None
     saved_steps = record.extra.get("steps_per_epoch")
     if record.batch and saved_steps is not None and steps_per_epoch not in (None, saved_steps):
         batches = counted(saved_steps, "batch", "batches")
@@ -103,16 +144,16 @@ def resume(
             "the checkpoint trained (another batch size or dataset): resume mid-epoch with the "
             "same batches.",
             KerasOrbaxWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     keras_compat.set_initial_epoch(model, record.epoch)
-    point = ResumePoint(model, record.epoch, record.batch or 0)
-    return Resumed(restored, point, tuple(s for s, _ in unreadable))
+    return ResumePoint(model, record.epoch, record.batch or 0)
 
 
 def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
     """`[step, [[newer step, why], ...]]`: the newest of `steps` whose record reads, None if none
-    does, and the newer ones that do not (JSON-safe: process 0 decides for all)."""
+    does, and the newer ones that do not (JSON-safe: process 0 decides for all). A record of a
+    newer format raises `UnsupportedVersionError`: that step is intact."""
     unreadable: list[list[Any]] = []
     for step in sorted(steps, reverse=True):
         try:
@@ -122,6 +163,31 @@ def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
             continue
         return [step, unreadable]
     return [None, unreadable]
+
+
+ASIDE_SUFFIX = ".unreadable"
+"""Steps that resume passed over are moved to `<step>.unreadable` (`-2`, `-3`... if taken): not a
+step name to Orbax, `committed_steps`, retention or `inspect`, nor an Orbax temporary one."""
+
+
+def _set_aside(directory: str, steps: list[int]) -> list[str]:
+    """Moves each of `steps` out of the listing of `directory`'s steps, under a name that says
+    why and is not taken; returns where each went (JSON-safe: process 0 moves for all)."""
+    root = locations.as_path(directory)
+    moved = []
+    for step in steps:
+        source = root / str(step)
+        target = root / f"{step}{ASIDE_SUFFIX}"
+        taken = 1
+        while target.exists():
+            taken += 1
+            target = root / f"{step}{ASIDE_SUFFIX}-{taken}"
+        if source.exists():  # Orbax lists a step without metadata that committed_steps does not
+            source.rename(target)
+            if not locations.is_remote(root):
+                durable.fsync_path(root)
+        moved.append(str(target))
+    return moved
 
 
 def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbose: int) -> None:

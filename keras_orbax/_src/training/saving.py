@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import jax
@@ -189,11 +190,34 @@ class Saves:
                 self.pending = self._collector.submit(
                     step,
                     response,
-                    lock.pop_all().close,
+                    self._release_lock(step, lock.pop_all()),
                     then=lambda: self.prune(step),
                     last=collector_paused.pop_all().close,
+                    where=self.directory,
                 )
                 _in_flight.add(self.directory, self.pending)
+
+    def _release_lock(self, step: int, lock: contextlib.ExitStack) -> Callable[[], None]:
+        """Releases the writer lock of `step` once its background save has ended; an error
+        doing so (a deferred write error on `close` over NFS) is a `SaveFailedError`."""
+
+        def release() -> None:
+            try:
+                lock.close()
+            except Exception as error:
+                raise SaveFailedError(
+                    f"Step {step} of '{self.directory}': releasing its writer lock once its "
+                    f"save had ended failed: {type(error).__name__}: {error}. "
+                    f"{self.intact_note()}"
+                ) from error
+
+        return release
+
+    def raise_if_failed(self) -> None:
+        """Raises the error of the background save in progress if it has failed already (a
+        check that never waits; call it from every hook)."""
+        if self.pending is not None and self.pending.failed():
+            self.wait()
 
     def wait(self) -> None:
         """Blocks until the save in progress, if any, is committed.

@@ -108,6 +108,11 @@ def save(
             quiet.skipped_merge_notices(directory),
             open_checkpointer(directory, format) as checkpointer,
         ):
+            # Again under the lock (process 0 holds it and decides): a writer that held it may
+            # have committed the step since the check above.
+            multihost.primary_value(
+                f"save/step {step} free", _refuse_committed, directory, step, overwrite
+            )
             write_step(
                 checkpointer,
                 model,
@@ -328,12 +333,18 @@ def _checked_variables(
             f"Cannot save model '{model.name}': {len(unset)} variables were built under "
             f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
         )
+    _refuse_committed(directory, step, overwrite)
+    return state, variables
+
+
+def _refuse_committed(directory: Any, step: int, overwrite: bool) -> None:
+    """Raises StepExistsError if `step` is committed and not to be overwritten. Decisive only
+    under the step's writer lock; before it, only a check that fails early."""
     if not overwrite and step in step_dirs.committed_steps(directory):
         raise StepExistsError(
             f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass "
             f"overwrite=True to replace it. Received: step={step}"
         )
-    return state, variables
 
 
 def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
