@@ -110,6 +110,23 @@ def check_files(
     return files, nbytes, compared, tuple(uncovered)
 
 
+def file_crc(path: str) -> tuple[int, int]:
+    """(bytes, CRC-32) of the local file `path`, read once in large blocks (zlib releases the GIL,
+    so threads check files in parallel).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    crc, size = 0, 0
+    block = bytearray(_READ_BYTES)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while n := handle.readinto(block):
+            crc = update(crc, view[:n])
+            size += n
+    return size, crc
+
+
 def _recorded_checksums(state: Path) -> dict[str, int]:
     """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps)."""
     found: dict[str, int] = {}
