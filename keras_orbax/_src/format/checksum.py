@@ -77,7 +77,7 @@ def check_files(
     Raises:
         CorruptCheckpointError: naming each variable key and file that failed.
     """
-    checksums = _recorded_checksums(path / STATE)
+    checksums = recorded_checksums(path / STATE)
     problems: list[str] = []
     files, nbytes, compared = 0, 0, 0
     uncovered: dict[str, None] = {}
@@ -110,6 +110,15 @@ def check_files(
     return files, nbytes, compared, tuple(uncovered)
 
 
+def mismatch(key: str, file: Any, crc: int, recorded: int) -> CorruptCheckpointError:
+    """The error for a file whose bytes, as read, do not have their recorded checksum."""
+    return CorruptCheckpointError(
+        f"{key}: {file}: checksum {crc:#010x} as read, recorded {recorded:#010x} when it was "
+        "written: the file is damaged. No variable was modified. Restore another step, or pass "
+        "verify=False to read it as it is."
+    )
+
+
 def file_crc(path: str) -> tuple[int, int]:
     """(bytes, CRC-32) of the local file `path`, read once in large blocks (zlib releases the GIL,
     so threads check files in parallel).
@@ -127,8 +136,12 @@ def file_crc(path: str) -> tuple[int, int]:
     return size, crc
 
 
-def _recorded_checksums(state: Path) -> dict[str, int]:
-    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps)."""
+def recorded_checksums(state: Path) -> dict[str, int]:
+    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps).
+
+    Raises:
+        CorruptCheckpointError: a checksum file cannot be read, or uses another algorithm.
+    """
     found: dict[str, int] = {}
     for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
         try:

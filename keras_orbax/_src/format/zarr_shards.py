@@ -19,12 +19,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from keras_orbax._src.format import checksum
 from keras_orbax._src.format.checksum import crc32c, shard_index
 from keras_orbax._src.format.dtypes import np_dtype
 from keras_orbax._src.format.step_record import STATE, VariableRecord
@@ -66,6 +67,11 @@ class FastArray:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     separator: str = "/"  # of the chunk keys: c/0/1, or c.0.1 (a small array's one file)
+    # With them, a region that is one whole shard file is checked against its file's recorded
+    # CRC-32 (`<array>/<chunk key>` -> CRC) as it is read (`verify_read`).
+    checksums: Mapping[str, int] | None = dataclasses.field(
+        default=None, compare=False, hash=False, repr=False
+    )
 
     @classmethod
     def open(cls, step_dir: Path, record: VariableRecord) -> FastArray | None:
@@ -163,14 +169,38 @@ class FastArray:
         whole = self.is_one_shard(index)
         mapped = self._map_whole(region) if whole else None
         if mapped is not None:
+            self._verify_shard(region, mapped)
             return cast(mapped.view(self.dtype).reshape(shape), dtype)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        if whole and self._read_whole(region, out):
-            return cast(out.view(self.dtype).reshape(shape), dtype)
-        for block in self.blocks(index):
-            with block.opener() as (fetch, offset):
-                read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if not (whole and self._read_whole(region, out)):
+            for block in self.blocks(index):
+                with block.opener() as (fetch, offset):
+                    read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if whole:
+            self._verify_shard(region, out)
         return cast(out.view(self.dtype).reshape(shape), dtype)
+
+    def _verify_shard(self, region: list[tuple[int, int]], data: np.ndarray) -> None:
+        """With `checksums`, checks the data just read of a region that is one whole shard: its
+        file is that data followed by the plain shard index (`_read_whole` and `_open` checked
+        the index), so the file's CRC-32 extends the data's with the index's."""
+        coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
+        crc = checksum.update(0, data.reshape(-1).view(np.uint8).data)
+        self.verify_read(coords, checksum.update(crc, self._plain_index))
+
+    def verify_read(self, coords: tuple[int, ...], crc: int) -> None:
+        """Checks `crc`, of the whole file of chunk `coords` as it was read, against the one
+        recorded for it (no `checksums`, or none recorded for that file: nothing to check).
+
+        Raises:
+            CorruptCheckpointError: naming the array and the file.
+        """
+        if self.checksums is None:
+            return
+        name = f"{self.directory.name}/{chunk_key(coords, self.separator)}"
+        recorded = self.checksums.get(name)
+        if recorded is not None and recorded != crc:
+            raise checksum.mismatch(self.key, self.file(coords), crc, recorded)
 
     def from_file(self, data: np.ndarray) -> np.ndarray | None:
         """The array from the bytes of its one file (`chunk_shape == shape`) if they are its data

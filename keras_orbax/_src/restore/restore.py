@@ -42,6 +42,10 @@ class RestoreResult:
             region its devices hold, once.
         paths: The Keras path of each key above: the model variable's, or for a checkpoint
             entry the model lacks, the path it was saved under.
+        unverified: Keys of the variables restored without a check of their bytes against a
+            recorded checksum: all of them with `verify=False` or from a source that records
+            none (Keras and Hugging Face files, Keras's `OrbaxCheckpoint` steps), a compact
+            step's; none where every byte read was checked.
     """
 
     step: int | None
@@ -53,6 +57,7 @@ class RestoreResult:
     record: StepRecord = dataclasses.field(repr=False)
     bytes_received: int = 0
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unverified: tuple[str, ...] = ()
 
     @property
     def num_variables(self) -> int:
@@ -80,7 +85,7 @@ def restore_sharded(
     step: int | None = None,
     *,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool | None = None,
     read_window_bytes: int | None = None,
     single_replica_reads: bool | None = None,
     verbose: int = 0,
@@ -106,11 +111,16 @@ def restore_sharded(
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
             entries the model lacks are ignored. `RestoreResult.skipped` lists them, and a
             `KerasOrbaxWarning` names the model's by Keras path.
-        verify: Before reading, check every shard file this process reads against the checksum
-            written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
-            A source that records no checksums (Keras and Hugging Face files, Keras's
-            `OrbaxCheckpoint` steps), and arrays no recorded checksum covers (a compact step's,
-            a lost checksum file's), are read as they are, with a `KerasOrbaxWarning` naming them.
+        verify: Check every byte read against the checksum recorded when it was written (the
+            fast format's CRC-32 of each shard file), in the threads that read, over the bytes
+            just read; a file that fails raises `CorruptCheckpointError` naming the file and the
+            array, and no variable is changed. A region that cuts a saved shard file (restoring
+            onto another layout) has its files read back and checked before it is read. `None`
+            (default) checks as `True` does and says nothing of what records no checksum
+            (`RestoreResult.unverified` lists it); `True` also warns (`KerasOrbaxWarning`) naming
+            what it could not check: a source that records none (Keras and Hugging Face files,
+            Keras's `OrbaxCheckpoint` steps), a compact step's arrays, files a lost checksum
+            file covered. `False` reads without checking.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
         single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
@@ -131,7 +141,7 @@ def restore_sharded(
         KerasOrbaxWarning: no `keras.distribution` is set while there are several devices (the
             whole model goes to one); the checkpoint's optimizer state is dropped because the
             model has no optimizer (an uncompiled model); `strict=False` left variables as they
-            were; `verify=True` found nothing to verify.
+            were; `verify=True` could not check some or all of what it read.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
@@ -176,7 +186,7 @@ def restore_source(
     source: Source,
     *,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool | None = None,
     read_window_bytes: int | None = None,
     single_replica_reads: bool | None = None,
     verbose: int = 0,
@@ -231,38 +241,46 @@ def restore_source(
         record=prepared.record,
         bytes_received=reads.received_bytes,
         paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
+        unverified=tuple(
+            k for k in arrays if prepared.unverified is None or k in prepared.unverified
+        ),
     )
 
 
 def _prepare(
-    model: keras.Model, source: Source, strict: bool, verify: bool, share: bool
+    model: keras.Model, source: Source, strict: bool, verify: bool | None, share: bool
 ) -> Prepared:
-    """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
-    an optimizer that is not built yet is planned through a deferred copy of it. `share`: read
-    each region replicated across processes on one of them only (`replicas`).
+    """Everything a restore decides before reading: the plan, the reads that check what they read
+    (unless `verify` is False). Changes nothing: an optimizer that is not built yet is planned
+    through a deferred copy of it. `share`: read each region replicated across processes on one of
+    them only (`replicas`).
 
     Raises:
         CheckpointMismatchError: the saved state does not fit the model; every problem listed.
+        CorruptCheckpointError: a file checked before reading fails its checksum.
     """
     prepared = source.prepare(model, strict=strict)
     if prepared.problems or prepared.reads is None:
         hint = " ".join(filter(None, [prepared.hint, matching.strict_hint(prepared.plan, strict)]))
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
-    found = source.check_reads(reads) if verify else None
+    if verify is False:
+        return dataclasses.replace(prepared, reads=reads)
+    reads, found = source.verified_reads(reads)
+    unverified = None if found is None else found.unchecked
     if verify and found is None:
         _warn(
             f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
             "nothing was verified. Its arrays are read as they are."
         )
-    elif found is not None and found.unchecked:
+    elif verify and found is not None and found.unchecked:
         _warn(
             f"restore_sharded(verify=True) could not verify {counted(len(found.unchecked), 'array')}"
             f" of {resolve.describe(source)} ({found.why_unchecked}), restored as read: "
             + ", ".join(found.unchecked[:5])
             + (f" and {len(found.unchecked) - 5} more." if len(found.unchecked) > 5 else ".")
         )
-    return dataclasses.replace(prepared, reads=reads)
+    return dataclasses.replace(prepared, reads=reads, unverified=unverified)
 
 
 def _read_checked(

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
-from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, StepRecord
-from keras_orbax._src.format.zarr_shards import FastArray
+from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
+from keras_orbax._src.format.zarr_shards import FastArray, chunk_key
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
 
 # Keras and the restore's modules load in the methods that restore (see `base`).
@@ -74,19 +74,55 @@ class OrbaxStepSource(Source):
         )
         return _file_check(arrays, *checked)
 
-    def check_reads(self, reads: ReadPlan) -> FileCheck:
-        fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
+    def verified_reads(self, reads: ReadPlan) -> tuple[ReadPlan, FileCheck]:
+        """Each region that is one whole shard file (the saved layout, or small arrays read whole)
+        is checked against its file's CRC-32 by the thread that reads it, over the bytes just
+        read; the files of regions that cut a file (another layout) are read back and checked
+        here, before any region is read: a CRC-32 covers a whole file."""
+        from keras_orbax._src.read.whole_file import WholeFileReader
 
-        def read_files(array: FastArray) -> list[tuple[int, ...]]:
-            indices = fast[array.key][1]
+        recorded = checksum.recorded_checksums(self.step_dir / STATE)
+        fast, cut = [], {}
+        for request, array, indices in reads.fast:
+            if isinstance(array, FastArray):
+                whole = WholeFileReader.tiles(array, indices) or all(
+                    map(array.is_one_shard, indices)
+                )
+                if not whole:
+                    cut[array.key] = (array, indices)
+                array = dataclasses.replace(array, checksums=recorded)
+            fast.append((request, array, indices))
+
+        def cut_files(array: FastArray) -> list[tuple[int, ...]]:
+            indices = cut[array.key][1]
             return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
 
-        arrays = {k: a if isinstance(a, FastArray) else None for k, (a, _) in fast.items()}
-        arrays.update({request.record.key: None for request in reads.via_orbax})
         checked = checksum.check_files(
-            self.step_dir, f"Checkpoint step '{self.step_dir}'", arrays, read_files
+            self.step_dir,
+            f"Checkpoint step '{self.step_dir}'",
+            {key: array for key, (array, _) in cut.items()},
+            cut_files,
         )
-        return _file_check(arrays, *checked)
+        arrays: dict[str, FastArray | None] = {
+            request.record.key: a if isinstance(a, FastArray) else None for request, a, _ in fast
+        }
+        arrays.update({request.record.key: None for request in reads.via_orbax})
+        unrecorded = tuple(
+            key
+            for key, array in arrays.items()
+            if array is not None and not _recorded_for(array, recorded)
+        )
+        found = _file_check(arrays, *checked[:3], unrecorded, any_recorded=bool(recorded))
+        return dataclasses.replace(reads, fast=fast), found
+
+
+def _recorded_for(array: FastArray, recorded: dict[str, int]) -> bool:
+    """Whether a checksum is recorded for every file of `array`."""
+    prefix = array.directory.name
+    return all(
+        f"{prefix}/{chunk_key(coords, array.separator)}" in recorded
+        for coords in _every_file(array)
+    )
 
 
 def _metrics_by_creation_order(record: StepRecord, state: state_keys.KeyedState) -> StepRecord:
@@ -117,6 +153,8 @@ def _file_check(
     nbytes: int,
     compared: int,
     uncovered: tuple[str, ...],
+    *,
+    any_recorded: bool | None = None,
 ) -> FileCheck:
     """What `checksum.check_files` found, with the keys no checksum covers and why: arrays not in
     the fast format (Orbax writes their data without a checksum: zarr's crc32c covers only each
@@ -127,7 +165,9 @@ def _file_check(
     reasons = []
     if compact:
         reasons.append("arrays of the compact format, whose data Orbax stores without a checksum")
-    if uncovered and compared == 0:
+    if any_recorded is None:  # every file was read back: none matched, none was recorded
+        any_recorded = compared > 0
+    if uncovered and not any_recorded:
         reasons.append("the step was saved without checksums")
     elif uncovered:
         arrays_word = "array" if len(uncovered) == 1 else "arrays"
