@@ -113,8 +113,8 @@ def check_files(
 def mismatch(key: str, file: Any, crc: int, recorded: int) -> CorruptCheckpointError:
     """The error for a file whose bytes, as read, do not have their recorded checksum."""
     return CorruptCheckpointError(
-        f"{key}: {file}: checksum {crc:#010x} as read, recorded {recorded:#010x} when it was "
-        "written: the file is damaged. No variable was modified. Restore another step, or pass "
+        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x}: its bytes as read are "
+        "not those written. No variable was modified. Restore another step, or pass "
         "verify=False to read it as it is."
     )
 
