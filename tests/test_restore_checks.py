@@ -75,3 +75,50 @@ def test_a_source_without_checksums_is_read_quietly_and_not_called_verified(tmp_
     assert set(result.unverified) == set(result.restored) and result.restored
     with pytest.warns(KerasOrbaxWarning, match="nothing was verified"):
         keras_orbax.restore_sharded(_models.mlp(), path, verify=True)
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read through system calls so far (page cache included)."""
+    with open("/proc/self/io") as io:
+        return int(next(line for line in io if line.startswith("rchar:")).split()[1])
+
+
+def _embedding(axes: tuple):
+    import keras
+
+    mesh = keras.distribution.DeviceMesh((8,), ("model",))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*embeddings"] = axes
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    tokens = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(2048, 256, name="embed")
+    return distribution, keras.Model(tokens, embedding(tokens))
+
+
+@pytest.mark.parametrize("saved_axes", [("model", None), (None, "model")], ids=["rows", "cols"])
+def test_another_layout_is_checked_from_the_bytes_it_reads_once(tmp_path, distribution, saved_axes):
+    """Restored onto another layout, each region cuts the saved shard files: the pieces read are
+    checksummed as they come and joined, so every file is checked without reading it twice; a
+    changed byte is still named."""
+    layout, model = _embedding(saved_axes)
+    distribution(layout)
+    values = np.random.default_rng(0).random((2048, 256)).astype("float32")  # 2 MiB
+    model.weights[0].assign(values)
+    keras_orbax.save(model, tmp_path, step=1)
+    other = (None, "model") if saved_axes == ("model", None) else ("model", None)
+    layout, restored = _embedding(other)
+    distribution(layout)
+    before = _read_bytes()
+    result = keras_orbax.restore_sharded(restored, tmp_path)
+    assert _read_bytes() - before < 1.25 * values.nbytes  # read once, not once more to check
+    assert result.unverified == ()
+    np.testing.assert_array_equal(np.asarray(restored.weights[0].value), values)
+
+    key = result.restored[0]
+    files = sorted((tmp_path / "1/state" / key.replace("/", ".") / "c").rglob("*"))
+    _flip([p for p in files if p.is_file()][3], at=1000)
+    layout, fresh = _embedding(other)
+    distribution(layout)
+    with pytest.raises(CorruptCheckpointError, match=rf"{key}: .*checksum 0x"):
+        keras_orbax.restore_sharded(fresh, tmp_path)
+    assert not np.array_equal(np.asarray(fresh.weights[0].value), values)  # left as it was

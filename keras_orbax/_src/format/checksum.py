@@ -87,7 +87,7 @@ def check_files(
         for coords in files_of(array):
             file = array.file(coords)
             name = str(file.relative_to(path / STATE))
-            problem, size, crc = _check_file(file, array.chunk_bytes)
+            problem, size, crc = check_file(file, array.chunk_bytes)
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
@@ -110,12 +110,33 @@ def check_files(
     return files, nbytes, compared, tuple(uncovered)
 
 
+_NOT_MODIFIED = (
+    "No variable was modified. Restore another step, or pass verify=False to read it as it is."
+)
+
+
+def mismatch_line(key: str, file: Any, crc: int, recorded: int) -> str:
+    """What a restore says of a file whose bytes, as read, do not have their recorded checksum."""
+    return (
+        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x}: its bytes as read are "
+        "not those written"
+    )
+
+
 def mismatch(key: str, file: Any, crc: int, recorded: int) -> CorruptCheckpointError:
     """The error for a file whose bytes, as read, do not have their recorded checksum."""
+    return damaged([mismatch_line(key, file, crc, recorded)])
+
+
+def damaged(lines: list[str]) -> CorruptCheckpointError:
+    """The error of a restore for the files `lines` name (one problem each)."""
+    head = (
+        f"{lines[0]}."
+        if len(lines) == 1
+        else f"{len(lines)} array files failed:\n  " + ("\n  ".join(lines[:50]))
+    )
     return CorruptCheckpointError(
-        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x}: its bytes as read are "
-        "not those written. No variable was modified. Restore another step, or pass "
-        "verify=False to read it as it is."
+        f"{head}\n{_NOT_MODIFIED}" if len(lines) > 1 else f"{head} {_NOT_MODIFIED}"
     )
 
 
@@ -162,7 +183,7 @@ def _open_unbuffered(file: Any) -> Any:
     return file.open("rb") if locations.is_remote(file) else open(file, "rb", buffering=0)
 
 
-def _check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
+def check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
     """(problem or None, bytes read, CRC-32 of the whole file)."""
     expected = chunk_bytes + INDEX_BYTES
     crc, size, tail = 0, 0, b""

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import numpy as np
 from keras_orbax._src.format import checksum
 from keras_orbax._src.format.checksum import crc32c, shard_index
 from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import STATE, VariableRecord
 from keras_orbax._src.storage import locations, mapped
 from keras_orbax._src.storage.byte_runs import (
@@ -67,9 +68,8 @@ class FastArray:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     separator: str = "/"  # of the chunk keys: c/0/1, or c.0.1 (a small array's one file)
-    # With them, a region that is one whole shard file is checked against its file's recorded
-    # CRC-32 (`<array>/<chunk key>` -> CRC) as it is read (`verify_read`).
-    checksums: Mapping[str, int] | None = dataclasses.field(
+    # With them, every byte read is checked against its file's recorded CRC-32 (`read_checks`).
+    checks: ReadChecks | None = dataclasses.field(
         default=None, compare=False, hash=False, repr=False
     )
 
@@ -181,7 +181,7 @@ class FastArray:
         return cast(out.view(self.dtype).reshape(shape), dtype)
 
     def _verify_shard(self, region: list[tuple[int, int]], data: np.ndarray) -> None:
-        """With `checksums`, checks the data just read of a region that is one whole shard: its
+        """With `checks`, checks the data just read of a region that is one whole shard: its
         file is that data followed by the plain shard index (`_read_whole` and `_open` checked
         the index), so the file's CRC-32 extends the data's with the index's."""
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
@@ -190,17 +190,17 @@ class FastArray:
 
     def verify_read(self, coords: tuple[int, ...], crc: int) -> None:
         """Checks `crc`, of the whole file of chunk `coords` as it was read, against the one
-        recorded for it (no `checksums`, or none recorded for that file: nothing to check).
+        recorded for it (no `checks`, or none recorded for that file: nothing to check).
 
         Raises:
             CorruptCheckpointError: naming the array and the file.
         """
-        if self.checksums is None:
-            return
-        name = f"{self.directory.name}/{chunk_key(coords, self.separator)}"
-        recorded = self.checksums.get(name)
-        if recorded is not None and recorded != crc:
-            raise checksum.mismatch(self.key, self.file(coords), crc, recorded)
+        if self.checks is not None:
+            self.checks.whole(self.file_name(coords), self.key, self.file(coords), crc)
+
+    def file_name(self, coords: tuple[int, ...]) -> str:
+        """The file of chunk `coords` as a step's checksum files name it: `<array>/<chunk key>`."""
+        return f"{self.directory.name}/{chunk_key(coords, self.separator)}"
 
     def from_file(self, data: np.ndarray) -> np.ndarray | None:
         """The array from the bytes of its one file (`chunk_shape == shape`) if they are its data
@@ -272,13 +272,19 @@ class FastArray:
         if locations.is_remote(path):
             store, key = locations.kvstore(self.directory), chunk_key(coords, self.separator)
             remote: Fetch = functools.partial(_fetch_ranges, store, key, path)
-            yield remote, self._data_offset(path, remote, None)
+            yield self._checked(coords, remote, self._data_offset(path, remote, None))
             return
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
             fetch = pread_fetch(fd, path)
             # `check` has found the file's size to be exactly data + index.
-            yield fetch, self._data_offset(path, fetch, None)
+            yield self._checked(coords, fetch, self._data_offset(path, fetch, None))
+
+    def _checked(self, coords: tuple[int, ...], fetch: Fetch, offset: int) -> tuple[Fetch, int]:
+        """(fetch, offset), the fetch noting what it reads where `checks` asks for it."""
+        if self.checks is None:
+            return fetch, offset
+        return self.checks.fetching(self.file_name(coords), fetch, offset), offset
 
     def _data_offset(self, path: Any, fetch: Fetch, size: int | None) -> int:
         """Checks the shard index of `path`; returns where it says the data is."""

@@ -81,6 +81,6 @@ class WholeFileReader:
         # Anything but the data followed by the plain index: the general path reads or says why.
         if array is None:
             return self.array.read(whole, dtype)
-        if self.array.checksums is not None:  # the whole file was just read: its CRC as read
+        if self.array.checks is not None:  # the whole file was just read: its CRC as read
             self.array.verify_read((0,) * len(self.array.shape), checksum.update(0, data.data))
         return cast(array, dtype)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
 from keras_orbax._src.format.zarr_shards import FastArray, chunk_key
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
@@ -75,34 +76,20 @@ class OrbaxStepSource(Source):
         return _file_check(arrays, *checked)
 
     def verified_reads(self, reads: ReadPlan) -> tuple[ReadPlan, FileCheck]:
-        """Each region that is one whole shard file (the saved layout, or small arrays read whole)
-        is checked against its file's CRC-32 by the thread that reads it, over the bytes just
-        read; the files of regions that cut a file (another layout) are read back and checked
-        here, before any region is read: a CRC-32 covers a whole file."""
-        from keras_orbax._src.read.whole_file import WholeFileReader
-
+        """Every byte read checked against its file's recorded CRC-32, by the threads that read,
+        over the bytes just read (`read_checks`): a region that is one whole shard file at once,
+        the files that regions cut (another layout) from their pieces once all are read."""
         recorded = checksum.recorded_checksums(self.step_dir / STATE)
-        fast, cut = [], {}
+        checks = ReadChecks(recorded, f"Checkpoint step '{self.step_dir}'")
+        fast = []
         for request, array, indices in reads.fast:
             if isinstance(array, FastArray):
-                whole = WholeFileReader.tiles(array, indices) or all(
-                    map(array.is_one_shard, indices)
-                )
-                if not whole:
-                    cut[array.key] = (array, indices)
-                array = dataclasses.replace(array, checksums=recorded)
+                array = dataclasses.replace(array, checks=checks)
+                if not all(map(array.is_one_shard, indices)):
+                    for coords in dict.fromkeys(c for i in indices for c in array.chunks_of(i)):
+                        name = array.file_name(coords)
+                        checks.expect(name, array.key, array.file(coords), array.chunk_bytes)
             fast.append((request, array, indices))
-
-        def cut_files(array: FastArray) -> list[tuple[int, ...]]:
-            indices = cut[array.key][1]
-            return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
-
-        checked = checksum.check_files(
-            self.step_dir,
-            f"Checkpoint step '{self.step_dir}'",
-            {key: array for key, (array, _) in cut.items()},
-            cut_files,
-        )
         arrays: dict[str, FastArray | None] = {
             request.record.key: a if isinstance(a, FastArray) else None for request, a, _ in fast
         }
@@ -112,8 +99,8 @@ class OrbaxStepSource(Source):
             for key, array in arrays.items()
             if array is not None and not _recorded_for(array, recorded)
         )
-        found = _file_check(arrays, *checked[:3], unrecorded, any_recorded=bool(recorded))
-        return dataclasses.replace(reads, fast=fast), found
+        found = _file_check(arrays, 0, 0, 0, unrecorded, any_recorded=bool(recorded))
+        return dataclasses.replace(reads, fast=fast, checks=checks), found
 
 
 def _recorded_for(array: FastArray, recorded: dict[str, int]) -> bool:
