@@ -83,16 +83,16 @@ def _read_bytes() -> int:
         return int(next(line for line in io if line.startswith("rchar:")).split()[1])
 
 
-def _embedding(axes: tuple):
+def _embedding(distribution, axes: tuple):
+    """A (2048, 256) float32 embedding (2 MiB) built under a layout splitting it on `axes`."""
     import keras
 
     mesh = keras.distribution.DeviceMesh((8,), ("model",))
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*embeddings"] = axes
-    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     tokens = keras.Input((4,), dtype="int32")
-    embedding = keras.layers.Embedding(2048, 256, name="embed")
-    return distribution, keras.Model(tokens, embedding(tokens))
+    return keras.Model(tokens, keras.layers.Embedding(2048, 256, name="embed")(tokens))
 
 
 @pytest.mark.parametrize("saved_axes", [("model", None), (None, "model")], ids=["rows", "cols"])
@@ -100,16 +100,17 @@ def test_another_layout_is_checked_from_the_bytes_it_reads_once(tmp_path, distri
     """Restored onto another layout, each region cuts the saved shard files: the pieces read are
     checksummed as they come and joined, so every file is checked without reading it twice; a
     changed byte is still named."""
-    layout, model = _embedding(saved_axes)
-    distribution(layout)
+    model = _embedding(distribution, saved_axes)
     values = np.random.default_rng(0).random((2048, 256)).astype("float32")  # 2 MiB
     model.weights[0].assign(values)
     keras_orbax.save(model, tmp_path, step=1)
     other = (None, "model") if saved_axes == ("model", None) else ("model", None)
-    layout, restored = _embedding(other)
-    distribution(layout)
+    restored = _embedding(distribution, other)
     before = _read_bytes()
     result = keras_orbax.restore_sharded(restored, tmp_path)
+    assert not restored.weights[0].value.sharding.is_equivalent_to(
+        model.weights[0].value.sharding, 2
+    )
     assert _read_bytes() - before < 1.25 * values.nbytes  # read once, not once more to check
     assert result.unverified == ()
     np.testing.assert_array_equal(np.asarray(restored.weights[0].value), values)
@@ -117,8 +118,7 @@ def test_another_layout_is_checked_from_the_bytes_it_reads_once(tmp_path, distri
     key = result.restored[0]
     files = sorted((tmp_path / "1/state" / key.replace("/", ".") / "c").rglob("*"))
     _flip([p for p in files if p.is_file()][3], at=1000)
-    layout, fresh = _embedding(other)
-    distribution(layout)
+    fresh = _embedding(distribution, other)
     with pytest.raises(CorruptCheckpointError, match=rf"{key}: .*checksum 0x"):
         keras_orbax.restore_sharded(fresh, tmp_path)
     assert not np.array_equal(np.asarray(fresh.weights[0].value), values)  # left as it was

@@ -3,9 +3,9 @@ reads, as it reads them (`restore_sharded`'s `verify`), not in a second pass.
 
 A region that is one whole shard file is checked by the thread that read it (`whole`). A region
 that cuts a file (a restore onto another layout) reads it in pieces, often shared among regions
-and threads: each piece of at least `_PIECE_MIN_BYTES` is checksummed as it arrives (`piece`) and
-joined to its neighbours with `crc32_combine`, so a file whose pieces cover it is checked without
-reading it again. Only a file read in short runs, or in part (another process reads the rest),
+and threads: each piece of at least `_PIECE_MIN_BYTES` is checksummed as it arrives, continuing
+the CRC of the piece it follows (or joined to its neighbours with `crc32_combine` when it comes
+out of order), so a file whose pieces cover it is checked without reading it again. Only a file read in short runs, or in part (another process reads the rest),
 is read back whole once the regions are read (`finish`), before anything is assigned.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from keras_orbax._src.format import checksum
 
-# Smaller pieces are runs of a cut row: one CRC and one entry each would cost more than reading
+# Smaller pieces are runs of a cut row: a CRC call and an entry each would cost more than reading
 # the file again (`finish`).
-_PIECE_MIN_BYTES = 64 << 10
+_PIECE_MIN_BYTES = 4 << 10
 _POLY = 0xEDB88320  # CRC-32 (zlib), reflected
 
 
@@ -72,24 +72,31 @@ class _File:
         self.key, self.path, self.data_bytes = key, path, data_bytes
         self.pieces: dict[int, tuple[int, int]] = {}
         self.ends: dict[int, int] = {}  # end -> start
-        self.whole: bool = False  # checked whole (`ReadChecks.whole`)
+        self.whole = False  # checked whole (`ReadChecks.whole`)
         self.again = False  # some bytes not kept as a piece: read it back in `finish`
+        self.lock = threading.Lock()
 
-    def add(self, start: int, end: int, crc: int) -> None:
-        if start in self.pieces or end in self.ends:  # read twice: not a tiling
-            self.again = True
-            return
-        left = self.ends.pop(start, None)
-        if left is not None:
-            _, left_crc = self.pieces.pop(left)
-            start, crc = left, crc32_combine(left_crc, crc, end - start)
-        right = self.pieces.pop(end, None)
-        if right is not None:
-            right_end, right_crc = right
-            del self.ends[right_end]
-            crc, end = crc32_combine(crc, right_crc, right_end - end), right_end
-        self.pieces[start] = (end, crc)
-        self.ends[end] = start
+    def add(self, start: int, data: memoryview) -> None:
+        """Notes `data`, read at `start`: a piece that follows one already read extends its CRC
+        (reading in order, the common case, needs no `crc32_combine`)."""
+        end = start + len(data)
+        with self.lock:  # one file's: threads reading other files go on
+            if start in self.pieces or end in self.ends:  # read twice: not a tiling
+                self.again = True
+                return
+            left = self.ends.pop(start, None)
+            if left is None:
+                crc = checksum.update(0, data)
+            else:
+                _, left_crc = self.pieces.pop(left)
+                start, crc = left, checksum.update(left_crc, data)
+            right = self.pieces.pop(end, None)
+            if right is not None:
+                right_end, right_crc = right
+                del self.ends[right_end]
+                crc, end = crc32_combine(crc, right_crc, right_end - end), right_end
+            self.pieces[start] = (end, crc)
+            self.ends[end] = start
 
     def data_crc(self) -> int | None:
         """The CRC-32 of the whole data, if the pieces cover it exactly."""
@@ -108,11 +115,6 @@ class ReadChecks:
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
 
-    def expect(self, name: str, key: str, path: Any, data_bytes: int) -> None:
-        """Registers a file that regions cut (read in pieces): `finish` checks it."""
-        if name in self.recorded:
-            self._files.setdefault(name, _File(key, path, data_bytes))
-
     def whole(self, name: str, key: str, path: Any, crc: int) -> None:
         """Checks a file read whole (`crc` over all its bytes, as read).
 
@@ -123,37 +125,34 @@ class ReadChecks:
         if recorded is not None and recorded != crc:
             raise checksum.mismatch(key, path, crc, recorded)
         with self._lock:
-            if name in self._files:
-                self._files[name].whole = True
+            self._files.setdefault(name, _File(key, path, 0)).whole = True
 
-    def piece(self, name: str, start: int, data: memoryview) -> None:
-        """Notes the bytes `data` read at `start` of the data of an `expect`ed file."""
-        file = self._files.get(name)
-        if file is None:
-            return
-        if len(data) < _PIECE_MIN_BYTES:
-            file.again = True
-            return
-        crc = checksum.update(0, data)  # outside the lock: zlib releases the GIL
-        with self._lock:
-            file.add(start, start + len(data), crc)
-
-    def fetching(self, name: str, fetch: Callable, data_offset: int) -> Callable:
-        """`fetch` (a `byte_runs.Fetch`) of the file `name`, noting each piece of data it reads."""
-        file = self._files.get(name)
-        if file is None:
+    def fetching(
+        self, name: str, key: str, path: Any, data_bytes: int, fetch: Callable, data_offset: int
+    ) -> Callable:
+        """`fetch` (a `byte_runs.Fetch`) of the file `name` (of array `key`, at `path`, holding
+        `data_bytes` of data at `data_offset`), noting each piece of data it reads."""
+        if name not in self.recorded:
             return fetch
+        with self._lock:
+            file = self._files.setdefault(name, _File(key, path, data_bytes))
 
         def checked(requests: list[tuple[memoryview, int]]) -> None:
             fetch(requests)
             for view, offset in requests:
-                if data_offset <= offset and offset + len(view) <= data_offset + file.data_bytes:
-                    self.piece(name, offset - data_offset, view)
+                if data_offset <= offset and offset + len(view) <= data_offset + data_bytes:
+                    self._piece(file, offset - data_offset, view)
 
         return checked
 
+    def _piece(self, file: _File, start: int, data: memoryview) -> None:
+        if len(data) < _PIECE_MIN_BYTES:
+            file.again = True
+        else:
+            file.add(start, data)
+
     def finish(self) -> None:
-        """Checks every `expect`ed file from its pieces (their CRC extended with the plain shard
+        """Checks every file read in pieces from its pieces (their CRC extended with the plain shard
         index every keras-orbax file ends with), or, where they do not cover it, by reading it
         back.
 

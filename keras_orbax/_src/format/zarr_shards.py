@@ -184,6 +184,8 @@ class FastArray:
         """With `checks`, checks the data just read of a region that is one whole shard: its
         file is that data followed by the plain shard index (`_read_whole` and `_open` checked
         the index), so the file's CRC-32 extends the data's with the index's."""
+        if self.checks is None:
+            return
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         crc = checksum.update(0, data.reshape(-1).view(np.uint8).data)
         self.verify_read(coords, checksum.update(crc, self._plain_index))
@@ -284,7 +286,21 @@ class FastArray:
         """(fetch, offset), the fetch noting what it reads where `checks` asks for it."""
         if self.checks is None:
             return fetch, offset
-        return self.checks.fetching(self.file_name(coords), fetch, offset), offset
+        name, path = self.file_name(coords), self.file(coords)
+        return self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset), offset
+
+    def checked_by(self, checks: ReadChecks) -> FastArray:
+        """This array, its reads checked by `checks` (`dataclasses.replace` costs more than the
+        read of a small array)."""
+        return FastArray(
+            self.key,
+            self.directory,
+            self.shape,
+            self.chunk_shape,
+            self.dtype,
+            self.separator,
+            checks,
+        )
 
     def _data_offset(self, path: Any, fetch: Fetch, size: int | None) -> int:
         """Checks the shard index of `path`; returns where it says the data is."""

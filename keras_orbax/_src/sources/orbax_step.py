@@ -9,15 +9,17 @@ prepared = source.prepare(model, strict=True)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
 from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
-from keras_orbax._src.format.zarr_shards import FastArray, chunk_key
+from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
 
 # Keras and the restore's modules load in the methods that restore (see `base`).
@@ -81,35 +83,26 @@ class OrbaxStepSource(Source):
         the files that regions cut (another layout) from their pieces once all are read."""
         recorded = checksum.recorded_checksums(self.step_dir / STATE)
         checks = ReadChecks(recorded, f"Checkpoint step '{self.step_dir}'")
-        fast = []
-        for request, array, indices in reads.fast:
-            if isinstance(array, FastArray):
-                array = dataclasses.replace(array, checks=checks)
-                if not all(map(array.is_one_shard, indices)):
-                    for coords in dict.fromkeys(c for i in indices for c in array.chunks_of(i)):
-                        name = array.file_name(coords)
-                        checks.expect(name, array.key, array.file(coords), array.chunk_bytes)
-            fast.append((request, array, indices))
+        fast = [
+            (request, array.checked_by(checks) if isinstance(array, FastArray) else array, indices)
+            for request, array, indices in reads.fast
+        ]
         arrays: dict[str, FastArray | None] = {
             request.record.key: a if isinstance(a, FastArray) else None for request, a, _ in fast
         }
         arrays.update({request.record.key: None for request in reads.via_orbax})
+        files = collections.Counter(name.partition("/")[0] for name in recorded)
         unrecorded = tuple(
             key
             for key, array in arrays.items()
-            if array is not None and not _recorded_for(array, recorded)
+            if array is not None and files[array.directory.name] != _file_count(array)
         )
         found = _file_check(arrays, 0, 0, 0, unrecorded, any_recorded=bool(recorded))
         return dataclasses.replace(reads, fast=fast, checks=checks), found
 
 
-def _recorded_for(array: FastArray, recorded: dict[str, int]) -> bool:
-    """Whether a checksum is recorded for every file of `array`."""
-    prefix = array.directory.name
-    return all(
-        f"{prefix}/{chunk_key(coords, array.separator)}" in recorded
-        for coords in _every_file(array)
-    )
+def _file_count(array: FastArray) -> int:
+    return math.prod(n // c for n, c in zip(array.shape, array.chunk_shape, strict=True))
 
 
 def _metrics_by_creation_order(record: StepRecord, state: state_keys.KeyedState) -> StepRecord:
