@@ -17,6 +17,7 @@ from keras_orbax._src.model import deferred, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
+from keras_orbax._src.restore.replicated import replicated_message
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Prepared, Source
@@ -140,8 +141,11 @@ def restore_sharded(
     Warns:
         KerasOrbaxWarning: no `keras.distribution` is set while there are several devices (the
             whole model goes to one); the checkpoint's optimizer state is dropped because the
-            model has no optimizer (an uncompiled model); `strict=False` left variables as they
-            were; `verify=True` could not check some or all of what it read.
+            model has no optimizer (an uncompiled model); a distribution of several devices
+            puts variables the checkpoint holds sharded whole on every device (a LayoutMap key
+            that matches nothing: one warning names them all, with the bytes per device);
+            `strict=False` left variables as they were; `verify=True` could not check some or
+            all of what it read.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
@@ -209,6 +213,10 @@ def restore_source(
             "before building and restoring the model: ModelParallel with a LayoutMap to shard "
             "its weights over the devices, or DataParallel to replicate them."
         )
+    paths = {k: v.path for k, v in prepared.state.variables.items()}
+    replicated = replicated_message(list(plan.reads.values()), paths, model.name)
+    if replicated is not None:
+        _warn(replicated)
     arrays, bytes_read = multihost.run_collectively(
         "restore_sharded/read",
         _read_checked,
