@@ -122,3 +122,11 @@ def test_another_layout_is_checked_from_the_bytes_it_reads_once(tmp_path, distri
     with pytest.raises(CorruptCheckpointError, match=rf"{key}: .*checksum 0x"):
         keras_orbax.restore_sharded(fresh, tmp_path)
     assert not np.array_equal(np.asarray(fresh.weights[0].value), values)  # left as it was
+
+
+def test_convert_checks_the_step_it_reads(saved):
+    """`convert` reads a step as a restore does: a changed byte is named and nothing is written."""
+    _flip(saved / "1/state" / KERNEL.replace("/", ".") / "c.0.0")
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c\.0\.0: checksum"):
+        keras_orbax.convert(saved, saved.parent / "converted", step=1)
+    assert not (saved.parent / "converted" / "1").exists()

@@ -160,7 +160,9 @@ class ReadChecks:
             CorruptCheckpointError: naming each array and file that failed.
         """
         problems, again = [], []
-        for name, file in self._files.items():
+        with self._lock:  # checked once: a later `finish` (one per array in `convert`) skips them
+            files, self._files = self._files, {}
+        for name, file in files.items():
             if file.whole:
                 continue
             data_crc = file.data_crc()
