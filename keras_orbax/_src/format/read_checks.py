@@ -5,8 +5,11 @@ A region that is one whole shard file is checked by the thread that read it (`wh
 that cuts a file (a restore onto another layout) reads it in pieces, often shared among regions
 and threads: each piece of at least `_PIECE_MIN_BYTES` is checksummed as it arrives, continuing
 the CRC of the piece it follows (or joined to its neighbours with `crc32_combine` when it comes
-out of order), so a file whose pieces cover it is checked without reading it again. Only a file read in short runs, or in part (another process reads the rest),
-is read back whole once the regions are read (`finish`), before anything is assigned.
+out of order), so a file whose pieces cover it is checked without reading it again. A file read
+whole in short runs is read back once the regions are read (`finish`), before anything is
+assigned; one read in part (another process reads the rest) is read back only where the caller
+asked for every byte to be checked (`read_back`, `verify=True`), else its array is reported
+unchecked: each process reads only the bytes its devices need.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class _File:
         self.ends: dict[int, int] = {}  # end -> start
         self.whole = False  # checked whole (`ReadChecks.whole`)
         self.again = False  # some bytes not kept as a piece: read it back in `finish`
+        self.nbytes_read = 0  # by this process, in pieces of any size
         self.lock = threading.Lock()
 
     def add(self, start: int, data: memoryview) -> None:
@@ -110,8 +114,9 @@ class ReadChecks:
     """The recorded checksums of one restore's shard files (`<array>/<chunk key>` -> CRC-32), and
     what has been read of the files regions cut."""
 
-    def __init__(self, recorded: Mapping[str, int], what: str) -> None:
-        self.recorded, self.what = recorded, what
+    def __init__(self, recorded: Mapping[str, int], *, read_back: bool = False) -> None:
+        self.recorded, self.read_back = recorded, read_back
+        self.unchecked: dict[str, None] = {}  # keys of arrays with a file `finish` left unchecked
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
 
@@ -146,6 +151,7 @@ class ReadChecks:
         return checked
 
     def _piece(self, file: _File, start: int, data: memoryview) -> None:
+        file.nbytes_read += len(data)  # under the GIL: a count, not a check
         if len(data) < _PIECE_MIN_BYTES:
             file.again = True
         else:
@@ -153,8 +159,10 @@ class ReadChecks:
 
     def finish(self) -> None:
         """Checks every file read in pieces from its pieces (their CRC extended with the plain shard
-        index every keras-orbax file ends with), or, where they do not cover it, by reading it
-        back.
+        index every keras-orbax file ends with). Where they do not cover it, it is read back if
+        this process read all of it anyway (in runs too short to checksum one by one) or with
+        `read_back`; else (it needs part of it) its array is listed in `unchecked`: each process
+        reads only the bytes its devices need.
 
         Raises:
             CorruptCheckpointError: naming each array and file that failed.
@@ -175,6 +183,11 @@ class ReadChecks:
                 problems.append(
                     checksum.mismatch_line(file.key, file.path, crc, self.recorded[name])
                 )
+        # Read back where every byte was needed anyway (only in short runs), or asked for.
+        again, partly = (
+            [(n, f) for n, f in again if self.read_back or f.nbytes_read >= f.data_bytes],
+            [f for _, f in again if not (self.read_back or f.nbytes_read >= f.data_bytes)],
+        )
         for name, file in again:
             problem, _, crc = checksum.check_file(file.path, file.data_bytes)
             if problem is not None:
@@ -183,5 +196,6 @@ class ReadChecks:
                 problems.append(
                     checksum.mismatch_line(file.key, file.path, crc, self.recorded[name])
                 )
+        self.unchecked.update((file.key, None) for file in partly)
         if problems:
             raise checksum.damaged(problems)

@@ -17,6 +17,7 @@ from keras_orbax._src.model import deferred, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
+from keras_orbax._src.restore.checked_reads import checked_reads
 from keras_orbax._src.restore.replicated import replicated_message
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
@@ -114,14 +115,13 @@ def restore_sharded(
             `KerasOrbaxWarning` names the model's by Keras path.
         verify: Check every byte read against the checksum recorded when it was written (the
             fast format's CRC-32 of each shard file), in the threads that read, over the bytes
-            just read; a file that fails raises `CorruptCheckpointError` naming the file and the
-            array, and no variable is changed. A region that cuts a saved shard file (restoring
-            onto another layout) has its files read back and checked before it is read. `None`
-            (default) checks as `True` does and says nothing of what records no checksum
-            (`RestoreResult.unverified` lists it); `True` also warns (`KerasOrbaxWarning`) naming
-            what it could not check: a source that records none (Keras and Hugging Face files,
-            Keras's `OrbaxCheckpoint` steps), a compact step's arrays, files a lost checksum
-            file covered. `False` reads without checking.
+            just read, nothing read twice; a file that fails raises `CorruptCheckpointError`
+            naming the file and the array, and no variable is changed. `None` (default) checks
+            so and says nothing of what it could not check (`RestoreResult.unverified` lists
+            it: a source that records no checksums, such as Keras and Hugging Face files and
+            Keras's `OrbaxCheckpoint` steps; a compact step's arrays; a file this process reads
+            only part of). `True` also reads such partly read files back whole, and warns
+            (`KerasOrbaxWarning`) naming what records no checksum. `False` checks nothing.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
         single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
@@ -249,9 +249,7 @@ def restore_source(
         record=prepared.record,
         bytes_received=reads.received_bytes,
         paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
-        unverified=tuple(
-            k for k in arrays if prepared.unverified is None or k in prepared.unverified
-        ),
+        unverified=_unverified(arrays, prepared.unverified, reads),
     )
 
 
@@ -265,30 +263,26 @@ def _prepare(
 
     Raises:
         CheckpointMismatchError: the saved state does not fit the model; every problem listed.
-        CorruptCheckpointError: a file checked before reading fails its checksum.
+        CorruptCheckpointError: the source's checksum files cannot be read.
     """
     prepared = source.prepare(model, strict=strict)
     if prepared.problems or prepared.reads is None:
         hint = " ".join(filter(None, [prepared.hint, matching.strict_hint(prepared.plan, strict)]))
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
-    if verify is False:
-        return dataclasses.replace(prepared, reads=reads)
-    reads, found = source.verified_reads(reads)
-    unverified = None if found is None else found.unchecked
-    if verify and found is None:
-        _warn(
-            f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
-            "nothing was verified. Its arrays are read as they are."
-        )
-    elif verify and found is not None and found.unchecked:
-        _warn(
-            f"restore_sharded(verify=True) could not verify {counted(len(found.unchecked), 'array')}"
-            f" of {resolve.describe(source)} ({found.why_unchecked}), restored as read: "
-            + ", ".join(found.unchecked[:5])
-            + (f" and {len(found.unchecked) - 5} more." if len(found.unchecked) > 5 else ".")
-        )
+    reads, unverified, said = checked_reads(source, reads, verify)
+    if said is not None:
+        _warn(said)
     return dataclasses.replace(prepared, reads=reads, unverified=unverified)
+
+
+def _unverified(
+    arrays: Mapping[str, jax.Array], planned: tuple[str, ...] | None, reads: sharded_read.ReadPlan
+) -> tuple[str, ...]:
+    """The keys of `arrays` read without a check: those `planned` so (None: all), and those with
+    a file this process read only part of (`read_checks`)."""
+    partly = reads.checks.unchecked if reads.checks is not None else {}
+    return tuple(k for k in arrays if planned is None or k in planned or k in partly)
 
 
 def _read_checked(

@@ -128,9 +128,13 @@ class Source(abc.ABC):
         """
         return None
 
-    def verified_reads(self, reads: ReadPlan) -> tuple[ReadPlan, FileCheck | None]:
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck | None]:
         """`reads` made to check what they read against the checksums recorded with it (a
         restore with `verify`), and what that leaves unchecked; None where nothing is recorded.
+        `read_back`: a file read only in part is read back whole to be checked (else its array
+        is reported in `ReadPlan.checks.unchecked`).
 
         Raises:
             CorruptCheckpointError: a file checked before reading (one no read covers whole)

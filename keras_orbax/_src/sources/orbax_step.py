@@ -77,12 +77,14 @@ class OrbaxStepSource(Source):
         )
         return _file_check(arrays, *checked)
 
-    def verified_reads(self, reads: ReadPlan) -> tuple[ReadPlan, FileCheck]:
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck]:
         """Every byte read checked against its file's recorded CRC-32, by the threads that read,
         over the bytes just read (`read_checks`): a region that is one whole shard file at once,
         the files that regions cut (another layout) from their pieces once all are read."""
         recorded = checksum.recorded_checksums(self.step_dir / STATE)
-        checks = ReadChecks(recorded, f"Checkpoint step '{self.step_dir}'")
+        checks = ReadChecks(recorded, read_back=read_back)
         fast = [
             (request, array.checked_by(checks) if isinstance(array, FastArray) else array, indices)
             for request, array, indices in reads.fast
