@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.read.sharded_read import ReadPlan
 from keras_orbax._src.sources import resolve
@@ -39,3 +42,12 @@ def checked_reads(
         + (f" and {len(unchecked) - 5} more." if len(unchecked) > 5 else ".")
     )
     return reads, unchecked, said
+
+
+def unverified_keys(
+    arrays: Mapping[str, Any], planned: tuple[str, ...] | None, reads: ReadPlan
+) -> tuple[str, ...]:
+    """The keys of `arrays` read without a check: those `planned` so (None: all), and those with
+    a file this process read only part of (`read_checks`)."""
+    partly = reads.checks.unchecked if reads.checks is not None else {}
+    return tuple(k for k in arrays if planned is None or k in planned or k in partly)

@@ -17,7 +17,7 @@ from keras_orbax._src.model import deferred, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
-from keras_orbax._src.restore.checked_reads import checked_reads
+from keras_orbax._src.restore.checked_reads import checked_reads, unverified_keys
 from keras_orbax._src.restore.replicated import replicated_message
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
@@ -249,7 +249,7 @@ def restore_source(
         record=prepared.record,
         bytes_received=reads.received_bytes,
         paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
-        unverified=_unverified(arrays, prepared.unverified, reads),
+        unverified=unverified_keys(arrays, prepared.unverified, reads),
     )
 
 
@@ -274,15 +274,6 @@ def _prepare(
     if said is not None:
         _warn(said)
     return dataclasses.replace(prepared, reads=reads, unverified=unverified)
-
-
-def _unverified(
-    arrays: Mapping[str, jax.Array], planned: tuple[str, ...] | None, reads: sharded_read.ReadPlan
-) -> tuple[str, ...]:
-    """The keys of `arrays` read without a check: those `planned` so (None: all), and those with
-    a file this process read only part of (`read_checks`)."""
-    partly = reads.checks.unchecked if reads.checks is not None else {}
-    return tuple(k for k in arrays if planned is None or k in planned or k in partly)
 
 
 def _read_checked(
