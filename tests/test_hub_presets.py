@@ -130,3 +130,23 @@ def test_strict_false_is_what_the_mismatch_error_advises(tmp_path, distribution)
     assert model.num_layers == TINY_GEMMA["num_layers"] - 1  # the last layer's weights unread
     embeddings = [m.get_layer("token_embedding").embeddings.value for m in (model, saved)]
     np.testing.assert_array_equal(*map(np.asarray, embeddings))
+
+
+def test_a_preset_records_no_checksums_and_from_preset_says_so_only_when_asked(
+    tmp_path, distribution
+):
+    """By default a preset is read quietly (it records no checksums); `verify=True` warns that
+    nothing was verified; `verify=False` is accepted too."""
+    import warnings
+
+    cls = keras_hub.models.GemmaBackbone
+    distribution(_distribution(cls))
+    cls(**TINY_GEMMA).save_to_preset(str(tmp_path / "preset"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message=".*verif", category=keras_orbax.errors.KerasOrbaxWarning
+        )
+        keras_orbax.from_preset(cls, str(tmp_path / "preset"))
+    with pytest.warns(keras_orbax.errors.KerasOrbaxWarning, match="nothing was verified"):
+        keras_orbax.from_preset(cls, str(tmp_path / "preset"), verify=True)
+    keras_orbax.from_preset(cls, str(tmp_path / "preset"), verify=False)

@@ -387,3 +387,47 @@ def test_a_shard_that_changes_at_every_save_is_fingerprinted_every_16_saves(tmp_
     assert fingerprinted == [True, True] + [False] * 14 + [True, True]
     assert _new_files(tmp_path / "16", tmp_path / "17") == set()
     assert {a for a, _ in _new_files(tmp_path / "15", tmp_path / "16")} == {array}
+
+
+@pytest.mark.parametrize("mtime", ["kept", "same_tick"])
+def test_a_file_written_into_with_its_mtime_kept_is_not_passed_on(tmp_path, mtime):
+    """`rsync -a --inplace` or `cp -p` over a committed step keeps the file's mtime, and a write in
+    the save's own clock tick looks unchanged: no timestamp can tell, so the next save reads the
+    file and links it only if its bytes are the recorded ones; the step restores the model."""
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    keras_orbax.save(model, tmp_path, step=1)
+    key = ("layers.dense.vars.0", (0, 0))  # frozen_in's kernel, one file
+    damaged = _shard_files(tmp_path / "1")[key]
+    recorded = tmp_path / "1/state/keras_orbax_checksums/process_0.json"
+    kept = damaged.stat().st_mtime_ns if mtime == "kept" else recorded.stat().st_mtime_ns
+    with open(damaged, "r+b") as f:  # 9.0 where the model holds its own values
+        f.write(np.full(4, 9.0, "float32").tobytes())
+    os.utime(damaged, ns=(kept, kept))
+    keras_orbax.save(model, tmp_path, step=2)
+    assert _new_files(tmp_path / "1", tmp_path / "2") == {key}
+    expected = np.asarray(model.get_layer("frozen_in")._kernel.value)
+    restored = _lora_model()
+    restored.optimizer.build(restored.trainable_variables)
+    keras_orbax.restore_sharded(restored, tmp_path, step=2, verify=False)
+    np.testing.assert_array_equal(
+        np.asarray(restored.get_layer("frozen_in")._kernel.value), expected
+    )
+    keras_orbax.verify(tmp_path, step=2)
+
+
+def test_rewrite_every_keeps_steps_that_many_saves_apart_independent(tmp_path):
+    """`ModelCheckpoint(rewrite_every=2)`: a frozen kernel's file is held by at most two steps, so
+    steps two saves apart share no file (damage to one cannot reach the other)."""
+    model = _lora_model()
+    x, y = np.ones((8, 32), "float32"), np.ones((8, 8), "float32")
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, rewrite_every=2)
+    model.fit(x, y, batch_size=8, epochs=5, callbacks=[checkpoint], verbose=0)
+    steps = [tmp_path / str(s) for s in step_dirs.committed_steps(tmp_path)]
+    key = ("layers.dense.vars.0", (0, 0))  # frozen_in's kernel: the same bytes at every save
+    inodes = [_shard_files(s)[key].stat().st_ino for s in steps]
+    assert inodes[0] == inodes[1] != inodes[2] == inodes[3] != inodes[4]
+    for earlier, later in zip(steps, steps[2:], strict=False):
+        assert _new_files(earlier, later) == set(_shard_files(later))
+    with pytest.raises(ValueError, match="rewrite_every=0"):
+        keras_orbax.ModelCheckpoint(tmp_path, rewrite_every=0)

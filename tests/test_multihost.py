@@ -143,8 +143,8 @@ def two_processes(written, tmp_path_factory) -> dict[str, Any]:
     - "written", "single": step 1 of `arange` (2 processes wrote it) and of `single` (1 process
       wrote it) restored under another LayoutMap and (1, 8);
     - "own_view": each process restores its own copy of `arange`; process 1's has a step 5 too;
-    - "damaged": `arange` with a shard file missing, then with a damaged shard index (last: each
-      restore fails)."""
+    - "damaged": `arange` with a shard file missing, then with a damaged shard index, then with a
+      data bit flipped (last: each restore fails)."""
     root = tmp_path_factory.mktemp("two_processes")
     previous = keras.distribution.distribution()
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
@@ -160,9 +160,10 @@ def two_processes(written, tmp_path_factory) -> dict[str, Any]:
     shutil.copytree(written / "arange", other)
     shutil.copytree(other / "1", other / "5")  # a step process 1 sees and process 0 does not
 
-    missing, bad_index = root / "missing", root / "bad_index"
+    missing, bad_index, flipped = root / "missing", root / "bad_index", root / "flipped"
     shutil.copytree(written / "arange", missing)
     shutil.copytree(written / "arange", bad_index)
+    shutil.copytree(written / "arange", flipped)
     # On the (2, 4) mesh, row 1 of the kernel's shards belongs to process 1's devices only.
     (missing / "1" / "state" / "layers.dense.vars.0" / "c" / "1" / "2").unlink()
     # The hidden bias (16 KiB, one piece) goes to process 0, the least loaded, lowest index.
@@ -170,6 +171,11 @@ def two_processes(written, tmp_path_factory) -> dict[str, Any]:
     damaged = bytearray(bias.read_bytes())
     damaged[-1] ^= 0xFF  # the CRC-32C of the shard index
     bias.write_bytes(bytes(damaged))
+    # One bit of the kernel's data in process 1's shard: caught as read, with no argument given.
+    kernel = flipped / "1" / "state" / "layers.dense.vars.0" / "c" / "1" / "2"
+    damaged = bytearray(kernel.read_bytes())
+    damaged[8] ^= 0x01
+    kernel.write_bytes(bytes(damaged))
 
     layouts = ["transposed", "1x8"]
     names = ["written", "single", "own_view", "save_mismatch", "damaged"]
@@ -178,7 +184,10 @@ def two_processes(written, tmp_path_factory) -> dict[str, Any]:
         {"action": "read", "directory": str(root / "single"), "layouts": layouts},
         {"action": "read_own_view", "directories": [str(primary), str(other)]},
         {"action": "save_mismatch", "directory": str(root / "mismatch")},
-        {"action": "read_expect_error", "directories": [str(missing), str(bad_index)]},
+        {
+            "action": "read_expect_error",
+            "directories": [str(missing), str(bad_index), str(flipped)],
+        },
     ]
     return dict(zip(names, _launch(2, 4, tasks, root / "w"), strict=True))
 
@@ -205,11 +214,16 @@ def test_process_killed_during_save_leaves_the_previous_step(tmp_path):
 def test_damage_seen_by_one_process_fails_everywhere_without_hanging(two_processes):
     """A shard file missing on one process fails the plan; a shard that only one process reads
     (a bias replicated on both, read by process 0 alone) fails in the middle of the reads, before
-    the collective that would send it to process 1. Either way: the same error everywhere (a hang
-    fails the launch as WorkerFailed after its timeout)."""
+    the collective that would send it to process 1; a flipped data bit in a shard only process 1
+    reads fails its checksum as it is read. Each way: the same error everywhere (a hang fails the
+    launch as WorkerFailed after its timeout)."""
     results = two_processes["damaged"]
     for n, (process, details) in enumerate(
-        [(1, ["layers/dense/vars/0: missing file", "c/1/2"]), (0, ["CRC-32C", "vars.1"])]
+        [
+            (1, ["layers/dense/vars/0: missing file", "c/1/2"]),
+            (0, ["CRC-32C", "vars.1"]),
+            (1, ["layers/dense/vars/0: ", "c/1/2: checksum 0x"]),
+        ]
     ):
         reports = [r["restores"][n] for r in results]
         assert [r["type"] for r in reports] == ["CorruptCheckpointError"] * 2, reports

@@ -313,3 +313,59 @@ def test_load_model_skips_optimizer_state_of_another_class_as_keras_does(tmp_pat
         assert "does not fit the Adam compiled from its config" in said
         assert "keras.config.set_dtype_policy('mixed_float16')" in said
         assert not loaded.optimizer.built or int(loaded.optimizer.iterations) == 0
+
+
+def _layout_map(kernel_key: str) -> keras.distribution.ModelParallel:
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[kernel_key] = ("batch", "model")
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.fixture
+def sharded(tmp_path, distribution) -> Path:
+    """`_models.mlp()` and its Adam state saved with both kernels split over a (2, 4) mesh."""
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.compile_adam(_models.mlp())
+    model.optimizer.build(model.trainable_variables)
+    keras_orbax.save(model, tmp_path, step=1)
+    return tmp_path
+
+
+def test_a_layout_map_that_matches_nothing_warns_once_naming_what_is_replicated(
+    sharded, distribution
+):
+    """A typo in a LayoutMap key replicates what the checkpoint holds sharded: one warning names
+    every such variable, the bytes per device and how keys match."""
+    distribution(_layout_map(".*kernal"))
+    model = _models.compile_adam(_models.mlp())
+    with pytest.warns(KerasOrbaxWarning) as caught:
+        keras_orbax.restore_sharded(model, sharded)
+    (said,) = [str(w.message) for w in caught if "restored whole" in str(w.message)]
+    assert said.startswith(
+        "Model 'mlp': 6 variables saved sharded are restored whole on each of the 8 devices, "
+    )
+    assert re.search(r"devices, 9\.0 KiB per device: hidden/kernel \(2\.0 KiB\), ", said)
+    assert re.search(r"adam(_\d+)?/head_kernel_velocity \(1\.0 KiB\)\. ", said)
+    assert "re.fullmatch" in said and "'.*dense.*kernel' does" in said
+    assert model.get_layer("hidden").kernel.value.sharding.is_fully_replicated
+
+
+def test_a_layout_map_that_matches_is_quiet(sharded, distribution):
+    distribution(_layout_map(".*kernel"))
+    _quiet(lambda: keras_orbax.restore_sharded(_models.compile_adam(_models.mlp()), sharded))
+
+
+def test_one_device_or_a_replicated_checkpoint_is_not_said_to_be_replicated(
+    trained, sharded, distribution
+):
+    distribution(_layout_map(".*kernal"))  # saved replicated (DataParallel): nothing changes
+    _quiet(
+        lambda: keras_orbax.restore_sharded(_models.compile_adam(_models.mlp()), trained / "ckpt")
+    )
+    mesh = keras.distribution.DeviceMesh(
+        (1, 1), ("batch", "model"), keras.distribution.list_devices()[:1]
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    _quiet(lambda: keras_orbax.restore_sharded(_models.compile_adam(_models.mlp()), sharded))

@@ -120,19 +120,33 @@ def test_an_unreadable_file_is_named_not_raised(saved):
         keras_orbax.verify(saved)
 
 
-def test_restore_with_verify_refuses_a_flipped_byte_and_changes_nothing(saved, distribution):
-    distribution(_models.model_parallel((2, 4)))
+@pytest.mark.parametrize("verify", [None, True], ids=["default", "verify"])
+@pytest.mark.parametrize(
+    "layout",
+    [(2, 4), (4, 2), (1, 8), "data_parallel"],
+    ids=["saved_layout", "other_layout", "cut_columns", "replicated"],
+)
+def test_restore_refuses_a_flipped_byte_and_changes_nothing(saved, distribution, layout, verify):
+    """By default, on the saved layout (each file checked by the thread that reads it) and on
+    others (the files a region cuts checked before reading): the file and the array named."""
     shard = _shard(saved)
     data = bytearray(shard.read_bytes())
     data[5] ^= 0x40  # a data byte: read as it is without verify
     shard.write_bytes(bytes(data))
+    if layout == "data_parallel":
+        distribution(_models.data_parallel())
+    else:
+        distribution(_models.model_parallel(layout))
     model = _models.mlp()
     before = _models.values(model.weights)
-    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: checksum"):
-        keras_orbax.restore_sharded(model, saved, verify=True)
+    kwargs = {} if verify is None else {"verify": verify}
+    with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c/1/2: checksum") as caught:
+        keras_orbax.restore_sharded(model, saved, strict=False, **kwargs)
+    assert "No variable was modified" in str(caught.value)
     for variable, want in zip(model.weights, before, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
-    keras_orbax.restore_sharded(model, saved, strict=False)  # without verify it reads as it is
+    result = keras_orbax.restore_sharded(model, saved, strict=False, verify=False)  # as it is
+    assert KERNEL in result.unverified
 
 
 def test_restore_with_verify_warns_for_arrays_it_could_not_verify(

@@ -77,7 +77,7 @@ def check_files(
     Raises:
         CorruptCheckpointError: naming each variable key and file that failed.
     """
-    checksums = _recorded_checksums(path / STATE)
+    checksums = recorded_checksums(path / STATE)
     problems: list[str] = []
     files, nbytes, compared = 0, 0, 0
     uncovered: dict[str, None] = {}
@@ -87,7 +87,7 @@ def check_files(
         for coords in files_of(array):
             file = array.file(coords)
             name = str(file.relative_to(path / STATE))
-            problem, size, crc = _check_file(file, array.chunk_bytes)
+            problem, size, crc = check_file(file, array.chunk_bytes)
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
@@ -110,8 +110,59 @@ def check_files(
     return files, nbytes, compared, tuple(uncovered)
 
 
-def _recorded_checksums(state: Path) -> dict[str, int]:
-    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps)."""
+_NOT_MODIFIED = (
+    "No variable was modified. Restore another step, or pass verify=False to read it as it is."
+)
+
+
+def mismatch_line(key: str, file: Any, crc: int, recorded: int) -> str:
+    """What a restore says of a file whose bytes, as read, do not have their recorded checksum."""
+    return (
+        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x}: its bytes as read are "
+        "not those written"
+    )
+
+
+def mismatch(key: str, file: Any, crc: int, recorded: int) -> CorruptCheckpointError:
+    """The error for a file whose bytes, as read, do not have their recorded checksum."""
+    return damaged([mismatch_line(key, file, crc, recorded)])
+
+
+def damaged(lines: list[str]) -> CorruptCheckpointError:
+    """The error of a restore for the files `lines` name (one problem each)."""
+    head = (
+        f"{lines[0]}."
+        if len(lines) == 1
+        else f"{len(lines)} array files failed:\n  " + ("\n  ".join(lines[:50]))
+    )
+    return CorruptCheckpointError(
+        f"{head}\n{_NOT_MODIFIED}" if len(lines) > 1 else f"{head} {_NOT_MODIFIED}"
+    )
+
+
+def file_crc(path: str) -> tuple[int, int]:
+    """(bytes, CRC-32) of the local file `path`, read once in large blocks (zlib releases the GIL,
+    so threads check files in parallel).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    crc, size = 0, 0
+    block = bytearray(_READ_BYTES)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while n := handle.readinto(block):
+            crc = update(crc, view[:n])
+            size += n
+    return size, crc
+
+
+def recorded_checksums(state: Path) -> dict[str, int]:
+    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps).
+
+    Raises:
+        CorruptCheckpointError: a checksum file cannot be read, or uses another algorithm.
+    """
     found: dict[str, int] = {}
     for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
         try:
@@ -132,7 +183,7 @@ def _open_unbuffered(file: Any) -> Any:
     return file.open("rb") if locations.is_remote(file) else open(file, "rb", buffering=0)
 
 
-def _check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
+def check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
     """(problem or None, bytes read, CRC-32 of the whole file)."""
     expected = chunk_bytes + INDEX_BYTES
     crc, size, tail = 0, 0, b""

@@ -25,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from keras_orbax._src.format import checksum
 from keras_orbax._src.format.checksum import crc32c, shard_index
 from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import STATE, VariableRecord
 from keras_orbax._src.storage import locations, mapped
 from keras_orbax._src.storage.byte_runs import (
@@ -66,6 +68,10 @@ class FastArray:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     separator: str = "/"  # of the chunk keys: c/0/1, or c.0.1 (a small array's one file)
+    # With them, every byte read is checked against its file's recorded CRC-32 (`read_checks`).
+    checks: ReadChecks | None = dataclasses.field(
+        default=None, compare=False, hash=False, repr=False
+    )
 
     @classmethod
     def open(cls, step_dir: Path, record: VariableRecord) -> FastArray | None:
@@ -167,14 +173,40 @@ class FastArray:
         whole = self.is_one_shard(index)
         mapped = self._map_whole(region) if whole else None
         if mapped is not None:
+            self._verify_shard(region, mapped)
             return cast(mapped.view(self.dtype).reshape(shape), dtype)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        if whole and self._read_whole(region, out):
-            return cast(out.view(self.dtype).reshape(shape), dtype)
-        for block in self.blocks(index):
-            with block.opener() as (fetch, offset):
-                read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if not (whole and self._read_whole(region, out)):
+            for block in self.blocks(index):
+                with block.opener() as (fetch, offset):
+                    read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if whole:
+            self._verify_shard(region, out)
         return cast(out.view(self.dtype).reshape(shape), dtype)
+
+    def _verify_shard(self, region: list[tuple[int, int]], data: np.ndarray) -> None:
+        """With `checks`, checks the data just read of a region that is one whole shard: its
+        file is that data followed by the plain shard index (`_read_whole` and `_open` checked
+        the index), so the file's CRC-32 extends the data's with the index's."""
+        if self.checks is None:
+            return
+        coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
+        crc = checksum.update(0, data.reshape(-1).view(np.uint8).data)
+        self.verify_read(coords, checksum.update(crc, self._plain_index))
+
+    def verify_read(self, coords: tuple[int, ...], crc: int) -> None:
+        """Checks `crc`, of the whole file of chunk `coords` as it was read, against the one
+        recorded for it (no `checks`, or none recorded for that file: nothing to check).
+
+        Raises:
+            CorruptCheckpointError: naming the array and the file.
+        """
+        if self.checks is not None:
+            self.checks.whole(self.file_name(coords), self.key, self.file(coords), crc)
+
+    def file_name(self, coords: tuple[int, ...]) -> str:
+        """The file of chunk `coords` as a step's checksum files name it: `<array>/<chunk key>`."""
+        return f"{self.directory.name}/{chunk_key(coords, self.separator)}"
 
     def from_file(self, data: np.ndarray) -> np.ndarray | None:
         """The array from the bytes of its one file (`chunk_shape == shape`) if they are its data
@@ -246,13 +278,33 @@ class FastArray:
         if locations.is_remote(path):
             store, key = locations.kvstore(self.directory), chunk_key(coords, self.separator)
             remote: Fetch = functools.partial(_fetch_ranges, store, key, path)
-            yield remote, self._data_offset(path, remote, None)
+            yield self._checked(coords, remote, self._data_offset(path, remote, None))
             return
         with open(path, "rb", buffering=0) as file:
             fd = file.fileno()
             fetch = pread_fetch(fd, path)
             # `check` has found the file's size to be exactly data + index.
-            yield fetch, self._data_offset(path, fetch, None)
+            yield self._checked(coords, fetch, self._data_offset(path, fetch, None))
+
+    def _checked(self, coords: tuple[int, ...], fetch: Fetch, offset: int) -> tuple[Fetch, int]:
+        """(fetch, offset), the fetch noting what it reads where `checks` asks for it."""
+        if self.checks is None:
+            return fetch, offset
+        name, path = self.file_name(coords), self.file(coords)
+        return self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset), offset
+
+    def checked_by(self, checks: ReadChecks) -> FastArray:
+        """This array, its reads checked by `checks` (`dataclasses.replace` costs more than the
+        read of a small array)."""
+        return FastArray(
+            self.key,
+            self.directory,
+            self.shape,
+            self.chunk_shape,
+            self.dtype,
+            self.separator,
+            checks,
+        )
 
     def _data_offset(self, path: Any, fetch: Fetch, size: int | None) -> int:
         """Checks the shard index of `path`; returns where it says the data is."""

@@ -31,6 +31,7 @@ import tensorstore as ts
 
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import STATE, VariableRecord
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.model import state_keys
@@ -66,6 +67,7 @@ class ReadPlan:
     checkpointable: str = STATE  # the Orbax checkpointable holding the arrays read via Orbax
     tree_paths: dict[str, str] | None = None  # key -> path in that tree, where it is not the key
     shared: Mapping[str, replicas.Sharing] = dataclasses.field(default_factory=dict)
+    checks: ReadChecks | None = None  # what `finish`es checking the bytes read (`verify`)
 
     @property
     def received_bytes(self) -> int:
@@ -201,6 +203,8 @@ def read_arrays(
                 arrays.update(exchange.add(request, regions, error))
     if error is not None:
         raise error
+    if plan.checks is not None:  # the files regions cut, once every piece of them is read
+        plan.checks.finish()
     if plan.via_orbax:
         loaded, nbytes = _read_with_orbax(
             plan.step_dir, plan.via_orbax, plan.checkpointable, plan.tree_paths or {}

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_orbax._src.format import checksum
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty, bounds, cast
 from keras_orbax._src.storage.small_files import SmallFiles
@@ -78,4 +79,8 @@ class WholeFileReader:
             raise CorruptCheckpointError(f"{self.array.key}: missing file {self.path}")
         array = self.array.from_file(data)
         # Anything but the data followed by the plain index: the general path reads or says why.
-        return self.array.read(whole, dtype) if array is None else cast(array, dtype)
+        if array is None:
+            return self.array.read(whole, dtype)
+        if self.array.checks is not None:  # the whole file was just read: its CRC as read
+            self.array.verify_read((0,) * len(self.array.shape), checksum.update(0, data.data))
+        return cast(array, dtype)

@@ -26,6 +26,7 @@ def load_model(
     compile: bool = True,
     safe_mode: bool = True,
     strict: bool = True,
+    verify: bool | None = None,
 ) -> keras.Model:
     """Rebuilds the model saved in a checkpoint and restores it sharded under the active distribution.
 
@@ -44,6 +45,8 @@ def load_model(
         safe_mode: As in Keras: refuse to deserialize code (`Lambda` layers and such) stored in the
             checkpoint. Nothing in a checkpoint is ever unpickled.
         strict: As in `restore_sharded`.
+        verify: As in `restore_sharded`: by default every byte read is checked against its
+            recorded checksum where the checkpoint records one; False reads without checking.
 
     Returns:
         The restored model, ready to predict, evaluate, fit and save.
@@ -71,11 +74,11 @@ def load_model(
     if compile and compile_config:  # {} for a model that was never compiled
         compile_deferred(model, compile_config, custom_objects, safe_mode)
     try:
-        restore_source(model, source, strict=strict)
+        restore_source(model, source, strict=strict, verify=verify)
     except CheckpointMismatchError:  # nothing was changed
         if not (strict and _only_the_optimizer_differs(model, source)):
             raise
-        restore_source(model, source, strict=False, warn_lenient=False)
+        restore_source(model, source, strict=False, verify=verify, warn_lenient=False)
     return model
 
 

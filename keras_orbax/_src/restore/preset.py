@@ -19,7 +19,12 @@ from keras_orbax.errors import CheckpointNotFoundError, NotDeferrableError
 
 
 def from_preset(
-    cls: Any, preset: str | os.PathLike, *, strict: bool = True, **kwargs: Any
+    cls: Any,
+    preset: str | os.PathLike,
+    *,
+    strict: bool = True,
+    verify: bool | None = None,
+    **kwargs: Any,
 ) -> keras.Model:
     """Like keras-hub's `cls.from_preset(preset, **kwargs)`, with each weight read straight onto its
     devices under the active distribution, and no variable ever initialized.
@@ -39,6 +44,8 @@ def from_preset(
         preset: A preset handle or a local preset directory.
         strict: As in `restore_sharded`: False restores what matches the preset and leaves the
             rest initialized (warning with the list), where keras-hub's own loader would refuse.
+        verify: As in `restore_sharded`. A keras-hub preset records no checksums: by default
+            nothing is checked and nothing said (`True` warns that nothing could be).
         **kwargs: Passed to `cls.from_preset`, as with keras-hub: `dtype` (given to the backbone,
             the weights cast to it as keras-hub casts them), `preprocessor`, `num_classes`...
             `load_weights=False` returns keras-hub's own model, initialized, with no weights read;
@@ -68,7 +75,7 @@ def from_preset(
     preset = os.fspath(directory)  # keras-hub reads the same resolved directory
     if not issubclass(cls, hub.Task):
         model = _deferred(cls, preset, kwargs)
-        restore_sharded(model, directory, strict=strict)
+        restore_sharded(model, directory, strict=strict, verify=verify)
         return model
     # A task compiles itself when it is made (its optimizer's counters come from numbers, which
     # cannot be deferred): only its backbone, which holds the weights, is built deferred. keras-hub
@@ -79,7 +86,7 @@ def from_preset(
     }
     backbone = _deferred(hub.Backbone, preset, backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
-    restore_sharded(backbone, directory, strict=strict)
+    restore_sharded(backbone, directory, strict=strict, verify=verify)
     _load_task_weights(task, directory, cls)
     return task
 

@@ -18,6 +18,8 @@ from keras_orbax._src.model import deferred, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
+from keras_orbax._src.restore.checked_reads import checked_reads, unverified_keys
+from keras_orbax._src.restore.replicated import replicated_message
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Prepared, Source
@@ -44,6 +46,10 @@ class RestoreResult:
         paths: The Keras path of each key above: the model variable's, or for a checkpoint
             entry the model lacks, the path it was saved under. `restored_paths`,
             `initialized_paths` and `skipped_paths` list the keys above by these paths.
+        unverified: Keys of the variables restored without a check of their bytes against a
+            recorded checksum: all of them with `verify=False` or from a source that records
+            none (Keras and Hugging Face files, Keras's `OrbaxCheckpoint` steps), a compact
+            step's; none where every byte read was checked.
     """
 
     step: int | None
@@ -55,6 +61,7 @@ class RestoreResult:
     record: StepRecord = dataclasses.field(repr=False)
     bytes_received: int = 0
     paths: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unverified: tuple[str, ...] = ()
 
     @property
     def num_variables(self) -> int:
@@ -100,7 +107,7 @@ def restore_sharded(
     step: int | None = None,
     *,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool | None = None,
     read_window_bytes: int | None = None,
     single_replica_reads: bool | None = None,
     verbose: int = 0,
@@ -126,11 +133,15 @@ def restore_sharded(
             shape or dtype keep their values (deferred ones are initialized), and checkpoint
             entries the model lacks are ignored. `RestoreResult.skipped` lists them, and a
             `KerasOrbaxWarning` names the model's by Keras path.
-        verify: Before reading, check every shard file this process reads against the checksum
-            written with it (reads those files twice); a mismatch raises `CorruptCheckpointError`.
-            A source that records no checksums (Keras and Hugging Face files, Keras's
-            `OrbaxCheckpoint` steps), and arrays no recorded checksum covers (a compact step's,
-            a lost checksum file's), are read as they are, with a `KerasOrbaxWarning` naming them.
+        verify: Check every byte read against the checksum recorded when it was written (the
+            fast format's CRC-32 of each shard file), in the threads that read, over the bytes
+            just read, nothing read twice; a file that fails raises `CorruptCheckpointError`
+            naming the file and the array, and no variable is changed. `None` (default) checks
+            so and says nothing of what it could not check (`RestoreResult.unverified` lists
+            it: a source that records no checksums, such as Keras and Hugging Face files and
+            Keras's `OrbaxCheckpoint` steps; a compact step's arrays; a file this process reads
+            only part of). `True` also reads such partly read files back whole, and warns
+            (`KerasOrbaxWarning`) naming what records no checksum. `False` checks nothing.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.
         single_replica_reads: Where several processes hold replicas of a region (`DataParallel`,
@@ -150,8 +161,11 @@ def restore_sharded(
     Warns:
         KerasOrbaxWarning: no `keras.distribution` is set while there are several devices (the
             whole model goes to one); the checkpoint's optimizer state is dropped because the
-            model has no optimizer (an uncompiled model); `strict=False` left variables as they
-            were; `verify=True` found nothing to verify.
+            model has no optimizer (an uncompiled model); a distribution of several devices
+            puts variables the checkpoint holds sharded whole on every device (a LayoutMap key
+            that matches nothing: one warning names them all, with the bytes per device);
+            `strict=False` left variables as they were; `verify=True` could not check some or
+            all of what it read.
 
     Raises:
         CheckpointNotFoundError: no such directory, no committed step, or no such step.
@@ -196,7 +210,7 @@ def restore_source(
     source: Source,
     *,
     strict: bool = True,
-    verify: bool = False,
+    verify: bool | None = None,
     read_window_bytes: int | None = None,
     single_replica_reads: bool | None = None,
     verbose: int = 0,
@@ -219,6 +233,10 @@ def restore_source(
             "before building and restoring the model: ModelParallel with a LayoutMap to shard "
             "its weights over the devices, or DataParallel to replicate them."
         )
+    paths = {k: v.path for k, v in prepared.state.variables.items()}
+    replicated = replicated_message(list(plan.reads.values()), paths, model.name)
+    if replicated is not None:
+        _warn(replicated)
     arrays, bytes_read = multihost.run_collectively(
         "restore_sharded/read",
         _read_checked,
@@ -251,38 +269,31 @@ def restore_source(
         record=prepared.record,
         bytes_received=reads.received_bytes,
         paths={k: paths[k] for k in (*arrays, *not_read, *plan.unexpected)},
+        unverified=unverified_keys(arrays, prepared.unverified, reads),
     )
 
 
 def _prepare(
-    model: keras.Model, source: Source, strict: bool, verify: bool, share: bool
+    model: keras.Model, source: Source, strict: bool, verify: bool | None, share: bool
 ) -> Prepared:
-    """Everything a restore decides before reading: the plan, the files checked. Changes nothing:
-    an optimizer that is not built yet is planned through a deferred copy of it. `share`: read
-    each region replicated across processes on one of them only (`replicas`).
+    """Everything a restore decides before reading: the plan, the reads that check what they read
+    (unless `verify` is False). Changes nothing: an optimizer that is not built yet is planned
+    through a deferred copy of it. `share`: read each region replicated across processes on one of
+    them only (`replicas`).
 
     Raises:
         CheckpointMismatchError: the saved state does not fit the model; every problem listed.
+        CorruptCheckpointError: the source's checksum files cannot be read.
     """
     prepared = source.prepare(model, strict=strict)
     if prepared.problems or prepared.reads is None:
         hint = " ".join(filter(None, [prepared.hint, matching.strict_hint(prepared.plan, strict)]))
         raise matching.mismatch_error(model, source.label, prepared.problems, hint=hint)
     reads = replicas.share(prepared.reads) if share else prepared.reads
-    found = source.check_reads(reads) if verify else None
-    if verify and found is None:
-        _warn(
-            f"restore_sharded(verify=True): {resolve.describe(source)} {source.no_checksums}, so "
-            "nothing was verified. Its arrays are read as they are."
-        )
-    elif found is not None and found.unchecked:
-        _warn(
-            f"restore_sharded(verify=True) could not verify {counted(len(found.unchecked), 'array')}"
-            f" of {resolve.describe(source)} ({found.why_unchecked}), restored as read: "
-            + ", ".join(found.unchecked[:5])
-            + (f" and {len(found.unchecked) - 5} more." if len(found.unchecked) > 5 else ".")
-        )
-    return dataclasses.replace(prepared, reads=reads)
+    reads, unverified, said = checked_reads(source, reads, verify)
+    if said is not None:
+        _warn(said)
+    return dataclasses.replace(prepared, reads=reads, unverified=unverified)
 
 
 def _read_checked(

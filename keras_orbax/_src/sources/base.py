@@ -46,6 +46,8 @@ class Prepared:
             file is checked for a restore that cannot go ahead).
         problems: Why a restore with this strictness cannot go ahead (empty: it can).
         hint: What the source adds to a mismatch error about how it shows its side.
+        unverified: Keys of arrays its reads do not check against a recorded checksum; None:
+            none is checked (no `verify`, or a source that records none).
     """
 
     record: StepRecord
@@ -54,6 +56,7 @@ class Prepared:
     reads: ReadPlan | None
     problems: tuple[str, ...]
     hint: str = ""
+    unverified: tuple[str, ...] | None = None  # keys read unchecked (None: every key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +128,19 @@ class Source(abc.ABC):
         """
         return None
 
-    def check_reads(self, reads: ReadPlan) -> FileCheck | None:
-        """`check_files` of only the files `reads` will read (a restore with `verify=True`)."""
-        return None
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck | None]:
+        """`reads` made to check what they read against the checksums recorded with it (a
+        restore with `verify`), and what that leaves unchecked; None where nothing is recorded.
+        `read_back`: a file read only in part is read back whole to be checked (else its array
+        is reported in `ReadPlan.checks.unchecked`).
+
+        Raises:
+            CorruptCheckpointError: a file checked before reading (one no read covers whole)
+                fails its checksum.
+        """
+        return reads, None
 
     def read_array(self, key: str, sharding: Any = None) -> jax.Array:
         """One array by this source's own key, whole, on one device (or on `sharding`)."""

@@ -9,13 +9,16 @@ prepared = source.prepare(model, strict=True)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format import checksum, step_dirs
-from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, StepRecord
+from keras_orbax._src.format.read_checks import ReadChecks
+from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
 
@@ -74,19 +77,34 @@ class OrbaxStepSource(Source):
         )
         return _file_check(arrays, *checked)
 
-    def check_reads(self, reads: ReadPlan) -> FileCheck:
-        fast = {request.record.key: (array, indices) for request, array, indices in reads.fast}
-
-        def read_files(array: FastArray) -> list[tuple[int, ...]]:
-            indices = fast[array.key][1]
-            return list(dict.fromkeys(c for index in indices for c in array.chunks_of(index)))
-
-        arrays = {k: a if isinstance(a, FastArray) else None for k, (a, _) in fast.items()}
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck]:
+        """Every byte read checked against its file's recorded CRC-32, by the threads that read,
+        over the bytes just read (`read_checks`): a region that is one whole shard file at once,
+        the files that regions cut (another layout) from their pieces once all are read."""
+        recorded = checksum.recorded_checksums(self.step_dir / STATE)
+        checks = ReadChecks(recorded, read_back=read_back)
+        fast = [
+            (request, array.checked_by(checks) if isinstance(array, FastArray) else array, indices)
+            for request, array, indices in reads.fast
+        ]
+        arrays: dict[str, FastArray | None] = {
+            request.record.key: a if isinstance(a, FastArray) else None for request, a, _ in fast
+        }
         arrays.update({request.record.key: None for request in reads.via_orbax})
-        checked = checksum.check_files(
-            self.step_dir, f"Checkpoint step '{self.step_dir}'", arrays, read_files
+        files = collections.Counter(name.partition("/")[0] for name in recorded)
+        unrecorded = tuple(
+            key
+            for key, array in arrays.items()
+            if array is not None and files[array.directory.name] != _file_count(array)
         )
-        return _file_check(arrays, *checked)
+        found = _file_check(arrays, 0, 0, 0, unrecorded, any_recorded=bool(recorded))
+        return dataclasses.replace(reads, fast=fast, checks=checks), found
+
+
+def _file_count(array: FastArray) -> int:
+    return math.prod(n // c for n, c in zip(array.shape, array.chunk_shape, strict=True))
 
 
 def _metrics_by_creation_order(record: StepRecord, state: state_keys.KeyedState) -> StepRecord:
@@ -117,6 +135,8 @@ def _file_check(
     nbytes: int,
     compared: int,
     uncovered: tuple[str, ...],
+    *,
+    any_recorded: bool | None = None,
 ) -> FileCheck:
     """What `checksum.check_files` found, with the keys no checksum covers and why: arrays not in
     the fast format (Orbax writes their data without a checksum: zarr's crc32c covers only each
@@ -127,7 +147,9 @@ def _file_check(
     reasons = []
     if compact:
         reasons.append("arrays of the compact format, whose data Orbax stores without a checksum")
-    if uncovered and compared == 0:
+    if any_recorded is None:  # every file was read back: none matched, none was recorded
+        any_recorded = compared > 0
+    if uncovered and not any_recorded:
         reasons.append("the step was saved without checksums")
     elif uncovered:
         arrays_word = "array" if len(uncovered) == 1 else "arrays"

@@ -209,10 +209,11 @@ def _by_structure(
         key: dataclasses.replace(v, array=key.replace("/", "."), layout=None)
         for key, v in opened.record.variables.items()
     }
-    reads = []
-    for key, saved in opened.record.variables.items():
-        target = jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=_one_device())
-        reads.append((key, opened.plan_reads([ReadRequest(saved, target)])))
+    requests = [
+        ReadRequest(saved, jax.ShapeDtypeStruct(saved.shape, saved.dtype, sharding=_one_device()))
+        for saved in opened.record.variables.values()
+    ]
+    reads = _one_each(opened, opened.plan_reads(requests))
     config = opened.record.model_config
     if opened.kind == "keras-preset":  # keras-hub's config.json is the backbone, serialized by
         # Keras: kept, `load_model` builds it and a preset export writes it again.
@@ -261,12 +262,20 @@ def _by_model(
             array=key.replace("/", "."),
             role=state.roles[key],
         )
-    one = [
+    record = StepRecord(step=0, variables=variables, model_config=step_writer._model_config(model))
+    return record, _one_each(opened, reads)
+
+
+def _one_each(
+    opened: Source, reads: sharded_read.ReadPlan
+) -> list[tuple[str, sharded_read.ReadPlan]]:
+    """`reads` as one read per key, each checking the bytes it reads against the checksums
+    recorded with them, as a restore does (`Source.verified_reads`)."""
+    reads, _ = opened.verified_reads(reads)
+    return [
         (entry[0].record.key, dataclasses.replace(reads, fast=[entry], via_orbax=[]))
         for entry in reads.fast
     ] + [
         (request.record.key, dataclasses.replace(reads, fast=[], via_orbax=[request]))
         for request in reads.via_orbax
     ]
-    record = StepRecord(step=0, variables=variables, model_config=step_writer._model_config(model))
-    return record, one

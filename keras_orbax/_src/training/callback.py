@@ -68,7 +68,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             batch or epoch end, save, or when `fit` ends.
         format: `"fast"` or `"compact"`, as in `keras_orbax.save`.
         incremental: Write only the shard files that changed since the previous committed step;
-            the others are hard links to its files, as in `keras_orbax.save`.
+            the others are hard links to its files, as in `keras_orbax.save`. Kept steps then
+            share those files: damage to one (bit rot, a write into it) reaches every step
+            holding it. Restores check every file read against its checksum.
+        rewrite_every: With `incremental`, write again any file that this many steps hold
+            already: steps `rewrite_every` or more saves apart share no file. With
+            `max_to_keep > rewrite_every` the kept steps always include two independent copies
+            of every file. `None` (default): link without limit; `incremental=False`: every
+            step a full copy. See docs/incremental.md.
         save_on_preemption: On SIGTERM, save at the next batch boundary (waiting until it is
             committed) and stop `fit`, which returns normally with `preempted` set; exiting is
             left to the caller. Under `jax.distributed`, JAX's preemption service makes every
@@ -111,9 +118,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         format: step_writer.SaveFormat = "fast",
         save_on_preemption: bool = True,
         incremental: bool = True,
+        rewrite_every: int | None = None,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
         validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
+        step_writer.check_rewrite_every(rewrite_every)
         if resume and save_weights_only:
             raise ValueError(
                 "resume=True needs the optimizer state, which save_weights_only=True leaves out. "
@@ -139,6 +148,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self.format = format
         self.save_on_preemption = save_on_preemption
         self.incremental = incremental
+        self.rewrite_every = rewrite_every
         self.preempted = False
         """True once a preemption notice made this callback save and stop `fit`."""
         self.restored: RestoreResult | None = None
@@ -150,6 +160,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             background=save_on_background,
             weights_only=save_weights_only,
             incremental=incremental,
+            rewrite_every=rewrite_every,
         )
         self._last_saved_step: int | None = None
         self._candidates: list[float] = []

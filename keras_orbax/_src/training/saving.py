@@ -88,6 +88,7 @@ class Saves:
         background: bool,
         weights_only: bool,
         incremental: bool,
+        rewrite_every: int | None = None,
     ) -> None:
         self.directory = directory
         self.retention = retention
@@ -95,6 +96,7 @@ class Saves:
         self.background = background
         self.weights_only = weights_only
         self.incremental = incremental
+        self.rewrite_every = rewrite_every
         self.checkpointer: ocp.training.Checkpointer | None = None
         self.pending: PendingSave | None = None
         self._collector: Collector | None = None
@@ -167,6 +169,7 @@ class Saves:
                         blocking=blocking,
                         weights_only=self.weights_only,
                         incremental=self.incremental,
+                        rewrite_every=self.rewrite_every,
                         # Orbax's part of the save runs in the background too. Not for compact
                         # arrays (Orbax's own serializer reads the live arrays), nor across
                         # processes (its collectives would interleave with the train step's).

@@ -14,10 +14,13 @@ the previous step's record:
   or not, sharding) followed by the shard's bytes, kept to its first 128 bits. Two different
   contents share one with probability 2**-128 per shard compared (docs/incremental.md);
 - a shard is linked only if the previous step recorded the same file name with the same
-  fingerprint, and its file there has the recorded size and was last modified no later than the
-  step's checksum files were written (a file written into since, by `cp` or `rsync --inplace`
-  over the step, is not passed on); it then gets the recorded CRC-32, so the new step's checksum
-  file is complete and `verify` reads it as any other;
+  fingerprint, and its file there, once linked, is read and its CRC-32 is the recorded one: a
+  file written into since (`cp -p` or `rsync -a --inplace` over the step keep its mtime; a write
+  in the save's own clock tick looks unchanged) is not passed on, whatever its timestamps say. It
+  then gets the recorded CRC-32, so the new step's checksum file is complete and `verify` reads
+  it as any other;
+- with `rewrite_every=K`, a file already held by K steps is written again, not linked: two steps
+  K or more saves apart share no file (each entry counts the steps holding its file, `shared`);
 - in object storage (`gs://`, `s3://`) the check is not a time (S3 keeps them to the second)
   but the version the store gives an object at each write (S3 ETag, GCS generation): a save
   records each object's version after writing it (key `object_version`, one listing), and the
@@ -64,6 +67,7 @@ ALGORITHM = "sha256-128"
 ENTRY_KEY = "fingerprint"
 WRITTEN_KEY = "written"  # saves in a row that wrote the shard, this one included (0: linked)
 VERSION_KEY = "object_version"  # object storage: the object's ETag or generation once written
+SHARED_KEY = "shared"  # steps holding this very file (link) or object (copy), this one included
 _PROBE_EVERY = 16
 _DIGEST_HEX = 32  # 128 bits
 
@@ -77,6 +81,7 @@ class _Recorded:
     nbytes: int
     written: int
     version: str | None = None  # object storage only
+    shared: int = 1
 
 
 def fingerprinted_after(written: int) -> bool:
@@ -89,14 +94,17 @@ def fingerprinted_after(written: int) -> bool:
 class Plan:
     """What one save compares its shards with: the previous committed step's recorded files
     (none: that step has no fingerprints, or there is no such step), a local directory or an
-    object-store prefix (`gs://`, `s3://`)."""
+    object-store prefix (`gs://`, `s3://`); `rewrite_every`: how many steps may hold one file."""
 
     def __init__(
-        self, previous_state: str | None, recorded: dict[str, _Recorded], recorded_ns: int = 0
+        self,
+        previous_state: str | None,
+        recorded: dict[str, _Recorded],
+        rewrite_every: int | None = None,
     ) -> None:
         self.previous_state = previous_state
         self._recorded = recorded
-        self._recorded_ns = recorded_ns  # when the last of its checksum files was written
+        self._rewrite_every = rewrite_every
         self._remote = previous_state is not None and locations.is_remote(previous_state)
 
     def write_or_link(self, root: str, shard: Any, write: WriteShard) -> tuple[str, dict[str, Any]]:
@@ -113,6 +121,7 @@ class Plan:
         if (
             recorded is not None
             and recorded.fingerprint == digest
+            and (self._rewrite_every is None or recorded.shared < self._rewrite_every)
             and self._carry(relative, f"{root}/{relative}", recorded)
         ):
             return relative, {
@@ -120,26 +129,40 @@ class Plan:
                 "bytes": recorded.nbytes,
                 ENTRY_KEY: digest,
                 WRITTEN_KEY: 0,
+                SHARED_KEY: recorded.shared + 1,
             }
         name, entry = write(shard)
-        return name, {**entry, ENTRY_KEY: digest, WRITTEN_KEY: streak + 1}
+        return name, {**entry, ENTRY_KEY: digest, WRITTEN_KEY: streak + 1, SHARED_KEY: 1}
 
     def _carry(self, relative: str, target: str, recorded: _Recorded) -> bool:
         """Puts the previous step's file at `target` without sending its bytes; whether it did."""
         if self._remote:
             return self._copy(relative, target, recorded)
-        return self._link(relative, target, recorded.nbytes)
+        return self._link(relative, target, recorded)
 
-    def _link(self, relative: str, target: str, nbytes: int) -> bool:
+    def _link(self, relative: str, target: str, recorded: _Recorded) -> bool:
+        """Links the previous step's file at `target` if its bytes are the recorded ones.
+
+        No timestamp can show that a file still holds what was recorded: `cp -p` and `rsync -a
+        --inplace` keep the mtime of a file they write into, and timestamps are coarse (a write in
+        the save's own tick looks older). So the linked file is read and its CRC-32 compared with
+        the recorded one; reading is far cheaper than writing and fsyncing it (docs/incremental.md).
+        The link comes first: what is checked is the very inode the new step holds.
+        """
         source = f"{self.previous_state}/{relative}"
         try:
-            found = os.stat(source)
-            if found.st_size != nbytes or found.st_mtime_ns > self._recorded_ns:
-                return False  # written into since it was recorded: this step gets its own
+            if os.stat(source).st_size != recorded.nbytes:
+                return False  # resized since it was recorded: this step gets its own
             os.link(source, target)
         except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
             return False
-        return True
+        try:
+            intact = checksum.file_crc(target) == (recorded.nbytes, recorded.crc)
+        except OSError:
+            intact = False
+        if not intact:  # written into since: the step gets a file of its own, written afresh
+            os.unlink(target)
+        return intact
 
     def _copy(self, relative: str, target: str, recorded: _Recorded) -> bool:
         """A server-side copy of the previous step's object, only if it is still the very object
@@ -185,27 +208,22 @@ def _sharding_text(sharding: Any) -> str:
     return repr(sharding)
 
 
-def plan_for(directory: Any, step: int) -> Plan:
+def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Plan:
     """The plan of a save of `step` to `directory`: compared with the latest committed step before
-    it."""
+    it. With `rewrite_every=K`, a file held by K steps already is written again."""
     earlier = [s for s in step_dirs.committed_steps(directory) if s < step]
     if not earlier:
-        return Plan(None, {})
+        return Plan(None, {}, rewrite_every)
     state = locations.as_path(directory) / str(earlier[-1]) / STATE
-    return Plan(os.fspath(state), *_recorded(state))
+    return Plan(os.fspath(state), _recorded(state), rewrite_every)
 
 
-def _recorded(state: Any) -> tuple[dict[str, _Recorded], int]:
+def _recorded(state: Any) -> dict[str, _Recorded]:
     """Every process's recorded shard files of a step's `state/` with their fingerprints ({} for a
-    step written without them, or whose checksum files cannot be read: a full save), and the
-    modification time of the latest checksum file (ns)."""
+    step written without them, or whose checksum files cannot be read: a full save)."""
     found: dict[str, _Recorded] = {}
-    latest_ns = 0
-    remote = locations.is_remote(state)
     for path in sorted((state / checksum.CHECKSUMS_DIR).glob("process_*.json")):
         try:
-            if not remote:  # object storage: versions, not times (`Plan._copy`)
-                latest_ns = max(latest_ns, os.stat(path).st_mtime_ns)
             content = json.loads(path.read_text())
             if (
                 content.get(ENTRY_KEY) != ALGORITHM
@@ -221,10 +239,11 @@ def _recorded(state: Any) -> tuple[dict[str, _Recorded], int]:
                         int(entry["bytes"]),
                         int(entry.get(WRITTEN_KEY, 0)),
                         None if VERSION_KEY not in entry else str(entry[VERSION_KEY]),
+                        int(entry.get(SHARED_KEY, 1)),
                     )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # unreadable: its files are written again, and verify reports the step
-    return found, latest_ns
+    return found
 
 
 _PLAN: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(

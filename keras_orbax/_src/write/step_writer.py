@@ -61,6 +61,7 @@ def save(
     format: SaveFormat = "fast",
     overwrite: bool = False,
     incremental: bool = True,
+    rewrite_every: int | None = None,
 ) -> Path:
     """Saves every piece of `model`'s state as one committed checkpoint step.
 
@@ -82,6 +83,9 @@ def save(
             step's files (in object storage: copies made by the store), so every step stays
             whole (fast format; docs/incremental.md). False writes every file and records no
             fingerprints.
+        rewrite_every: With `incremental`, write again any file that `rewrite_every` steps
+            hold already instead of linking it: two steps that many saves apart or more share no
+            file, so damage to one file cannot reach both. `None`: link without limit.
 
     Returns:
         The step's directory.
@@ -98,8 +102,9 @@ def save(
     keras_orbax.save(model, "/ckpt", step=int(model.optimizer.iterations))
     ```
     """
-    step = checked_step(step)
+    step = step_dirs.checked_step(step)
     _check_format(format, directory)
+    check_rewrite_every(rewrite_every)
     multihost.same_arguments("save", directory=os.fspath(directory), step=step, format=format)
     checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
     try:
@@ -121,6 +126,7 @@ def save(
                 overwrite=overwrite,
                 checked=checked,
                 incremental=incremental,
+                rewrite_every=rewrite_every,
             )
     except KerasOrbaxError:
         raise
@@ -134,7 +140,14 @@ def save(
     return locations.as_path(directory) / str(step)
 
 
-checked_step = step_dirs.checked_step  # the one check of a step, shared with every reading verb
+def check_rewrite_every(rewrite_every: Any) -> None:
+    """Raises ValueError unless `rewrite_every` is None or an int of at least 1."""
+    if rewrite_every is not None and (
+        not isinstance(rewrite_every, int) or isinstance(rewrite_every, bool) or rewrite_every < 1
+    ):
+        raise ValueError(
+            f"rewrite_every must be None or a positive int. Received: rewrite_every={rewrite_every!r}"
+        )
 
 
 def warm_up() -> None:
@@ -211,6 +224,7 @@ def write_step(
     start_later: bool = False,
     checked: tuple[state_keys.KeyedState, dict[str, keras.Variable]] | None = None,
     incremental: bool = True,
+    rewrite_every: int | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -220,7 +234,8 @@ def write_step(
     another thread, runs the rest of the save (Orbax's part included) and waits for the commit.
     `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
     `incremental`: link (or copy on the server) the shard files unchanged since the previous
-    committed step (`incremental.plan_for`, decided when the save starts writing).
+    committed step (`incremental.plan_for`, decided when the save starts writing), each file into
+    at most `rewrite_every` steps.
     """
     state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
@@ -238,7 +253,11 @@ def write_step(
     values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
 
     def start() -> DurableResponse | None:
-        plan = incremental_saves.plan_for(checkpointer.directory, step) if incremental else None
+        plan = (
+            incremental_saves.plan_for(checkpointer.directory, step, rewrite_every)
+            if incremental
+            else None
+        )
         with incremental_saves.planned(plan):
             response = checkpointer.save_async(
                 step,
