@@ -102,7 +102,7 @@ def _no_traced_attributes(objects: Iterable[Any]) -> Iterator[None]:
     traced value: a layer that derives state from its variables as it loads them (an adapted
     `Normalization`'s broadcast mean and variance, `finalize_state`) would otherwise keep a
     tracer, and fail at its next call. The restore recomputes that state once it has assigned the
-    variables (`restore.recompute_derived_state`)."""
+    variables (`keras_walk.replay` runs each layer's own loader)."""
     before = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
     try:
         yield

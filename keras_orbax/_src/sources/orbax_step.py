@@ -14,7 +14,8 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format import checksum, own_state, step_dirs
+from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, StepRecord
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
@@ -42,6 +43,9 @@ class OrbaxStepSource(Source):
         from keras_orbax._src.read import sharded_read
 
         return sharded_read.plan_reads(self.step_dir, requests)
+
+    def own_state(self) -> OwnState | None:
+        return own_state.read(self.step_dir)
 
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
         from keras_orbax._src.model import deferred, matching

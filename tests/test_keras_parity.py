@@ -1,0 +1,191 @@
+"""Everything Keras's own round trip keeps, a step keeps: values a layer's `save_own_variables`
+stores that are no variable, files its `save_assets` writes, state its `load_own_variables` sets.
+
+The oracle is Keras: `model.save(x.keras)` + `keras.saving.load_model` of the same model. Every
+case is saved under one `ModelParallel` mesh and restored under another.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError, KerasOrbaxWarning
+from tests import _models
+
+X = np.arange(32, dtype="float32").reshape(8, 4) / 10
+
+
+@keras.saving.register_keras_serializable("parity")
+class Table(keras.layers.Layer):
+    """Stores a NumPy table that is no variable, and writes a vocabulary file as an asset; both
+    change what it computes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = np.zeros((4,), "float32")
+        self.words = ["[UNK]"]
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(4,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale + self.table + len(self.words)
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        store["table"] = self.table
+
+    def load_own_variables(self, store):
+        self.scale.assign(store["0"])
+        self.table = np.asarray(store["table"])
+
+    def save_assets(self, dir_path):
+        with open(os.path.join(dir_path, "words.txt"), "w") as file:
+            file.write("\n".join(self.words))
+
+    def load_assets(self, dir_path):
+        with open(os.path.join(dir_path, "words.txt")) as file:
+            self.words = file.read().split("\n")
+
+
+@keras.saving.register_keras_serializable("parity")
+class Identity(keras.layers.Layer):
+    def call(self, x):
+        return x
+
+
+def table_model(trained: bool) -> keras.Model:
+    inputs = keras.Input((4,))
+    table = Table(name="table")
+    outputs = keras.layers.Dense(8, name="head")(table(inputs))
+    model = keras.Model(inputs, outputs)
+    if trained:
+        table.table = np.arange(4, dtype="float32")
+        table.words = ["[UNK]", "a", "b", "c"]
+        table.scale.assign(np.full((4,), 2.0, "float32"))
+    return model
+
+
+@pytest.fixture
+def saved_table(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = table_model(trained=True)
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    model.save(tmp_path / "m.keras")
+    expected = model.predict(X, verbose=0)
+    keras_model = keras.saving.load_model(tmp_path / "m.keras")  # Keras's own round trip
+    np.testing.assert_array_equal(keras_model.predict(X, verbose=0), expected)
+    assert not np.allclose(table_model(trained=False).predict(X, verbose=0), expected)
+    distribution(_models.model_parallel((4, 2)))  # restored on another mesh
+    return tmp_path, expected, keras_model
+
+
+def test_a_step_holds_non_variable_values_and_assets(saved_table):
+    root, _, _ = saved_table
+    folder = root / "ckpt" / "1" / "keras_state"
+    assert {"asset_0", "manifest.json", "value_0.npy"} <= {p.name for p in folder.iterdir()}
+    assert (folder / "asset_0").read_text() == "[UNK]\na\nb\nc"
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["built", "deferred"])
+def test_restore_sharded_keeps_what_keras_keeps(saved_table, deferred):
+    root, expected, keras_model = saved_table
+    if deferred:
+        with keras_orbax.deferred_init():
+            model = table_model(trained=False)
+    else:
+        model = table_model(trained=False)
+    keras_orbax.restore_sharded(model, root / "ckpt")
+    table, keras_table = model.get_layer("table"), keras_model.get_layer("table")
+    np.testing.assert_array_equal(table.table, keras_table.table)
+    assert table.words == keras_table.words
+    np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
+    assert model.get_layer("head").kernel.value.sharding.mesh.devices.shape == (4, 2)
+
+
+def test_load_model_keeps_what_keras_keeps(saved_table):
+    root, expected, _ = saved_table
+    model = keras_orbax.load_model(root / "ckpt")
+    assert model.get_layer("table").words == ["[UNK]", "a", "b", "c"]
+    np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
+
+
+def test_a_damaged_keras_state_file_fails_before_any_change(saved_table):
+    root, _, _ = saved_table
+    (root / "ckpt" / "1" / "keras_state" / "asset_0").write_text("[UNK]\nx\ny\nz")
+    model = table_model(trained=False)
+    before = [np.asarray(v.value) for v in model.weights]
+    with pytest.raises(CorruptCheckpointError, match="keras_state/asset_0"):
+        keras_orbax.restore_sharded(model, root / "ckpt")
+    for want, variable in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), want)
+    assert model.get_layer("table").words == ["[UNK]"]
+
+
+def test_a_failing_layer_loader_puts_every_variable_back(saved_table, monkeypatch):
+    root, _, _ = saved_table
+    model = table_model(trained=False)
+    before = [np.asarray(v.value) for v in model.weights]
+
+    def refuse(self, dir_path):
+        raise ValueError("not this vocabulary")
+
+    monkeypatch.setattr(Table, "load_assets", refuse)
+    with pytest.raises(CheckpointMismatchError, match="table: ValueError: not this vocabulary"):
+        keras_orbax.restore_sharded(model, root / "ckpt")
+    for want, variable in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), want)
+
+
+def test_a_step_saved_without_keras_state_says_what_it_lacks(saved_table):
+    root, _, _ = saved_table
+    for file in (root / "ckpt" / "1" / "keras_state").iterdir():
+        file.unlink()
+    (root / "ckpt" / "1" / "keras_state").rmdir()
+    model = table_model(trained=False)
+    with pytest.warns(KerasOrbaxWarning, match=r"table: table\). .*keep the values they had"):
+        keras_orbax.restore_sharded(model, root / "ckpt")
+    assert model.get_layer("table").words == ["[UNK]"]
+
+
+def test_a_model_with_no_variables_saves_and_loads(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Identity()(inputs))
+    model.save(tmp_path / "m.keras")  # Keras saves and loads it
+    keras.saving.load_model(tmp_path / "m.keras")
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    result = keras_orbax.restore_sharded(model, tmp_path / "ckpt")
+    assert result.restored == () and result.step == 1
+    loaded = keras_orbax.load_model(tmp_path / "ckpt")
+    np.testing.assert_array_equal(loaded.predict(X, verbose=0), X)
+
+
+def _overrides(cls: type, method: str) -> bool:
+    own = getattr(cls, method, None)
+    return own is not None and own is not getattr(keras.layers.Layer, method, None)
+
+
+def stateful_keras_layers() -> list[type]:
+    """Every layer class of `keras.layers` whose saving or loading is its own."""
+    methods = ("save_own_variables", "load_own_variables", "save_assets", "load_assets")
+    return sorted(
+        {
+            cls
+            for _, cls in inspect.getmembers(keras.layers, inspect.isclass)
+            if issubclass(cls, keras.layers.Layer) and any(_overrides(cls, m) for m in methods)
+        },
+        key=lambda cls: cls.__name__,
+    )
+
+
+def test_the_list_of_stateful_layers_is_what_keras_has():
+    names = {cls.__name__ for cls in stateful_keras_layers()}
+    assert {"Dense", "EinsumDense", "Embedding", "Normalization", "Discretization"} <= names
+    assert {"StringLookup", "IntegerLookup", "TextVectorization"} <= names
