@@ -60,7 +60,9 @@ class OwnState:
         for i, (entry, data) in enumerate(self.assets.items()):
             assets[entry] = name = f"asset_{i}"
             files[name] = data
-        sums = {name: {"size": len(data), "crc32": zlib.crc32(data)} for name, data in files.items()}
+        sums = {
+            name: {"size": len(data), "crc32": zlib.crc32(data)} for name, data in files.items()
+        }
         manifest = {"values": values, "assets": assets, "files": sums}
         return {MANIFEST: json.dumps(manifest, indent=1).encode(), **files}
 

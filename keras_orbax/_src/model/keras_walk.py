@@ -123,9 +123,7 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
     return Replayed(lacking)
 
 
-def _stored(
-    model: keras.Model, on_value: Callable[[str, str, Any], None]
-) -> list[tuple[str, Any]]:
+def _stored(model: keras.Model, on_value: Callable[[str, str, Any], None]) -> list[tuple[str, Any]]:
     """`(group, object)` of every object Keras's saving walks, in its order, each object's
     `save_own_variables` run with every stored value handed to `on_value(group, key, value)`."""
     found = []

@@ -12,8 +12,8 @@ import jax
 import keras
 
 from keras_orbax._src.compat import keras_compat
-from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.format.own_state import OwnState
+from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.model import deferred, keras_walk, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
