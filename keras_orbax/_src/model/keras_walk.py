@@ -109,7 +109,7 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
                 continue
             try:
                 if hasattr(obj, "load_own_variables"):
-                    obj.load_own_variables(loading_compat.tracing_store(entries).get(group))
+                    _load_own_variables(obj, group, entries)
                 if assets is not None and hasattr(obj, "load_assets"):
                     obj.load_assets(assets(group))
             except Exception as error:  # named with its group, raised below
@@ -121,6 +121,43 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
             "the saved state:\n" + "\n".join(lines[:20])
         )
     return Replayed(lacking)
+
+
+def _load_own_variables(obj: Any, group: str, entries: dict[str, Any]) -> None:
+    """`obj.load_own_variables` over what its `save_own_variables` stored; where Keras's loader
+    refuses that, over its variables in the order of its `variable_serialization_spec`, the order
+    Keras declares both methods follow. (Keras 3.15's `Dense` and `EinsumDense` store no
+    `kernel_zero` in `gptq` and `awq` mode, which their loaders then expect: Keras cannot load
+    such a layer's own `.weights.h5`. docs/coming-from-keras.md has the reproduction.)"""
+    try:
+        obj.load_own_variables(loading_compat.tracing_store(entries).get(group))
+    except Exception:
+        in_spec_order = _in_spec_order(obj)
+        if in_spec_order is None:
+            raise
+        spec = {_entry(group, str(i)): v for i, v in enumerate(in_spec_order)}
+        obj.load_own_variables(loading_compat.tracing_store(spec).get(group))
+
+
+def _in_spec_order(layer: Any) -> list[Any] | None:
+    """The current values of `layer`'s variables named by its `variable_serialization_spec` for
+    its quantization mode, in that order (`kernel` is the `_kernel` variable where there is one);
+    None where it declares no such spec or a name is not an allocated variable."""
+    spec = getattr(layer, "variable_serialization_spec", None)
+    mode = getattr(layer, "quantization_mode", None)
+    if not isinstance(spec, dict) or mode not in spec:
+        return None
+    found = []
+    for name in spec[mode]:
+        variable = getattr(layer, f"_{name}", None)
+        if not isinstance(variable, keras.Variable):
+            variable = getattr(layer, name, None)
+        if variable is None:  # no bias, or a variable this mode's layer lacks
+            continue
+        if not (isinstance(variable, keras.Variable) and keras_compat.is_allocated(variable)):
+            return None
+        found.append(keras_compat.current_value(variable))
+    return found
 
 
 def _stored(model: keras.Model, on_value: Callable[[str, str, Any], None]) -> list[tuple[str, Any]]:
