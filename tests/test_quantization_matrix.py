@@ -17,7 +17,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax.errors import CheckpointMismatchError, UnsupportedSourceError
-from tests import _models
+from tests import _hub, _models
 
 VOCAB, WIDTH = 64, 32
 TOKENS = np.arange(32).reshape(8, 4) % VOCAB
@@ -181,3 +181,44 @@ def test_exported_weights_load_in_keras(saved, request):
     keras_model = build()
     keras_model.load_weights(root / "export.weights.h5")  # Keras's own loader
     _predicts_as_saved(keras_model, x, expected)
+
+
+GEMMA_INPUTS = {
+    "token_ids": np.arange(64).reshape(8, 8) % VOCAB,
+    "padding_mask": np.ones((8, 8), "int32"),
+}
+# keras-hub 0.32's `GemmaBackbone.get_layout_map` gives the attention kernels 3-D specs, which
+# `quantize("int4")` then applies to their packed 2-D kernels: JAX raises IndexError in
+# `distribute_tensor`. docs/coming-from-keras.md has the reproduction.
+HUB_INT4_LAYOUT = pytest.mark.xfail(
+    strict=True, raises=IndexError, reason="keras-hub's layout map does not fit int4 kernels"
+)
+
+
+def _gemma_parallel(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
+    keras_hub = _hub.import_keras_hub()
+    mesh = keras.distribution.DeviceMesh(shape, ("batch", "model"))
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8", pytest.param("int4", marks=HUB_INT4_LAYOUT)])
+def test_quantized_gemma_backbone(tmp_path, distribution, mode):
+    keras_hub = _hub.import_keras_hub()
+    distribution(_gemma_parallel((2, 4)))
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GemmaBackbone(**_hub.TINY_GEMMA)
+    model.quantize(mode)
+    expected = model.predict(GEMMA_INPUTS, verbose=0)
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    config = keras.saving.serialize_keras_object(model)
+    distribution(_gemma_parallel((4, 2)))
+    with keras_orbax.deferred_init():
+        restored = keras.saving.deserialize_keras_object(config)
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    loaded = keras_orbax.load_model(tmp_path / "ckpt")
+    for got in (restored, loaded):
+        embeddings = got.get_layer("token_embedding").embeddings.value
+        assert embeddings.sharding.mesh.devices.shape == (4, 2)
+        actual = got.predict(GEMMA_INPUTS, verbose=0)
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
