@@ -189,3 +189,13 @@ def test_the_list_of_stateful_layers_is_what_keras_has():
     names = {cls.__name__ for cls in stateful_keras_layers()}
     assert {"Dense", "EinsumDense", "Embedding", "Normalization", "Discretization"} <= names
     assert {"StringLookup", "IntegerLookup", "TextVectorization"} <= names
+
+
+def test_inspect_shows_what_a_step_keeps_besides_the_variables(saved_table):
+    root, _, _ = saved_table
+    info = keras_orbax.inspect(root / "ckpt")
+    assert info.keras_state == {
+        "layers/table/vars/table": "value  (4,) float32",
+        "layers/table/words.txt": "asset  11 B",
+    }
+    assert "kept besides the variables (keras_state/):" in str(info)
