@@ -199,3 +199,36 @@ def test_inspect_shows_what_a_step_keeps_besides_the_variables(saved_table):
         "layers/table/words.txt": "asset  11 B",
     }
     assert "kept besides the variables (keras_state/):" in str(info)
+
+
+def test_verify_checks_the_keras_state_files(saved_table):
+    root, _, _ = saved_table
+    assert keras_orbax.verify(root / "ckpt").intact
+    (root / "ckpt" / "1" / "keras_state" / "value_0.npy").write_bytes(b"\x93NUMPY")
+    with pytest.raises(CorruptCheckpointError, match="keras_state/value_0.npy"):
+        keras_orbax.verify(root / "ckpt")
+
+
+def test_keras_loaders_keep_the_very_arrays_read(saved_table):
+    """Running each layer's own loader (`keras_walk.replay`) hands Keras's `assign` the arrays
+    already on their devices: each variable keeps the same array and the same shard buffers, so
+    nothing is gathered onto one device or copied."""
+    from keras_orbax._src.model import keras_walk
+
+    root, _, _ = saved_table
+    model = keras_orbax.load_model(root / "ckpt")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(X, np.zeros((8, 8), "float32"), verbose=0)  # optimizer slots too
+    variables = [*model.weights, *model.optimizer.variables]
+
+    def buffers(variable):
+        return [s.data.unsafe_buffer_pointer() for s in variable.value.addressable_shards]
+
+    before = [(v.value, buffers(v)) for v in variables]
+    keras_walk.replay(model, None)
+    for variable, (array, pointers) in zip(variables, before, strict=True):
+        assert variable.value is array, variable.path
+        assert buffers(variable) == pointers, variable.path
+    kernel = model.get_layer("head").kernel.value
+    assert len({s.device for s in kernel.addressable_shards}) == 8
+    assert kernel.addressable_shards[0].data.shape == (1, 4)  # (4, 8) over the (4, 2) mesh

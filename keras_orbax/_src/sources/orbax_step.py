@@ -71,6 +71,7 @@ class OrbaxStepSource(Source):
     def check_files(
         self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
     ) -> FileCheck:
+        own_state.read(self.step_dir)  # checks `keras_state/` against its manifest
         records = self.record.variables
         arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
         checked = checksum.check_files(
