@@ -121,7 +121,7 @@ def test_a_damaged_keras_state_file_fails_before_any_change(saved_table):
     (root / "ckpt" / "1" / "keras_state" / "asset_0").write_text("[UNK]\nx\ny\nz")
     model = table_model(trained=False)
     before = [np.asarray(v.value) for v in model.weights]
-    with pytest.raises(CorruptCheckpointError, match="keras_state/asset_0"):
+    with pytest.raises(CorruptCheckpointError, match=r"keras_state/asset_0"):
         keras_orbax.restore_sharded(model, root / "ckpt")
     for want, variable in zip(before, model.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(variable.value), want)
@@ -205,7 +205,7 @@ def test_verify_checks_the_keras_state_files(saved_table):
     root, _, _ = saved_table
     assert keras_orbax.verify(root / "ckpt").intact
     (root / "ckpt" / "1" / "keras_state" / "value_0.npy").write_bytes(b"\x93NUMPY")
-    with pytest.raises(CorruptCheckpointError, match="keras_state/value_0.npy"):
+    with pytest.raises(CorruptCheckpointError, match=r"keras_state/value_0\.npy"):
         keras_orbax.verify(root / "ckpt")
 
 
@@ -232,3 +232,12 @@ def test_keras_loaders_keep_the_very_arrays_read(saved_table):
     kernel = model.get_layer("head").kernel.value
     assert len({s.device for s in kernel.addressable_shards}) == 8
     assert kernel.addressable_shards[0].data.shape == (1, 4)  # (4, 8) over the (4, 2) mesh
+
+
+def test_convert_keeps_what_a_step_keeps_besides_the_variables(saved_table):
+    root, expected, _ = saved_table
+    keras_orbax.convert(root / "ckpt", root / "copy", step=5)
+    model = table_model(trained=False)
+    keras_orbax.restore_sharded(model, root / "copy")
+    assert model.get_layer("table").words == ["[UNK]", "a", "b", "c"]
+    np.testing.assert_array_equal(model.predict(X, verbose=0), expected)

@@ -130,7 +130,13 @@ def convert(
     made = not locations.is_remote(root) and not root.exists()
     try:
         return array_writer.save_arrays(
-            destination, step, record, read_each(), on_written=written, incremental=incremental
+            destination,
+            step,
+            record,
+            read_each(),
+            on_written=written,
+            incremental=incremental,
+            keras_state=resolve.open_source(source).own_state(),  # small files: read again
         )
     except BaseException:
         if made and root.is_dir():  # made by this convert: nothing else can be in it

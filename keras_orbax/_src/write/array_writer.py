@@ -42,7 +42,8 @@ import numpy as np
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.format.step_record import FORMAT_NAME, StepRecord
+from keras_orbax._src.format.own_state import KERAS_STATE, OwnState, StepFiles
+from keras_orbax._src.format.step_record import FORMAT_NAME, STATE, StepRecord
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
@@ -154,6 +155,7 @@ def save_arrays(
     *,
     on_written: Callable[[str], None] | None = None,
     incremental: bool = True,
+    keras_state: OwnState | None = None,
 ) -> Any:
     """Writes `arrays` as the committed step `step` of `directory`, described by `record`.
 
@@ -171,6 +173,8 @@ def save_arrays(
         incremental: Link each shard file unchanged since the latest committed step before
             `step` (in object storage: copy it on the server) instead of writing it
             (`incremental`).
+        keras_state: What the model's layers keep besides their variables, written into the
+            step's `keras_state/` (`format.own_state`).
 
     Returns:
         The step's directory.
@@ -202,7 +206,7 @@ def save_arrays(
                 )
             try:
                 plan = incremental_saves.plan_for(directory, step) if incremental else None
-                _save_held(directory, step, record, keys, caller, plan)
+                _save_held(directory, step, record, keys, caller, plan, keras_state)
             except BaseException:
                 _remove_unfinished(directory, step)
                 raise
@@ -227,6 +231,7 @@ def _save_held(
     keys: list[str],
     caller: _Caller,
     plan: incremental_saves.Plan | None = None,
+    keras_state: OwnState | None = None,
 ) -> None:
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
@@ -237,9 +242,10 @@ def _save_held(
     placeholder = jax.numpy.zeros((), np.uint8)  # each leaf: only the keys matter to Orbax
     token = _HOLD.set(hold)
     try:
-        response = checkpointer.save_async(
+        kept = {KERAS_STATE: StepFiles(keras_state)} if keras_state else {}
+        response = checkpointer.save_checkpointables_async(
             step,
-            state_keys.nest(dict.fromkeys(keys, placeholder)),
+            {STATE: state_keys.nest(dict.fromkeys(keys, placeholder))} | kept,
             force=True,
             custom_metadata={FORMAT_NAME: record.to_json()},
         )
