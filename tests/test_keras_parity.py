@@ -241,3 +241,47 @@ def test_convert_keeps_what_a_step_keeps_besides_the_variables(saved_table):
     keras_orbax.restore_sharded(model, root / "copy")
     assert model.get_layer("table").words == ["[UNK]", "a", "b", "c"]
     np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
+
+
+class _Saved(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class _Redefined(keras.Model):
+    """The same layer held as `a_dense`, which Keras's walk meets first, and returned by a
+    `dense` property: Keras's `load_weights` finds its state at `dense`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a_dense = keras.layers.Dense(8)
+
+    @property
+    def dense(self):
+        return self.a_dense
+
+    def call(self, x):
+        return self.a_dense(x)
+
+
+def test_an_attribute_redefined_as_a_property_restores_as_in_keras(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    saved = _Saved()
+    saved(X)
+    saved.save_weights(tmp_path / "m.weights.h5")
+    keras_orbax.save(saved, tmp_path / "ckpt", step=1)
+    keras_model = _Redefined()
+    keras_model(X)
+    keras_model.load_weights(tmp_path / "m.weights.h5")  # Keras resolves it
+    expected = saved.predict(X, verbose=0)
+    np.testing.assert_array_equal(keras_model.predict(X, verbose=0), expected)
+    distribution(_models.model_parallel((4, 2)))
+    model = _Redefined()
+    model(X)
+    result = keras_orbax.restore_sharded(model, tmp_path / "ckpt")
+    assert set(result.restored) == {"dense/vars/0", "dense/vars/1"}
+    np.testing.assert_array_equal(model.predict(X, verbose=0), expected)

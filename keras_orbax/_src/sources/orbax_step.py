@@ -61,12 +61,14 @@ class OrbaxStepSource(Source):
     def keyed_state(
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
     ) -> state_keys.KeyedState:
-        """The model's state keyed by the scheme the step was written with."""
+        """The model's state keyed by the scheme the step was written with (attributes the step
+        holds under another name of the same layer resolved as Keras resolves them)."""
         from keras_orbax._src.model import state_keys, state_keys_v1
 
         if self.record.format_version == 1:
             return state_keys_v1.keyed_state(model, optimizer=optimizer)
-        return state_keys.keyed_state(model, optimizer=optimizer)
+        state = state_keys.keyed_state(model, optimizer=optimizer)
+        return state.resolved(self.record.variables)
 
     def check_files(
         self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
