@@ -6,7 +6,7 @@ layer's vocabulary). Keras's `.keras` format keeps both; a step keeps them in `<
 written by process 0 (they are small and the same on every process), one flat folder:
 
     manifest.json       {"values": {entry: file}, "assets": {entry: file},
-                         "files": {file: {"size": n, "crc32": c}}}
+                         "files": {file: {"bytes": n, "crc32": c}}}
     value_0.npy         a value, as `numpy.save` writes it (no pickle)
     asset_0             an asset file's bytes
 
@@ -61,7 +61,7 @@ class OwnState:
             assets[entry] = name = f"asset_{i}"
             files[name] = data
         sums = {
-            name: {"size": len(data), "crc32": zlib.crc32(data)} for name, data in files.items()
+            name: {"bytes": len(data), "crc32": zlib.crc32(data)} for name, data in files.items()
         }
         manifest = {"values": values, "assets": assets, "files": sums}
         return {MANIFEST: json.dumps(manifest, indent=1).encode(), **files}
@@ -94,7 +94,7 @@ def read(step_dir: Any) -> OwnState | None:
     bad = [
         name
         for name, data in files.items()
-        if len(data) != expected[name]["size"] or zlib.crc32(data) != expected[name]["crc32"]
+        if len(data) != expected[name]["bytes"] or zlib.crc32(data) != expected[name]["crc32"]
     ]
     if bad:
         raise CorruptCheckpointError(
