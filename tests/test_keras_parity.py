@@ -285,3 +285,84 @@ def test_an_attribute_redefined_as_a_property_restores_as_in_keras(tmp_path, dis
     result = keras_orbax.restore_sharded(model, tmp_path / "ckpt")
     assert set(result.restored) == {"dense/vars/0", "dense/vars/1"}
     np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
+
+
+RNG = np.random.default_rng(0)
+# Each stateful Keras layer in a small model, given state to keep (adapted, or its weights), with
+# the data it takes. The lookup layers need TensorFlow at runtime (not a keras-orbax dependency).
+NEEDS_TENSORFLOW = {"IntegerLookup", "StringLookup", "TextVectorization"}
+NOT_ON_JAX = {"TorchModuleWrapper"}  # wraps a torch.nn.Module: the torch backend only
+
+
+def _stateful(name: str) -> tuple[keras.Layer, keras.KerasTensor, np.ndarray]:
+    """The layer, its model's input, and data for it."""
+    floats = RNG.random((8, 8, 4)).astype("float32")
+    if name.startswith("Conv"):
+        rank = int(name[-2])
+        shape = (6,) * rank + (2,)
+        layer = getattr(keras.layers, name)(4, 3, name="layer")
+        return layer, keras.Input(shape), RNG.random((8, *shape)).astype("float32")
+    if name in ("Embedding", "ReversibleEmbedding"):
+        layer = getattr(keras.layers, name)(16, 4, name="layer")
+        return layer, keras.Input((3,), dtype="int32"), RNG.integers(0, 16, (8, 3))
+    if name == "Dense":
+        return keras.layers.Dense(4, name="layer"), keras.Input((8, 4)), floats
+    if name == "EinsumDense":
+        layer = keras.layers.EinsumDense("abc,cd->abd", (8, 4), bias_axes="d", name="layer")
+        return layer, keras.Input((8, 4)), floats
+    if name == "Normalization":
+        layer = keras.layers.Normalization(name="layer")
+        layer.adapt(RNG.random((64, 8, 4)).astype("float32") * 3 + 1)
+        return layer, keras.Input((8, 4)), floats * 4
+    if name == "Discretization":  # its state is its config (its `adapt` needs TensorFlow)
+        layer = keras.layers.Discretization(bin_boundaries=[0.25, 0.5, 0.75], name="layer")
+        return layer, keras.Input((8, 4)), floats
+    if name in ("IntegerLookup", "StringLookup"):
+        layer = getattr(keras.layers, name)(name="layer", output_mode="int")
+        words = ["a", "b", "c", "d"] if name == "StringLookup" else [5, 7, 9, 11]
+        layer.adapt(words * 3)
+        dtype = "string" if name == "StringLookup" else "int64"
+        return layer, keras.Input((2,), dtype=dtype), np.array([words[:2]] * 8)
+    if name == "TextVectorization":
+        layer = keras.layers.TextVectorization(name="layer", output_sequence_length=3)
+        layer.adapt(["the cat sat", "the dog ran", "a cat ran"])
+        return layer, keras.Input((1,), dtype="string"), np.array([["the cat ran"]] * 8)
+    raise AssertionError(f"no case for {name}: add one")
+
+
+def _stateful_names() -> list[str]:
+    # Conv1D and Convolution1D are one class: one case each class, by its own name.
+    return sorted({cls.__name__ for cls in stateful_keras_layers()} - NOT_ON_JAX)
+
+
+@pytest.mark.parametrize("name", _stateful_names())
+def test_every_stateful_keras_layer_comes_back_as_keras_gives_it_back(tmp_path, distribution, name):
+    if name in NEEDS_TENSORFLOW:
+        pytest.importorskip("tensorflow")
+    distribution(_head_parallel((2, 4)))
+    keras.utils.set_random_seed(1)
+    layer, inputs, data = _stateful(name)
+    outputs = keras.layers.Dense(8, name="head")(keras.ops.cast(layer(inputs), "float32"))
+    model = keras.Model(inputs, outputs)
+    expected = model.predict(data, verbose=0)
+    model.save(tmp_path / "m.keras")
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    keras_model = keras.saving.load_model(tmp_path / "m.keras")  # Keras's own round trip
+    np.testing.assert_array_equal(keras_model.predict(data, verbose=0), expected)
+    distribution(_head_parallel((4, 2)))  # the head's sums split otherwise: not bit for bit
+    loaded = keras_orbax.load_model(tmp_path / "ckpt")
+    np.testing.assert_allclose(loaded.predict(data, verbose=0), expected, rtol=1e-5, atol=1e-7)
+    keras.utils.set_random_seed(2)  # other initial values
+    rebuilt = keras.Model.from_config(model.get_config())
+    keras_orbax.restore_sharded(rebuilt, tmp_path / "ckpt")
+    np.testing.assert_allclose(rebuilt.predict(data, verbose=0), expected, rtol=1e-5, atol=1e-7)
+    for want, got in zip(keras_model.weights, rebuilt.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+
+def _head_parallel(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
+    """`head`'s kernel split over "model", the layer under test replicated (a conv kernel's
+    3 x 3 window divides no mesh axis)."""
+    layouts = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(shape, ("batch", "model")))
+    layouts["head/kernel"] = (None, "model")
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
