@@ -366,3 +366,28 @@ def _head_parallel(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
     layouts = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(shape, ("batch", "model")))
     layouts["head/kernel"] = (None, "model")
     return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+
+
+def test_a_keras_archive_gives_back_what_keras_gives_back(saved_table):
+    root, expected, keras_model = saved_table
+    model = table_model(trained=False)
+    keras_orbax.restore_sharded(model, root / "m.keras")
+    assert model.get_layer("table").words == keras_model.get_layer("table").words
+    np.testing.assert_array_equal(model.get_layer("table").table, np.arange(4, dtype="float32"))
+    np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
+    loaded = keras_orbax.load_model(root / "m.keras")
+    np.testing.assert_array_equal(loaded.predict(X, verbose=0), expected)
+
+
+def test_a_weights_file_gives_back_the_values_keras_stores(tmp_path):
+    """A `.weights.h5` holds the table (a dataset no variable takes), not the words: Keras's
+    `save_weights` writes no assets, and its `load_weights` leaves them as they are."""
+    table_model(trained=True).save_weights(tmp_path / "t.weights.h5")
+    keras_model, model = table_model(trained=False), table_model(trained=False)
+    keras_model.load_weights(tmp_path / "t.weights.h5")
+    keras_orbax.restore_sharded(model, tmp_path / "t.weights.h5")
+    np.testing.assert_array_equal(
+        model.get_layer("table").table, keras_model.get_layer("table").table
+    )
+    assert model.get_layer("table").words == keras_model.get_layer("table").words == ["[UNK]"]
+    np.testing.assert_array_equal(model.predict(X, verbose=0), keras_model.predict(X, verbose=0))

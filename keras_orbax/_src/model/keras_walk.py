@@ -56,6 +56,19 @@ def captured(model: keras.Model) -> OwnState:
     return OwnState(values, assets)
 
 
+def host_entries(model: keras.Model) -> set[str]:
+    """The entries (`<group>/vars/<key>`) where `model`'s objects store host values, not variables
+    (what `captured` keeps): in a Keras weights file, datasets that no variable takes."""
+    found: set[str] = set()
+
+    def note(group: str, key: str, value: Any) -> None:
+        if not isinstance(value, keras.Variable | jax.Array):
+            found.add(_entry(group, key))
+
+    _stored(model, note)
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Replayed:
     """What `replay` did.
