@@ -25,7 +25,7 @@ import dataclasses
 import os
 import posixpath
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,10 +38,11 @@ from keras_orbax._src.model import state_keys
 from keras_orbax.errors import CheckpointMismatchError
 
 
-def captured(model: keras.Model) -> OwnState:
+def captured(model: keras.Model, objects: Sequence[tuple[str, Any]] = ()) -> OwnState:
     """What `model`'s objects store besides their variables: the values their
     `save_own_variables` stores that are host values (NumPy arrays, numbers, strings), and the
-    files their `save_assets` writes, by `.weights.h5` group."""
+    files their `save_assets` writes, by `.weights.h5` group. `objects`: the model's
+    `state_keys.saveables`, where the caller has them (`KeyedState.objects`)."""
     values: dict[str, np.ndarray] = {}
 
     def keep(group: str, key: str, value: Any) -> None:
@@ -50,7 +51,7 @@ def captured(model: keras.Model) -> OwnState:
 
     assets: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="keras_orbax_assets_") as folder:
-        for group, obj in _stored(model, keep):
+        for group, obj in _stored(model, keep, objects):
             if hasattr(obj, "save_assets"):
                 assets |= _saved_assets(obj, group, folder)
     return OwnState(values, assets)
@@ -173,12 +174,17 @@ def _in_spec_order(layer: Any) -> list[Any] | None:
     return found
 
 
-def _stored(model: keras.Model, on_value: Callable[[str, str, Any], None]) -> list[tuple[str, Any]]:
-    """`(group, object)` of every object Keras's saving walks, in its order, each object's
-    `save_own_variables` run with every stored value handed to `on_value(group, key, value)`."""
+def _stored(
+    model: keras.Model,
+    on_value: Callable[[str, str, Any], None],
+    objects: Sequence[tuple[str, Any]] = (),
+) -> list[tuple[str, Any]]:
+    """`(group, object)` of every object Keras's saving walks (`objects`, if given), in its
+    order, each object's `save_own_variables` run with every stored value handed to
+    `on_value(group, key, value)`."""
     found = []
     with saving_compat.optimizers_store_variables(model):
-        for group, obj in state_keys.saveables(model):
+        for group, obj in objects or state_keys.saveables(model):
             if hasattr(obj, "save_own_variables"):
                 obj.save_own_variables(_CapturingStore(group, on_value))
             found.append((group, obj))

@@ -38,6 +38,8 @@ class KeyedState:
     # A group reached again under other attribute names (a property returning a layer): those
     # paths, where Keras's loader also looks for its state.
     aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # `(group, object)` of every object Keras's saving walks, in its order (`saveables`).
+    objects: tuple[tuple[str, Any], ...] = ()
 
     def of_role(self, *roles: Role) -> dict[str, keras.Variable]:
         return {k: v for k, v in self.variables.items() if self.roles[k] in roles}
@@ -57,6 +59,7 @@ class KeyedState:
             {renamed[k]: v for k, v in self.variables.items()},
             {renamed[k]: r for k, r in self.roles.items()},
             self.aliases,
+            self.objects,
         )
 
     def _alias_in(self, key: str, saved: Collection[str]) -> str:
@@ -94,7 +97,8 @@ def keyed_state(
         else set()
     )
     aliases: dict[str, list[str]] = {}
-    for group, saveable in _walk(model, "", {}, replace, aliases):
+    objects = tuple(_walk(model, "", {}, replace, aliases))
+    for group, saveable in objects:
         for i, variable in enumerate(_own_variables(saveable)):
             role: Role = OPTIMIZER if id(variable) in optimizer_ids else MODEL
             table.add(_join(group, f"vars/{i}"), variable, role)
@@ -106,7 +110,10 @@ def keyed_state(
     for variable in model.metrics_variables:
         table.add_if_new(f"metrics/{variable.path}", variable, METRIC)
     return KeyedState(
-        table.variables, table.roles, {group: tuple(a) for group, a in aliases.items() if group}
+        table.variables,
+        table.roles,
+        {group: tuple(a) for group, a in aliases.items() if group},
+        objects,
     )
 
 

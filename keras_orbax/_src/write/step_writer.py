@@ -254,7 +254,7 @@ def write_step(
     values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
     # Orbax refuses an empty tree: a model without arrays is a step of its `keras_state/` alone.
     arrays = {STATE: state_keys.nest(values)} if values else {}
-    checkpointables = arrays | _keras_state(model, always=not values)
+    checkpointables = arrays | _keras_state(model, state.objects, always=not values)
 
     def start() -> DurableResponse | None:
         plan = incremental_saves.plan_for(checkpointer.directory, step) if incremental else None
@@ -373,10 +373,13 @@ def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
     )
 
 
-def _keras_state(model: keras.Model, *, always: bool) -> dict[str, own_state.StepFiles]:
+def _keras_state(
+    model: keras.Model, objects: Any, *, always: bool
+) -> dict[str, own_state.StepFiles]:
     """The step's `keras_state/` checkpointable, where the model's layers store values that are
-    no variable or write assets (`keras_walk.captured`); unless `always`, none where they do not."""
-    kept = keras_walk.captured(model)
+    no variable or write assets (`keras_walk.captured` of `objects`, the walk `KeyedState` made);
+    unless `always`, none where they do not."""
+    kept = keras_walk.captured(model, objects)
     return {own_state.KERAS_STATE: own_state.StepFiles(kept)} if kept or always else {}
 
 
