@@ -217,6 +217,7 @@ def test_quantized_gemma_backbone(tmp_path, distribution, mode):
         restored = keras.saving.deserialize_keras_object(config)
     keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
     loaded = keras_orbax.load_model(tmp_path / "ckpt")
+    # No preset: keras-hub cannot read its own quantized preset (docs/coming-from-keras.md).
     for got in (restored, loaded):
         embeddings = got.get_layer("token_embedding").embeddings.value
         assert embeddings.sharding.mesh.devices.shape == (4, 2)
