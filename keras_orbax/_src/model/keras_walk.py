@@ -141,7 +141,7 @@ def _load_own_variables(obj: Any, group: str, entries: dict[str, Any]) -> None:
     """`obj.load_own_variables` over what its `save_own_variables` stored; where Keras's loader
     refuses that, over its variables in the order of its `variable_serialization_spec`, the order
     Keras declares both methods follow. (Keras 3.15's `Dense` and `EinsumDense` store no
-    `kernel_zero` in `gptq` and `awq` mode, which their loaders then expect: Keras cannot load
+    zero point in `gptq` and `awq` mode, which their loaders then expect: Keras cannot load
     such a layer's own `.weights.h5`. docs/coming-from-keras.md has the reproduction.)"""
     try:
         obj.load_own_variables(loading_compat.tracing_store(entries).get(group))
