@@ -167,7 +167,7 @@ def test_from_keras_weights_h5(saved):
     root, build, x, expected, mode = saved
     model = build()
     if mode in CALIBRATED:  # the file lacks kernel_zero; keras-orbax says so, as Keras fails
-        with pytest.raises(CheckpointMismatchError, match="kernel_zero|zero_point"):
+        with pytest.raises(CheckpointMismatchError, match=r"kernel_zero|zero_point"):
             keras_orbax.restore_sharded(model, root / "keras.weights.h5")
         return
     keras_orbax.restore_sharded(model, root / "keras.weights.h5")
