@@ -391,3 +391,15 @@ def test_a_weights_file_gives_back_the_values_keras_stores(tmp_path):
     )
     assert model.get_layer("table").words == keras_model.get_layer("table").words == ["[UNK]"]
     np.testing.assert_array_equal(model.predict(X, verbose=0), keras_model.predict(X, verbose=0))
+
+
+def test_keras_state_in_object_storage(store, bucket, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = table_model(trained=True)
+    expected = model.predict(X, verbose=0)
+    keras_orbax.save(model, f"{bucket}/run", step=1)
+    assert keras_orbax.inspect(f"{bucket}/run").keras_state["layers/table/words.txt"]
+    restored = table_model(trained=False)
+    keras_orbax.restore_sharded(restored, f"{bucket}/run")
+    assert restored.get_layer("table").words == ["[UNK]", "a", "b", "c"]
+    np.testing.assert_array_equal(restored.predict(X, verbose=0), expected)
