@@ -290,7 +290,9 @@ def test_an_attribute_redefined_as_a_property_restores_as_in_keras(tmp_path, dis
 RNG = np.random.default_rng(0)
 # Each stateful Keras layer in a small model, given state to keep (adapted, or its weights), with
 # the data it takes. The lookup layers need TensorFlow at runtime (not a keras-orbax dependency).
-NEEDS_TENSORFLOW = {"IntegerLookup", "StringLookup", "TextVectorization"}
+NEEDS_TENSORFLOW = {"Hashing", "IntegerLookup", "StringLookup", "TextVectorization"}
+# Preprocessing layers whose state is their config, checked all the same.
+CONFIG_STATE = {"Hashing"}
 NOT_ON_JAX = {"TorchModuleWrapper"}  # wraps a torch.nn.Module: the torch backend only
 
 
@@ -323,6 +325,9 @@ def _stateful(name: str) -> tuple[keras.Layer, keras.KerasTensor, np.ndarray]:
         layer.adapt(words * 3)
         dtype = "string" if name == "StringLookup" else "int64"
         return layer, keras.Input((2,), dtype=dtype), np.array([words[:2]] * 8)
+    if name == "Hashing":
+        layer = keras.layers.Hashing(num_bins=8, salt=[3, 5], name="layer")
+        return layer, keras.Input((2,), dtype="int64"), RNG.integers(0, 100, (8, 2))
     if name == "TextVectorization":
         layer = keras.layers.TextVectorization(name="layer", output_sequence_length=3)
         layer.adapt(["the cat sat", "the dog ran", "a cat ran"])
@@ -332,7 +337,7 @@ def _stateful(name: str) -> tuple[keras.Layer, keras.KerasTensor, np.ndarray]:
 
 def _stateful_names() -> list[str]:
     # Conv1D and Convolution1D are one class: one case each class, by its own name.
-    return sorted({cls.__name__ for cls in stateful_keras_layers()} - NOT_ON_JAX)
+    return sorted({cls.__name__ for cls in stateful_keras_layers()} - NOT_ON_JAX | CONFIG_STATE)
 
 
 @pytest.mark.parametrize("name", _stateful_names())
