@@ -25,7 +25,7 @@ import dataclasses
 import os
 import posixpath
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -83,9 +83,13 @@ class Replayed:
     lacking: dict[str, list[str]]
 
 
-def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
+def replay(
+    model: keras.Model, saved: OwnState | None, aliases: Mapping[str, Sequence[str]] = {}
+) -> Replayed:
     """Runs each object's `load_own_variables` (and, where `saved` has assets, `load_assets`)
-    over `model`'s current variable values and `saved`'s values and files.
+    over `model`'s current variable values and `saved`'s values and files. `aliases`: other
+    groups of an object (`KeyedState.aliases`), where its saved state is looked for too, as
+    Keras's loader does.
 
     An object is left out whose stores include a value neither a variable nor in `saved`: a
     computed device array (a LoRA layer's merged kernel: its variables are restored as saved) or
@@ -97,7 +101,7 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
     entries: dict[str, Any] = {}
     computed: set[str] = set()
     lacking: dict[str, list[str]] = {}
-    held = saved.values if saved is not None else {}
+    held = _under_aliases(saved.values if saved is not None else {}, aliases)
 
     def collect(group: str, key: str, value: Any) -> None:
         entry = _entry(group, key)
@@ -117,7 +121,8 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
     skip = [objects[group] for group in (*computed, *lacking)]
     errors: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="keras_orbax_assets_") as folder:
-        assets = _assets_store(folder, saved.assets) if saved is not None and saved.assets else None
+        files = _under_aliases(saved.assets, aliases) if saved is not None else {}
+        assets = _assets_store(folder, files) if files else None
         for group, obj in objects.items():
             if any(obj is other for other in skip):
                 continue
@@ -135,6 +140,20 @@ def replay(model: keras.Model, saved: OwnState | None) -> Replayed:
             "the saved state:\n" + "\n".join(lines[:20])
         )
     return Replayed(lacking)
+
+
+def _under_aliases(
+    saved: Mapping[str, Any], aliases: Mapping[str, Sequence[str]]
+) -> dict[str, Any]:
+    """`saved`, with what it holds under an object's other group also under its first one
+    (`KeyedState.aliases`), where the first holds nothing."""
+    found = dict(saved)
+    for group, others in aliases.items():
+        for other in others:
+            for entry, value in saved.items():
+                if entry.startswith(f"{other}/"):
+                    found.setdefault(group + entry[len(other) :], value)
+    return found
 
 
 def _load_own_variables(obj: Any, group: str, entries: dict[str, Any]) -> None:

@@ -172,13 +172,14 @@ def _replay_keras_loaders(
     own: OwnState | None,
     variables: Mapping[str, keras.Variable],
     previous: Mapping[str, jax.Array | None],
+    aliases: Mapping[str, Sequence[str]],
 ) -> None:
     """Runs each layer's own `load_own_variables` and `load_assets` over the variables just
     assigned and the source's saved values and files (`keras_walk.replay`), so that the layers
     hold what Keras's own loading leaves (quantization flags, derived state, vocabularies). If a
     loader fails, each restored variable gets its previous value back before the error is raised."""
     try:
-        replayed = keras_walk.replay(model, own)
+        replayed = keras_walk.replay(model, own, aliases)
     except CheckpointMismatchError as error:
         for key, value in previous.items():
             if value is not None:
@@ -242,7 +243,7 @@ def restore_source(
     initialized = [k for k in not_read if deferred.is_deferred(variables[k])]
     for key in initialized:
         deferred.initialize(variables[key])
-    _replay_keras_loaders(model, source, own, variables, previous)
+    _replay_keras_loaders(model, source, own, variables, previous, prepared.state.aliases)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
     warn_untaken(model, source, prepared)
