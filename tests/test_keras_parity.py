@@ -16,7 +16,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError, KerasOrbaxWarning
-from tests import _models
+from tests import _harness, _models
 
 X = np.arange(32, dtype="float32").reshape(8, 4) / 10
 
@@ -435,3 +435,18 @@ def test_save_weights_writes_the_values_keras_writes(saved_table):
     )
     keras_model.get_layer("table").words = model.get_layer("table").words  # assets: not in h5
     np.testing.assert_array_equal(keras_model.predict(X, verbose=0), expected)
+
+
+def test_two_processes_keep_and_restore_a_layers_own_state(tmp_path):
+    results = _harness.run_workers(
+        _harness.WORKERS_DIR / "keras_state_multihost.py",
+        num_processes=2,
+        devices_per_process=4,
+        args={"directory": str(tmp_path / "ckpt")},
+    )
+    for result in results:
+        assert result["spans_processes"] and result["kernel_shards_equal"]
+        assert result["table"] == [0.0, 1.0, 2.0, 3.0]
+        assert result["words"] == ["[UNK]", "a", "b"]
+    folder = tmp_path / "ckpt" / "1" / "keras_state"
+    assert {"manifest.json", "value_0.npy", "asset_0"} <= {p.name for p in folder.iterdir()}
