@@ -450,3 +450,29 @@ def test_two_processes_keep_and_restore_a_layers_own_state(tmp_path):
         assert result["words"] == ["[UNK]", "a", "b"]
     folder = tmp_path / "ckpt" / "1" / "keras_state"
     assert {"manifest.json", "value_0.npy", "asset_0"} <= {p.name for p in folder.iterdir()}
+
+
+def test_a_compact_step_keeps_it_too(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = table_model(trained=True)
+    expected = model.predict(X, verbose=0)
+    keras_orbax.save(model, tmp_path / "ckpt", step=1, format="compact")
+    restored = table_model(trained=False)
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    assert restored.get_layer("table").words == ["[UNK]", "a", "b", "c"]
+    np.testing.assert_array_equal(restored.predict(X, verbose=0), expected)
+
+
+def test_model_checkpoint_keeps_it_and_resumes_with_it(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = table_model(trained=True)
+    model.compile(optimizer="adam", loss="mse")
+    y = np.zeros((8, 8), "float32")
+    model.fit(X, y, epochs=1, verbose=0, callbacks=[keras_orbax.ModelCheckpoint(tmp_path / "c")])
+    resumed = table_model(trained=False)
+    resumed.compile(optimizer="adam", loss="mse")
+    callback = keras_orbax.ModelCheckpoint(tmp_path / "c", resume=True)
+    resumed.fit(X, y, epochs=1, verbose=0, callbacks=[callback])  # restores, then has nothing to do
+    assert callback.restored is not None and callback.restored.step is not None
+    assert resumed.get_layer("table").words == ["[UNK]", "a", "b", "c"]
+    np.testing.assert_array_equal(resumed.predict(X, verbose=0), model.predict(X, verbose=0))
