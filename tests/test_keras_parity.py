@@ -358,22 +358,31 @@ def test_every_stateful_keras_layer_comes_back_as_keras_gives_it_back(tmp_path, 
     distribution(_head_parallel((2, 4)))
     keras.utils.set_random_seed(1)
     layer, inputs, data = _stateful(name)
-    outputs = keras.layers.Dense(8, name="head")(keras.ops.cast(layer(inputs), "float32"))
-    model = keras.Model(inputs, outputs)
-    expected = model.predict(data, verbose=0)
+    if data.dtype.kind == "U":  # strings: the layer runs on TensorFlow, outside a JAX model
+        model = keras.Model(inputs, layer(inputs))
+    else:
+        outputs = keras.layers.Dense(8, name="head")(keras.ops.cast(layer(inputs), "float32"))
+        model = keras.Model(inputs, outputs)
+    expected = _outputs(model, data)
     model.save(tmp_path / "m.keras")
     keras_orbax.save(model, tmp_path / "ckpt", step=1)
     keras_model = keras.saving.load_model(tmp_path / "m.keras")  # Keras's own round trip
-    np.testing.assert_array_equal(keras_model.predict(data, verbose=0), expected)
+    np.testing.assert_array_equal(_outputs(keras_model, data), expected)
     distribution(_head_parallel((4, 2)))  # the head's sums split otherwise: not bit for bit
     loaded = keras_orbax.load_model(tmp_path / "ckpt")
-    np.testing.assert_allclose(loaded.predict(data, verbose=0), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_outputs(loaded, data), expected, rtol=1e-5, atol=1e-7)
     keras.utils.set_random_seed(2)  # other initial values
     rebuilt = keras.Model.from_config(model.get_config())
     keras_orbax.restore_sharded(rebuilt, tmp_path / "ckpt")
-    np.testing.assert_allclose(rebuilt.predict(data, verbose=0), expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(_outputs(rebuilt, data), expected, rtol=1e-5, atol=1e-7)
     for want, got in zip(keras_model.weights, rebuilt.weights, strict=True):
         np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))
+
+
+def _outputs(model: keras.Model, data: np.ndarray) -> np.ndarray:
+    if data.dtype.kind == "U":
+        return np.asarray(model.get_layer("layer")(data))
+    return model.predict(data, verbose=0)
 
 
 def _head_parallel(shape: tuple[int, int]) -> keras.distribution.ModelParallel:
@@ -476,3 +485,25 @@ def test_model_checkpoint_keeps_it_and_resumes_with_it(tmp_path, distribution):
     assert callback.restored is not None and callback.restored.step is not None
     assert resumed.get_layer("table").words == ["[UNK]", "a", "b", "c"]
     np.testing.assert_array_equal(resumed.predict(X, verbose=0), model.predict(X, verbose=0))
+
+
+def test_a_lookup_vocabulary_file_rewritten_after_the_save(tmp_path):
+    """The issue's case: Keras gives back the saved vocabulary, not the file's current words."""
+    pytest.importorskip("tensorflow")
+    vocabulary = tmp_path / "vocabulary.txt"
+    vocabulary.write_text("a\nb\nc")
+
+    def lookup_model() -> keras.Model:
+        inputs = keras.Input((1,), dtype="string")
+        return keras.Model(inputs, keras.layers.StringLookup(vocabulary=str(vocabulary))(inputs))
+
+    model = lookup_model()
+    model.save(tmp_path / "m.keras")
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    vocabulary.write_text("x\ny")
+    saved = keras.saving.load_model(tmp_path / "m.keras").layers[-1].get_vocabulary()
+    assert saved == ["[UNK]", "a", "b", "c"]  # Keras's own round trip
+    assert keras_orbax.load_model(tmp_path / "ckpt").layers[-1].get_vocabulary() == saved
+    restored = lookup_model()  # built from the file's current words
+    keras_orbax.restore_sharded(restored, tmp_path / "ckpt")
+    assert restored.layers[-1].get_vocabulary() == saved
