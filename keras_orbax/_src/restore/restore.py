@@ -177,7 +177,8 @@ def _replay_keras_loaders(
     """Runs each layer's own `load_own_variables` and `load_assets` over the variables just
     assigned and the source's saved values and files (`keras_walk.replay`), so that the layers
     hold what Keras's own loading leaves (quantization flags, derived state, vocabularies). If a
-    loader fails, each restored variable gets its previous value back before the error is raised."""
+    loader fails, each restored variable that had a value gets it back before the error is raised
+    (one built under `deferred_init()` had none: it keeps the checkpoint's)."""
     try:
         replayed = keras_walk.replay(model, own, aliases)
     except CheckpointMismatchError as error:
@@ -185,7 +186,8 @@ def _replay_keras_loaders(
             if value is not None:
                 keras_compat.set_value(variables[key], value)
         raise CheckpointMismatchError(
-            f"{error} (restoring from '{source.label}'). Every variable has its previous value."
+            f"{error} (restoring from '{source.label}'). Every variable that had a value before "
+            "the restore has it again."
         ) from error
     if replayed.lacking:
         _warn(
@@ -217,6 +219,8 @@ def restore_source(
     )
     plan, reads = prepared.plan, prepared.reads
     assert reads is not None  # `_prepare` raised otherwise
+    # Small files, checked against their checksums before any array is read.
+    own = multihost.run_collectively("restore_sharded/keras_state", source.own_state)
     if _on_one_device(plan):
         _warn(
             f"No keras.distribution is set: model '{model.name}' is restored onto one device of "
@@ -232,9 +236,8 @@ def restore_source(
         read_window_bytes,
         bool(verbose) and multihost.is_primary(),
     )
-    own = source.own_state()
-    # Every array is read: from here on only a layer's own loader can fail, and then every
-    # variable gets its value back.
+    # Every array is read: from here on only a layer's own loader can fail, and then the
+    # variables get their values back (`_replay_keras_loaders`).
     variables = _attach_optimizer(model, source, prepared.state)
     previous = {key: keras_compat.current_value(variables[key]) for key in arrays}
     for key, array in arrays.items():
