@@ -229,10 +229,10 @@ def test_two_metrics_of_one_name_get_advice(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_saving_a_model_without_variables_is_refused(tmp_path):
-    inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Activation("relu")(inputs), name="empty")
-    with pytest.raises(ValueError, match="Model 'empty' has no variables to save"):
+def test_saving_an_unbuilt_model_without_variables_is_refused(tmp_path):
+    # A built model without variables saves, as in Keras (tests/test_keras_parity.py).
+    model = keras.Sequential([keras.layers.Dense(4)], name="empty")
+    with pytest.raises(ValueError, match="Model 'empty' has no variables to save: build it"):
         keras_orbax.save(model, tmp_path, step=1)
     assert not (tmp_path / "1").exists()
 

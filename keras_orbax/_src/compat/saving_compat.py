@@ -8,8 +8,9 @@ Tested with keras 3.15.1 (`versions.SUPPORTED`): resolved on import, failing wit
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -121,21 +122,31 @@ def save_state(
         store = _ArrayStore(path_or_io, write)
     else:
         store = _ShardedArrayStore(path_or_io, max_shard_size, write)
+    try:
+        with optimizers_store_variables(model):
+            _save_state(
+                model,
+                weights_store=store,
+                assets_store=None,
+                inner_path="",
+                visited_saveables={id(obj) for obj in skip},
+            )
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def optimizers_store_variables(model: Any) -> Iterator[None]:
+    """Inside, each optimizer of `model` whose `save_own_variables` is Keras's base one stores
+    its variables themselves, not `variable.numpy()` (see `_fetching_optimizers`)."""
     optimizers = _fetching_optimizers(model)
     try:
         for optimizer in optimizers:
             object.__setattr__(optimizer, "save_own_variables", _optimizer_saver(optimizer))
-        _save_state(
-            model,
-            weights_store=store,
-            assets_store=None,
-            inner_path="",
-            visited_saveables={id(obj) for obj in skip},
-        )
+        yield
     finally:
         for optimizer in optimizers:
             object.__delattr__(optimizer, "save_own_variables")
-        store.close()
 
 
 def _fetching_optimizers(model: Any) -> list[Any]:

@@ -19,7 +19,7 @@ Each key also has a role (`model`, `optimizer` or `metric`), which decides how s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import keras
@@ -35,9 +35,41 @@ class KeyedState:
 
     variables: dict[str, keras.Variable]
     roles: dict[str, Role]
+    # A group reached again under other attribute names (a property returning a layer): those
+    # paths, where Keras's loader also looks for its state.
+    aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # `(group, object)` of every object Keras's saving walks, in its order (`saveables`).
+    objects: tuple[tuple[str, Any], ...] = ()
 
     def of_role(self, *roles: Role) -> dict[str, keras.Variable]:
         return {k: v for k, v in self.variables.items() if self.roles[k] in roles}
+
+    def resolved(self, saved: Collection[str]) -> KeyedState:
+        """This state with each key that `saved` lacks replaced by an alias `saved` holds, as
+        Keras's loader resolves attributes: a layer saved as `self.dense` is restored into a
+        model holding it as `self.a_dense` with a `dense` property returning it (Keras visits
+        `a_dense` first, finds nothing there, and loads it at `dense`). Unchanged where that
+        would give two variables one key."""
+        renamed = {
+            key: key if key in saved else self._alias_in(key, saved) for key in self.variables
+        }
+        if renamed == {k: k for k in renamed} or len(set(renamed.values())) < len(renamed):
+            return self
+        return KeyedState(
+            {renamed[k]: v for k, v in self.variables.items()},
+            {renamed[k]: r for k, r in self.roles.items()},
+            self.aliases,
+            self.objects,
+        )
+
+    def _alias_in(self, key: str, saved: Collection[str]) -> str:
+        for group, others in self.aliases.items():
+            if key.startswith(f"{group}/"):
+                for other in others:
+                    alias = other + key[len(group) :]
+                    if alias in saved and alias not in self.variables:
+                        return alias
+        return key
 
 
 def keyed_state(
@@ -64,7 +96,9 @@ def keyed_state(
         if isinstance(optimizer, keras.optimizers.Optimizer)
         else set()
     )
-    for group, saveable in _walk(model, "", set(), replace):
+    aliases: dict[str, list[str]] = {}
+    objects = tuple(_walk(model, "", {}, replace, aliases))
+    for group, saveable in objects:
         for i, variable in enumerate(_own_variables(saveable)):
             role: Role = OPTIMIZER if id(variable) in optimizer_ids else MODEL
             table.add(_join(group, f"vars/{i}"), variable, role)
@@ -75,7 +109,12 @@ def keyed_state(
         table.add_if_new(f"unreached/{variable.path}", variable, MODEL)
     for variable in model.metrics_variables:
         table.add_if_new(f"metrics/{variable.path}", variable, METRIC)
-    return KeyedState(table.variables, table.roles)
+    return KeyedState(
+        table.variables,
+        table.roles,
+        {group: tuple(a) for group, a in aliases.items() if group},
+        objects,
+    )
 
 
 def keyed_variables(model: keras.Model) -> dict[str, keras.Variable]:
@@ -86,30 +125,41 @@ def keyed_variables(model: keras.Model) -> dict[str, keras.Variable]:
 def saveables(obj: Any) -> Iterator[tuple[str, Any]]:
     """`(group, object)` for each Keras object holding state, in the order and under the names
     that Keras's `save_weights` gives them (`saving_lib._save_state`)."""
-    yield from _walk(obj, "", set(), {})
+    yield from _walk(obj, "", {}, {})
 
 
 def _walk(
-    obj: Any, path: str, visited: set[int], replace: dict[int, Any]
+    obj: Any,
+    path: str,
+    visited: dict[int, str],
+    replace: dict[int, Any],
+    aliases: dict[str, list[str]] | None = None,
 ) -> Iterator[tuple[str, Any]]:
+    """Keras's saving walk from `obj` at `path`; an object met again is not walked again, and
+    its path is added to `aliases` under the path it was first met at."""
     obj = replace.get(id(obj), obj)
     if id(obj) in visited:
+        if aliases is not None:
+            aliases.setdefault(visited[id(obj)], []).append(path)
         return
-    visited.add(id(obj))
+    visited[id(obj)] = path
     yield path, obj
     for attribute, child in keras_compat.walk_saveable(obj):
         if keras_compat.is_saveable(child):
-            yield from _walk(child, _join(path, attribute), visited, replace)
+            yield from _walk(child, _join(path, attribute), visited, replace, aliases)
         elif isinstance(child, list | tuple | dict):
-            yield from _walk_container(child, _join(path, attribute), visited, replace, set())
+            yield from _walk_container(
+                child, _join(path, attribute), visited, replace, set(), aliases
+            )
 
 
 def _walk_container(
     container: list | tuple | dict,
     path: str,
-    visited: set[int],
+    visited: dict[int, str],
     replace: dict[int, Any],
     containers: set[int],
+    aliases: dict[str, list[str]] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     if id(container) in containers:
         return
@@ -118,10 +168,12 @@ def _walk_container(
     for member in container.values() if isinstance(container, dict) else container:
         if keras_compat.is_saveable(member):
             name = keras_compat.unique_name(keras_compat.to_snake_case(type(member).__name__), used)
-            yield from _walk(member, _join(path, name), visited, replace)
+            yield from _walk(member, _join(path, name), visited, replace, aliases)
         elif isinstance(member, list | tuple | dict):
             name = keras_compat.unique_name("container", used)
-            yield from _walk_container(member, _join(path, name), visited, replace, containers)
+            yield from _walk_container(
+                member, _join(path, name), visited, replace, containers, aliases
+            )
 
 
 def _own_variables(saveable: Any) -> list[keras.Variable]:

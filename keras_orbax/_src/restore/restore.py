@@ -13,8 +13,9 @@ import jax
 import keras
 
 from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.step_record import StepRecord
-from keras_orbax._src.model import deferred, matching, state_keys
+from keras_orbax._src.model import deferred, keras_walk, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
@@ -24,7 +25,11 @@ from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.storage import locations
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    KerasOrbaxWarning,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,14 +200,36 @@ def restore_sharded(
     )
 
 
-def recompute_derived_state(model: keras.Model) -> None:
-    """Recomputes what a layer keeps outside its variables, derived from them, as Keras's loader
-    does once it has assigned them: an adapted `Normalization` normalizes with a broadcast copy of
-    its mean and variance (`finalize_state`, which its `load_own_variables` calls), so assigning
-    the variables alone would leave it normalizing with the values it was built or adapted with."""
-    for _, obj in state_keys.saveables(model):
-        if isinstance(obj, keras.layers.Normalization):
-            obj.finalize_state()
+def _replay_keras_loaders(
+    model: keras.Model,
+    source: Source,
+    own: OwnState | None,
+    variables: Mapping[str, keras.Variable],
+    previous: Mapping[str, jax.Array | None],
+    aliases: Mapping[str, Sequence[str]],
+) -> None:
+    """Runs each layer's own `load_own_variables` and `load_assets` over the variables just
+    assigned and the source's saved values and files (`keras_walk.replay`), so that the layers
+    hold what Keras's own loading leaves (quantization flags, derived state, vocabularies). If a
+    loader fails, each restored variable that had a value gets it back before the error is raised
+    (one built under `deferred_init()` had none: it keeps the checkpoint's)."""
+    try:
+        replayed = keras_walk.replay(model, own, aliases)
+    except CheckpointMismatchError as error:
+        for key, value in previous.items():
+            if value is not None:
+                keras_compat.set_value(variables[key], value)
+        raise CheckpointMismatchError(
+            f"{error} (restoring from '{source.label}'). Every variable that had a value before "
+            "the restore has it again."
+        ) from error
+    if replayed.lacking:
+        _warn(
+            f"'{source.label}' lacks what {counted(len(replayed.lacking), 'layer')} of model "
+            f"'{model.name}' store besides their variables ("
+            + "; ".join(f"{group}: {listed(keys)}" for group, keys in replayed.lacking.items())
+            + "), so their own loaders were not run: they keep the values they had."
+        )
 
 
 def restore_source(
@@ -226,6 +253,8 @@ def restore_source(
     )
     plan, reads = prepared.plan, prepared.reads
     assert reads is not None  # `_prepare` raised otherwise
+    # Small files, checked against their checksums before any array is read.
+    own = multihost.run_collectively("restore_sharded/keras_state", source.own_state)
     if _on_one_device(plan):
         _warn(
             f"No keras.distribution is set: model '{model.name}' is restored onto one device of "
@@ -245,15 +274,17 @@ def restore_source(
         read_window_bytes,
         bool(verbose) and multihost.is_primary(),
     )
-    # Every array is read: from here on nothing can fail halfway.
+    # Every array is read: from here on only a layer's own loader can fail, and then the
+    # variables get their values back (`_replay_keras_loaders`).
     variables = _attach_optimizer(model, source, prepared.state)
+    previous = {key: keras_compat.current_value(variables[key]) for key in arrays}
     for key, array in arrays.items():
         keras_compat.set_value(variables[key], array)
     not_read = [*plan.missing, *plan.mismatched]
     initialized = [k for k in not_read if deferred.is_deferred(variables[k])]
     for key in initialized:
         deferred.initialize(variables[key])
-    recompute_derived_state(model)
+    _replay_keras_loaders(model, source, own, variables, previous, prepared.state.aliases)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
     warn_untaken(model, source, prepared)

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.step_record import StepRecord
 
 # Keras, JAX and what restores with them load where a source restores, not where it is opened:
@@ -100,6 +101,15 @@ class Source(abc.ABC):
     def model_config(self) -> dict[str, Any] | None:
         """The Keras model config saved with the arrays, if any."""
         return self.record.model_config
+
+    def own_state(self) -> OwnState | None:
+        """What the model's layers stored besides their variables (values that are no variable,
+        asset files), as Keras's `.keras` saving keeps them; None where this source keeps none.
+
+        Raises:
+            CorruptCheckpointError: the files holding it are damaged.
+        """
+        return None
 
     def keyed_state(
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None

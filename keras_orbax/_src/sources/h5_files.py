@@ -123,6 +123,24 @@ def _archive_datasets(archive: Path) -> dict[str, H5Array]:
         ) from error
 
 
+def archive_assets(file: Path) -> dict[str, bytes]:
+    """A `.keras` archive's asset files (what layers' `save_assets` wrote), by their path under
+    `assets/`; none for any other file."""
+    if not file.name.endswith(".keras"):
+        return {}
+    try:
+        with zipfile.ZipFile(file) as zf:
+            return {
+                info.filename[len("assets/") :]: zf.read(info)
+                for info in zf.infolist()
+                if info.filename.startswith("assets/") and not info.is_dir()
+            }
+    except zipfile.BadZipFile as error:
+        raise CorruptCheckpointError(
+            f"'{file}' is not a readable .keras archive: {error}"
+        ) from error
+
+
 def archive_json(archive: Path, member: str) -> dict[str, Any]:
     """A JSON member of a `.keras` archive (`config.json`, `metadata.json`)."""
     try:

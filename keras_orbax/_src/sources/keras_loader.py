@@ -52,6 +52,7 @@ def trace_load(
     arrays: Mapping[str, Reader],
     state: state_keys.KeyedState,
     optimizer: keras.optimizers.Optimizer | None = None,
+    values: Mapping[str, Any] | None = None,
 ) -> Traced:
     """Runs Keras's own loading walk of `model` over `arrays` (by h5 path) without reading them.
 
@@ -60,6 +61,8 @@ def trace_load(
         arrays: The stored arrays by their path in the file.
         state: The model's keyed state (with `optimizer` as its optimizer, if given).
         optimizer: Walked in place of `model.optimizer` (a stand-in for one not built yet).
+        values: Stored values that are no variable (`keras_walk.host_entries`), by h5 path,
+            handed to the walk as they are: a layer may take them as NumPy arrays.
     """
     names = list(arrays)
     abstract = [jax.ShapeDtypeStruct(arrays[n].shape, arrays[n].dtype) for n in names]
@@ -68,7 +71,8 @@ def trace_load(
     assigned: list[str] = []
 
     def load(*placeholders: Any) -> list[Any]:
-        store = loading_compat.tracing_store(dict(zip(names, placeholders, strict=True)))
+        entries = {**dict(zip(names, placeholders, strict=True)), **(values or {})}
+        store = loading_compat.tracing_store(entries)
         with keras.StatelessScope(initialize_variables=False) as scope:
             loading_compat.load_state(model, store, errors, skip=optimizer and model.optimizer)
             if optimizer is not None:
@@ -98,18 +102,19 @@ def trace_load(
 
 @contextlib.contextmanager
 def _no_traced_attributes(objects: Iterable[Any]) -> Iterator[None]:
-    """Puts back, after the traced walk, every attribute of `objects` that the walk left holding a
-    traced value: a layer that derives state from its variables as it loads them (an adapted
-    `Normalization`'s broadcast mean and variance, `finalize_state`) would otherwise keep a
-    tracer, and fail at its next call. The restore recomputes that state once it has assigned the
-    variables (`restore.recompute_derived_state`)."""
+    """Puts back, after the traced walk, every attribute of `objects` that the walk set: a layer
+    that derives state from its variables as it loads them (an adapted `Normalization`'s
+    broadcast mean and variance, `finalize_state`) would otherwise keep a tracer, and fail at its
+    next call, and one that takes a stored value (a NumPy table) would hold it before the restore
+    has decided anything. The restore sets that state once it has assigned the variables
+    (`keras_walk.replay` runs each layer's own loader)."""
     before = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
     try:
         yield
     finally:
         for obj, attributes in before:
             for name, value in list(vars(obj).items()):
-                if not isinstance(value, jax.core.Tracer):
+                if name in attributes and attributes[name] is value:
                     continue
                 if name in attributes:
                     object.__setattr__(obj, name, attributes[name])

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.step_record import (
     METRIC,
     MODEL,
@@ -73,26 +74,37 @@ class KerasWeightsSource(Source):
             config = h5_files.archive_json(file, "config.json")
         record = StepRecord(step=0, variables=variables, model_config=config, format_version=0)
         super().__init__(location or file, record)
+        self._own: OwnState | None = None  # known once a model is prepared
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
         from keras_orbax._src.read import sharded_read
 
         return sharded_read.plan_reads(self.file, requests, lambda r: self.arrays[r.key])
 
+    def own_state(self) -> OwnState | None:
+        """The values the last `prepare`d model's layers store that are no variable, and a
+        `.keras` archive's assets (a `.weights.h5` has none, as in Keras)."""
+        return self._own
+
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
         """Keras's own loader decides which stored array goes to which variable (`keras_loader`);
         the plan, the all-or-nothing checks and the region reads are those of every source."""
-        from keras_orbax._src.model import state_keys
+        from keras_orbax._src.model import keras_walk, state_keys
         from keras_orbax._src.model.deferred import optimizer_stand_in
         from keras_orbax._src.model.matching import make_plan
         from keras_orbax._src.read import sharded_read
         from keras_orbax._src.sources.keras_loader import trace_load
 
-        arrays = self.arrays
+        # What the model's layers store that is no variable is read whole (it is small) and kept
+        # for their own loaders (`own_state`); the other datasets are arrays.
+        host = keras_walk.host_entries(model)
+        values = {n: _whole(a) for n, a in self.arrays.items() if n in host}
+        self._own = OwnState(values, h5_files.archive_assets(self.file))
+        arrays = {n: a for n, a in self.arrays.items() if n not in values}
         saved_optimizer = [name for name in arrays if name.startswith("optimizer/")]
         stand_in = optimizer_stand_in(model, len(saved_optimizer))
         state = state_keys.keyed_state(model, optimizer=stand_in)
-        traced = trace_load(model, arrays, state, stand_in)
+        traced = trace_load(model, arrays, state, stand_in, values)
         record = StepRecord(step=0, variables={}, format_version=0)
         for key, feed in traced.feeds.items():
             record.variables[key] = VariableRecord(
@@ -141,3 +153,8 @@ class KerasArchiveSource(KerasWeightsSource):
 
     description = "Keras .keras archive"
     no_checksums = "is a Keras .keras archive, which records no checksums"
+
+
+def _whole(array: h5_files.H5Array) -> Any:
+    """A small dataset, read whole."""
+    return array.read(tuple(slice(0, n) for n in array.shape), array.dtype)

@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format import checksum, own_state, step_dirs
+from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
 from keras_orbax._src.format.zarr_shards import FastArray
@@ -46,6 +47,9 @@ class OrbaxStepSource(Source):
 
         return sharded_read.plan_reads(self.step_dir, requests)
 
+    def own_state(self) -> OwnState | None:
+        return own_state.read(self.step_dir)
+
     def prepare(self, model: keras.Model, *, strict: bool) -> Prepared:
         from keras_orbax._src.model import deferred, matching
 
@@ -60,16 +64,19 @@ class OrbaxStepSource(Source):
     def keyed_state(
         self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
     ) -> state_keys.KeyedState:
-        """The model's state keyed by the scheme the step was written with."""
+        """The model's state keyed by the scheme the step was written with (attributes the step
+        holds under another name of the same layer resolved as Keras resolves them)."""
         from keras_orbax._src.model import state_keys, state_keys_v1
 
         if self.record.format_version == 1:
             return state_keys_v1.keyed_state(model, optimizer=optimizer)
-        return state_keys.keyed_state(model, optimizer=optimizer)
+        state = state_keys.keyed_state(model, optimizer=optimizer)
+        return state.resolved(self.record.variables)
 
     def check_files(
         self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
     ) -> FileCheck:
+        own_state.read(self.step_dir)  # checks `keras_state/` against its manifest
         records = self.record.variables
         arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
         checked = checksum.check_files(

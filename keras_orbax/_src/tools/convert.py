@@ -148,6 +148,7 @@ def convert(
             on_written=written,
             incremental=incremental,
             metrics=metrics,
+            keras_state=resolve.open_source(source).own_state(),  # small files: read again
         )
     except BaseException:
         if made and root.is_dir():  # made by this convert: nothing else can be in it

@@ -11,6 +11,7 @@ from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
+from keras_orbax._src.sources.base import Source
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import KerasOrbaxError
 
@@ -52,6 +53,9 @@ class CheckpointInfo:
             `model.save`), `"keras-hub"` (a preset) or `"transformers"`.
         kind: Which kind of source (`"keras-orbax"`, `"keras-checkpoint"`, `"keras-weights"`,
             `"keras-preset"`, `"transformers"`).
+        keras_state: What the step's layers store besides their variables (`keras_state/`):
+            one line per value (`layers/lookup/vars/idf_weights`: shape, dtype) or asset file
+            (`layers/lookup/vocabulary.txt`: bytes), or why it cannot be read.
     """
 
     directory: Path
@@ -62,6 +66,7 @@ class CheckpointInfo:
     writer: str = "keras-orbax"
     kind: str = "keras-orbax"
     disk_bytes: int = 0  # of every step, a file that steps share counted once (as `du` counts)
+    keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +106,10 @@ class CheckpointInfo:
                 + "  "
                 + row[5]
             )
+        if self.keras_state:
+            lines.append("kept besides the variables (keras_state/):")
+            width = max(len(entry) for entry in self.keras_state)
+            lines += [f"  {e:<{width}}  {what}" for e, what in self.keras_state.items()]
         return "\n".join(lines)
 
     def _step_table(self) -> list[str]:
@@ -139,6 +148,7 @@ class CheckpointInfo:
             "nbytes": self.nbytes,
             "disk_bytes": self.disk_bytes,
             "versions": self.record.versions,
+            "keras_state": self.keras_state,
             "variables": [
                 {**dataclasses.asdict(v), "shape": list(v.shape), "nbytes": v.nbytes}
                 for v in self.record.variables.values()
@@ -195,7 +205,20 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         writer=_WRITERS[source.kind],
         kind=source.kind,
         disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
+        keras_state=_keras_state(source),
     )
+
+
+def _keras_state(source: Source) -> dict[str, str]:
+    """`CheckpointInfo.keras_state` of `source`'s step (its files are small: read whole)."""
+    try:
+        own = source.own_state()
+    except KerasOrbaxError as error:
+        return {"keras_state/": f"damaged: {str(error).splitlines()[0]}"}
+    if own is None:
+        return {}
+    values = {k: f"value  {tuple(v.shape)} {v.dtype}" for k, v in own.values.items()}
+    return values | {k: f"asset  {human_bytes(len(data))}" for k, data in own.assets.items()}
 
 
 _WRITTEN_BY = {

@@ -42,7 +42,8 @@ import numpy as np
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.format.step_record import FORMAT_NAME, StepRecord
+from keras_orbax._src.format.own_state import KERAS_STATE, OwnState, StepFiles
+from keras_orbax._src.format.step_record import FORMAT_NAME, STATE, StepRecord
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
@@ -155,6 +156,7 @@ def save_arrays(
     on_written: Callable[[str], None] | None = None,
     incremental: bool = True,
     metrics: dict[str, Any] | None = None,
+    keras_state: OwnState | None = None,
 ) -> Any:
     """Writes `arrays` as the committed step `step` of `directory`, described by `record`.
 
@@ -173,6 +175,8 @@ def save_arrays(
             `step` (in object storage: copy it on the server) instead of writing it
             (`incremental`).
         metrics: Stored with the step as Orbax's step metrics (what `inspect` shows).
+        keras_state: What the model's layers keep besides their variables, written into the
+            step's `keras_state/` (`format.own_state`).
 
     Returns:
         The step's directory.
@@ -204,7 +208,7 @@ def save_arrays(
                 )
             try:
                 plan = incremental_saves.plan_for(directory, step) if incremental else None
-                _save_held(directory, step, record, keys, caller, plan, metrics)
+                _save_held(directory, step, record, keys, caller, plan, metrics, keras_state)
             except BaseException:
                 _remove_unfinished(directory, step)
                 raise
@@ -230,6 +234,7 @@ def _save_held(
     caller: _Caller,
     plan: incremental_saves.Plan | None = None,
     metrics: dict[str, Any] | None = None,
+    keras_state: OwnState | None = None,
 ) -> None:
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
@@ -240,9 +245,10 @@ def _save_held(
     placeholder = jax.numpy.zeros((), np.uint8)  # each leaf: only the keys matter to Orbax
     token = _HOLD.set(hold)
     try:
-        response = checkpointer.save_async(
+        kept = {KERAS_STATE: StepFiles(keras_state)} if keras_state else {}
+        response = checkpointer.save_checkpointables_async(
             step,
-            state_keys.nest(dict.fromkeys(keys, placeholder)),
+            {STATE: state_keys.nest(dict.fromkeys(keys, placeholder))} | kept,
             force=True,
             metrics=metrics,
             custom_metadata={FORMAT_NAME: record.to_json()},

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat, orbax_compat
-from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format import own_state, step_dirs
 from keras_orbax._src.format.step_record import (
     FORMAT_NAME,
     STATE,
@@ -22,7 +22,7 @@ from keras_orbax._src.format.step_record import (
     VariableRecord,
     versions,
 )
-from keras_orbax._src.model import shardings, state_keys
+from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
@@ -251,6 +251,9 @@ def write_step(
     )
     # Orbax refuses zero-size arrays; their record (shape, dtype) is all there is to restore.
     values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
+    # Orbax refuses an empty tree: a model without arrays is a step of its `keras_state/` alone.
+    arrays = {STATE: state_keys.nest(values)} if values else {}
+    checkpointables = arrays | _keras_state(model, state.objects, always=not values)
 
     def start() -> DurableResponse | None:
         plan = (
@@ -259,9 +262,9 @@ def write_step(
             else None
         )
         with incremental_saves.planned(plan):
-            response = checkpointer.save_async(
+            response = checkpointer.save_checkpointables_async(
                 step,
-                state_keys.nest(values),
+                checkpointables,
                 force=True,
                 overwrite=overwrite,
                 metrics=metrics,
@@ -335,16 +338,16 @@ def _checked_variables(
     """The model's keyed state and the variables to save, after the checks that need no writing.
 
     Raises:
-        ValueError: the model has no variables.
+        ValueError: the model has no variables and is not built.
         DeferredVariableError: some were built deferred and never restored.
         StepExistsError: `step` is committed already and `overwrite` is False.
     """
     state = state_keys.keyed_state(model)
     variables = state.of_role(state_keys.MODEL) if weights_only else state.variables
-    if not variables:
-        advice = "" if model.built else ": build it first (call it on data, or model.build)"
+    if not variables and not model.built:  # a built model without variables saves, as in Keras
         raise ValueError(
-            f"Model '{model.name}' has no variables to save{advice}. Received: model={model.name}"
+            f"Model '{model.name}' has no variables to save: build it first (call it on data, "
+            f"or model.build). Received: model={model.name}"
         )
     unset = [v.path for v in variables.values() if not keras_compat.is_allocated(v)]
     if unset:
@@ -377,6 +380,16 @@ def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
         layout=shardings.describe(value.sharding),
         role=role,
     )
+
+
+def _keras_state(
+    model: keras.Model, objects: Any, *, always: bool
+) -> dict[str, own_state.StepFiles]:
+    """The step's `keras_state/` checkpointable, where the model's layers store values that are
+    no variable or write assets (`keras_walk.captured` of `objects`, the walk `KeyedState` made);
+    unless `always`, none where they do not."""
+    kept = keras_walk.captured(model, objects)
+    return {own_state.KERAS_STATE: own_state.StepFiles(kept)} if kept or always else {}
 
 
 def _model_config(model: keras.Model) -> dict[str, Any] | None:
