@@ -178,9 +178,7 @@ def open_checkpointer(
     """An Orbax `training.Checkpointer` that writes keras-orbax's array format.
 
     `leaf_handler` writes the fast format's arrays (`array_writer` holds the step open instead);
-    `commit_timeout_s` replaces Orbax's limit on how long its barriers wait for the other processes
-    (20 minutes by default): keras-orbax's own, `KERAS_ORBAX_SYNC_TIMEOUT_S`, unless given, so a
-    write failing on one process fails the others as soon as any agreement of keras-orbax would.
+    `commit_timeout_s` replaces Orbax's limit on the time from a save's start to its commit.
     """
     _check_format(format, directory)
     context = ocp.Context()
@@ -188,9 +186,8 @@ def open_checkpointer(
         setattr(context.array.saving, option, value)
     if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
         context.checkpointables_options.registry = _fast_registry(leaf_handler)
-    if commit_timeout_s is None:
-        commit_timeout_s = max(1, int(multihost.DEFAULT_TIMEOUT_S))
-    context.async_options.timeout_secs = commit_timeout_s
+    if commit_timeout_s is not None:
+        context.async_options.timeout_secs = commit_timeout_s
     if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
         context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
     return ocp.training.Checkpointer(
