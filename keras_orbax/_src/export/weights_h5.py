@@ -189,11 +189,10 @@ class H5Sink:
 
     def __init__(self, file: H5File, destination: Path) -> None:
         self.file, self.destination = file, destination
-        self._staging: Path | None = None
         self._old: list[str] = []
+        self._new: list[str] = []
 
     def prepare(self, staging: Path) -> None:
-        self._staging = staging
         self._old = self.file.old_files(self.destination.parent)
 
     def stage(self, staging: Path) -> list[str]:
@@ -205,16 +204,13 @@ class H5Sink:
     def assemble(self, staging: Path) -> None:
         self.file.assemble(staging)
         remove_regions(staging)
-        if self.file.sharded:  # the old index first: a partial rename never mixes two exports
-            (self.destination.parent / self.file.name).unlink(missing_ok=True)
+        self._new = self.file.files(staging)
 
     def commit_order(self) -> list[str]:
-        assert self._staging is not None
-        return self.file.files(self._staging)
+        return self._new
 
     def replaced(self) -> list[str]:
-        new = set(self.commit_order())
-        return [name for name in self._old if name not in new]
+        return [name for name in self._old if name not in self._new]
 
     def is_export_file(self, relative: str) -> bool:
         return True

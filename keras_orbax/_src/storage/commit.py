@@ -11,8 +11,9 @@ runs it through the stages every export goes through, so that no sink can forget
    never a directory listing or a file size, and assembles what others staged.
 3. **fsync**: every file and directory of the staged export, at any depth.
 4. **rename**: a directory export is swapped with the old one in one atomic `renameat2` exchange
-   (the old one's other files linked in first); a file export is renamed file by file, configs
-   and indexes last. This is the commit point: the parent directory is fsynced.
+   (the old one's other files linked in first); a file export is renamed file by file, its index
+   last (the old index removed first: a crash part-way leaves parts without an index, which loads
+   nothing, never a mix). This is the commit point: the parent directory is fsynced.
 5. **prune**: only now is what it replaced removed.
 
 A failure at any stage is a `SaveFailedError` on every process (within
@@ -211,7 +212,10 @@ def _rename(sink: Sink, staging: Path) -> None:
         elif not _exchange(staging, sink.destination):
             _rename_each_file(sink, staging)
     else:
-        for name in sink.commit_order():
+        order = sink.commit_order()
+        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
+            (parent / order[-1]).unlink(missing_ok=True)
+        for name in order:
             os.replace(staging / name, parent / name)
     durable.fsync_path(parent)
 

@@ -1,0 +1,158 @@
+"""The fault matrix: SIGKILL, ENOSPC and EIO at the start of each stage of the commit protocol
+(`storage.commit`: stage, agree, fsync, rename, prune), for each export sink.
+
+Every case ends with the previous export loading exactly (Keras's or keras-hub's own loader, and
+every file byte for byte) and the failed one never loading, or, where the fault comes after the
+commit point (or a full disk meets no more writes), the new export loading exactly. The faults are
+real (`tests/_faults.py`): a full tmpfs, an ext4 filesystem shut down so that every call returns
+EIO and then mounted again from its disk, a process that SIGKILLs itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import pytest
+
+from keras_orbax._src.storage import commit
+from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
+from tests import _faults, _harness
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="mounting a tmpfs or an ext4 image needs root"
+)
+CASES = [(sink, stage) for sink in _faults.SINKS for stage in _faults.STAGES]
+_ids = [f"{sink}-{stage}" for sink, stage in CASES]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Each sink's model (built once), with its previous and new values."""
+    try:
+        built = {}
+        for sink in _faults.SINKS:
+            model = _faults.built_sharded(sink)
+            values = {seed: _faults.fill(model, seed) for seed in (_faults.NEW, _faults.PREVIOUS)}
+            built[sink] = (model, values)
+        yield built
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@pytest.fixture(scope="module")
+def new_hf_files(models, tmp_path_factory):
+    """The Hugging Face export of the new values, written without a fault: what a committed
+    case must hold, byte for byte."""
+    model, _ = models["transformers"]
+    root = tmp_path_factory.mktemp("new_hf")
+    _faults.fill(model, _faults.NEW)
+    _faults.export("transformers", model, root)
+    return _faults.files(root)
+
+
+def _check(sink, root, models, new_hf_files, *, before, committed):
+    model, values = models[sink]
+    if committed:
+        if sink == "transformers":
+            assert _faults.files(root) == new_hf_files
+        else:
+            _faults.assert_values(_faults.loaded(sink, root), values[_faults.NEW])
+        return
+    assert _faults.files(root) == before  # the previous export, every file byte for byte
+    if sink != "transformers":
+        _faults.assert_values(_faults.loaded(sink, root), values[_faults.PREVIOUS])
+
+
+def _failing_export(sink, model, root, stage, fault, committed):
+    _faults.fill(model, _faults.NEW)
+    with commit.on_stage(_faults.fault_at(stage, fault)):
+        if committed and stage == "prune" and fault is not None:
+            with pytest.warns(KerasOrbaxWarning, match="removing what it replaced failed"):
+                _faults.export(sink, model, root)
+        elif committed:
+            _faults.export(sink, model, root)
+        else:
+            with pytest.raises(SaveFailedError, match="previous one is untouched"):
+                _faults.export(sink, model, root)
+
+
+@pytest.mark.parametrize(("sink", "stage"), CASES, ids=_ids)
+def test_enospc(tmp_path, models, new_hf_files, sink, stage):
+    model, _ = models[sink]
+    with _faults.tmpfs(tmp_path / "disk") as root:
+        _faults.fill(model, _faults.PREVIOUS)
+        _faults.export(sink, model, root)
+        before = _faults.files(root)
+        committed = _faults.commits(sink, stage, "ENOSPC")
+        # A full tmpfs refuses no unlink: the prune of a committed export succeeds, no warning.
+        _faults.fill(model, _faults.NEW)
+        with commit.on_stage(_faults.fault_at(stage, lambda: _faults.fill_disk(root))):
+            if committed:
+                _faults.export(sink, model, root)
+            else:
+                with pytest.raises(SaveFailedError, match="No space left on device"):
+                    _faults.export(sink, model, root)
+        (root / ".filler").unlink()
+        _check(sink, root, models, new_hf_files, before=before, committed=committed)
+
+
+@pytest.mark.parametrize(("sink", "stage"), CASES, ids=_ids)
+def test_eio(tmp_path, models, new_hf_files, sink, stage):
+    model, _ = models[sink]
+    image, root = tmp_path / "ext4.img", tmp_path / "disk"
+    with _faults.ext4(image, root):
+        _faults.fill(model, _faults.PREVIOUS)
+        _faults.export(sink, model, root)
+        before = _faults.files(root)
+        committed = _faults.commits(sink, stage, "EIO")
+        _failing_export(sink, model, root, stage, lambda: _faults.shut_down(root), committed)
+    # Mounted again: what the disk holds, not the page cache.
+    _faults.mount(root, "-o", "loop", str(image))
+    try:
+        _check(sink, root, models, new_hf_files, before=before, committed=committed)
+    finally:
+        _faults.unmount(root)
+
+
+def test_sigkill(tmp_path, models, new_hf_files):
+    """One worker per sink and stage, each SIGKILLed at the start of its stage (forked from one
+    process that imported Keras once); the next export then replaces what it left."""
+    cases = []
+    for sink, stage in CASES:
+        root = tmp_path / f"{sink}-{stage}"
+        root.mkdir()
+        model, _ = models[sink]
+        _faults.fill(model, _faults.PREVIOUS)
+        _faults.export(sink, model, root)
+        cases.append({"sink": sink, "stage": stage, "root": str(root)})
+    befores = {case["root"]: _faults.files(Path(case["root"])) for case in cases}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONPATH=str(_harness.REPO_ROOT))
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    worker = _harness.WORKERS_DIR / "fault_kill.py"
+    done = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path / "cases.json")],
+        cwd=_harness.REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads((tmp_path / "cases.json.result").read_text())
+    for case, code in zip(cases, codes, strict=True):
+        sink, stage, root = case["sink"], case["stage"], Path(case["root"])
+        assert code == -9, (case, code)  # killed where asked, never finished
+        committed = _faults.commits(sink, stage, "SIGKILL")
+        _check(sink, root, models, new_hf_files, before=befores[str(root)], committed=committed)
+        model, values = models[sink]  # the next export replaces what the killed one left
+        _faults.fill(model, _faults.NEW)
+        _faults.export(sink, model, root)
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+        _check(sink, root, models, new_hf_files, before={}, committed=True)
