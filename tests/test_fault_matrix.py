@@ -156,3 +156,22 @@ def test_sigkill(tmp_path, models, new_hf_files):
         _faults.export(sink, model, root)
         assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
         _check(sink, root, models, new_hf_files, before={}, committed=True)
+
+
+def test_a_task_preset_failing_on_its_backbone_keeps_the_previous_preset(tmp_path, models):
+    """The disk has room for the task's weights but not the backbone's: keras-hub must not load
+    the new head on the old backbone (the task's file used to be committed first)."""
+    model, values = models["preset"]
+    with _faults.tmpfs(tmp_path / "disk") as root:
+        _faults.fill(model, _faults.PREVIOUS)
+        _faults.export("preset", model, root)
+        before = _faults.files(root)
+        task_bytes = (root / "preset" / "task.weights.h5").stat().st_size
+        _faults.fill_disk(root)
+        os.truncate(root / ".filler", os.path.getsize(root / ".filler") - task_bytes - 16384)
+        _faults.fill(model, _faults.NEW)
+        with pytest.raises(SaveFailedError, match="No space left on device"):
+            _faults.export("preset", model, root)
+        (root / ".filler").unlink()
+        assert _faults.files(root) == before
+        _faults.assert_values(_faults.loaded("preset", root), values[_faults.PREVIOUS])

@@ -108,7 +108,7 @@ class PresetSink:
             self.files.append(weights_h5.H5File(self.backbone, name, window_bytes))
 
     def prepare(self, staging: Path) -> None:
-        pass
+        commit.check_space(staging, max(file.bytes_needed() for file in self.files))
 
     def stage(self, staging: Path) -> list[str]:
         return [key for file in self.files for key in file.stage(staging)]

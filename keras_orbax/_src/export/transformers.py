@@ -124,6 +124,7 @@ class TransformersSink:
     def prepare(self, staging: Path) -> None:
         """Process 0: `config.json` as keras-hub writes it, the other files, and each weights
         file's header (its data follows from every process)."""
+        commit.check_space(staging, sum(layout.size for layout in self.layouts) + (1 << 20))
         self.other_files(staging)
         for layout in self.layouts:
             with open(staging / layout.file_name, "wb") as f:

@@ -140,6 +140,13 @@ class H5File:
     def sharded(self) -> bool:
         return self.max_shard_size is not None
 
+    def bytes_needed(self) -> int:
+        """About the file's size: every weight and optimizer variable (skipped ones included: an
+        upper bound), and 1 MiB of HDF5 metadata."""
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = [*self.model.weights, *(optimizer.variables if optimizer is not None else [])]
+        return sum(int(v.value.nbytes) for v in variables) + (1 << 20)
+
     def stage(self, staging: Path) -> list[str]:
         """Every process: Keras's walk, each array's regions written (process 0) or staged."""
         primary = multihost.is_primary()
@@ -193,6 +200,7 @@ class H5Sink:
         self._new: list[str] = []
 
     def prepare(self, staging: Path) -> None:
+        commit.check_space(staging, self.file.bytes_needed())
         self._old = self.file.old_files(self.destination.parent)
 
     def stage(self, staging: Path) -> list[str]:

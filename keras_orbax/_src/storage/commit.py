@@ -115,6 +115,24 @@ def write(sink: Sink, name: str) -> Path:
     return sink.destination
 
 
+def check_space(directory: Path, needed: int) -> None:
+    """Raises ENOSPC before anything is written where the filesystem of `directory` has fewer than
+    `needed` bytes free: HDF5 crashes the process (a segmentation fault while it closes the file)
+    when a write fails mid-file with ENOSPC, so an export that cannot fit fails up front.
+
+    Raises:
+        OSError: ENOSPC, with the bytes needed and free.
+    """
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"{os.strerror(errno.ENOSPC)}: the export needs about {needed} bytes, {free} are free",
+            os.fspath(directory),
+        )
+
+
 def staging_path(destination: Path) -> Path:
     """Where an export of `destination` is staged: hidden, beside it, a name no reader looks for."""
     return destination.with_name(f".{destination.name}.partial")
