@@ -175,3 +175,44 @@ def test_a_task_preset_failing_on_its_backbone_keeps_the_previous_preset(tmp_pat
         (root / ".filler").unlink()
         assert _faults.files(root) == before
         _faults.assert_values(_faults.loaded("preset", root), values[_faults.PREVIOUS])
+
+
+def test_two_processes(tmp_path, models):
+    """2 processes x 4 devices, each fault injected by process 1: EIO (every process raises
+    `SaveFailedError` naming it), ENOSPC (the same), SIGKILL (process 0 gives up within
+    `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export is left byte for byte and loads exactly."""
+    image, ext4_root = tmp_path / "ext4.img", tmp_path / "ext4"
+    roots = {"weights.h5": ext4_root, "transformers": tmp_path / "tmpfs", "preset": tmp_path / "p"}
+    roots["preset"].mkdir()
+    (tmp_path / "w").mkdir()
+    cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
+    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "20"}
+    with _faults.ext4(image, ext4_root), _faults.tmpfs(roots["transformers"]):
+        worker = _harness.WORKERS_DIR / "fault_multi.py"
+        with _harness.start_workers(
+            worker, 2, 4, {"cases": cases}, workdir=tmp_path / "w", env=env
+        ) as workers:
+            workers.wait(600, expect_failure={0, 1})
+        (roots["transformers"] / ".filler").unlink()
+        first = json.loads((tmp_path / "w" / "cases_0.json").read_text())
+        second = json.loads((tmp_path / "w" / "cases_1.json").read_text())
+        for sink in ("weights.h5", "transformers"):
+            for process, done in enumerate((first, second)):
+                (case,) = [c for c in done if c["sink"] == sink]
+                assert case["error"].startswith("SaveFailedError"), (sink, process, case)
+                assert "process 1" in case["error"], (sink, process, case)
+        hf = next(c for c in first if c["sink"] == "transformers")
+        assert _faults.files(roots["transformers"]) == hf["before"]
+    assert [c["sink"] for c in second] == ["weights.h5", "transformers"]  # killed in the third
+    preset = next(c for c in first if c["sink"] == "preset")
+    assert preset["error"].startswith("ProcessSyncError"), preset
+    assert "Processes [1] did not reach" in preset["error"], preset
+    assert _faults.files(roots["preset"]) == preset["before"]
+    _faults.assert_values(_faults.loaded("preset", roots["preset"]), models["preset"][1][0])
+    _faults.mount(ext4_root, "-o", "loop", str(image))  # what the disk holds
+    try:
+        h5 = next(c for c in first if c["sink"] == "weights.h5")
+        assert _faults.files(ext4_root) == h5["before"]
+        _faults.assert_values(_faults.loaded("weights.h5", ext4_root), models["weights.h5"][1][0])
+    finally:
+        _faults.unmount(ext4_root)
