@@ -264,7 +264,7 @@ def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
         assert "ProcessSyncError" in first["error"] or "process 1" in first["error"], first
     # Nothing under the name a reader looks for; at most the hidden staging directory.
     assert set(os.listdir(tmp_path)) <= {"w", ".hf.partial"}
-    with pytest.raises(Exception, match="config.json|not exist|No such"):
+    with pytest.raises(Exception, match=r"config\.json|not exist|No such"):
         keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))
 
 

@@ -56,7 +56,7 @@ def new_hf_files(models, tmp_path_factory):
 
 
 def _check(sink, root, models, new_hf_files, *, before, committed):
-    model, values = models[sink]
+    _, values = models[sink]
     if committed:
         if sink == "transformers":
             assert _faults.files(root) == new_hf_files
@@ -151,7 +151,7 @@ def test_sigkill(tmp_path, models, new_hf_files):
         assert code == -9, (case, code)  # killed where asked, never finished
         committed = _faults.commits(sink, stage, "SIGKILL")
         _check(sink, root, models, new_hf_files, before=befores[str(root)], committed=committed)
-        model, values = models[sink]  # the next export replaces what the killed one left
+        model, _ = models[sink]  # the next export replaces what the killed one left
         _faults.fill(model, _faults.NEW)
         _faults.export(sink, model, root)
         assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
