@@ -90,6 +90,8 @@ def write(sink: Sink, name: str) -> Path:
         SaveFailedError: any stage failed on any process; the previous export is untouched.
         ProcessSyncError: a process did not reach a stage within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
     """
+    if sink.whole_directory and sink.destination.is_symlink():  # swap the directory, not the link
+        sink.destination = sink.destination.resolve()
     staging = staging_path(sink.destination)
     primary = multihost.is_primary()
     committed = False
