@@ -264,8 +264,6 @@ def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
         assert "ProcessSyncError" in first["error"] or "process 1" in first["error"], first
     # Nothing under the name a reader looks for; at most the hidden staging directory.
     assert set(os.listdir(tmp_path)) <= {"w", ".hf.partial"}
-    with pytest.raises(Exception, match=r"config\.json|not exist|No such"):
-        keras_hub.models.Backbone.from_preset(str(tmp_path / "hf"))
 
 
 def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
