@@ -24,6 +24,10 @@ import numpy as np
 
 SINKS = ("weights.h5", "weights.json", "preset", "transformers")
 STAGES = ("stage", "agree", "fsync", "rename", "prune")
+# `save`'s steps: Orbax agrees, renames and commits inside its own save, so only two stages are
+# keras-orbax's: writing the shards ("stage") and making the committed step durable ("fsync").
+STEP_SINKS = ("step.fast", "step.compact")
+STEP_STAGES = ("stage", "fsync")
 PREVIOUS, NEW = 0, 1  # the seeds of the previous export's values and of the failing one's
 
 
@@ -32,7 +36,7 @@ def build(sink: str) -> keras.Model:
     (task weights beside a backbone's) for a preset, a Llama3 backbone for Hugging Face."""
     from tests import _hf_export, _models
 
-    if sink.startswith("weights"):
+    if sink.startswith(("weights", "step")):
         model = _models.mlp()
     elif sink == "preset":
         import keras_hub
@@ -57,7 +61,7 @@ def distribution_for(sink: str) -> keras.distribution.Distribution | None:
     """Shards for every sink but the preset's classifier (replicated: process 0 writes it all)."""
     from tests import _hf_export, _models
 
-    if sink.startswith("weights"):
+    if sink.startswith(("weights", "step")):
         return _models.model_parallel((2, 4))
     if sink == "transformers":
         return _hf_export.model_parallel("llama3")
@@ -81,22 +85,27 @@ def fill(model: keras.Model, seed: int) -> dict[int, np.ndarray]:
     return {i: np.array(w.value) for i, w in enumerate(model.weights)}
 
 
+_NAMES = {
+    "weights.h5": "m.weights.h5",
+    "weights.json": "m.weights.json",
+    "preset": "preset",
+    "transformers": "hf",
+    "step.fast": "ckpt",
+    "step.compact": "ckpt",
+}
+
+
 def destination(sink: str, root: Path) -> Path:
-    return (
-        root
-        / {
-            "weights.h5": "m.weights.h5",
-            "weights.json": "m.weights.json",
-            "preset": "preset",
-            "transformers": "hf",
-        }[sink]
-    )
+    return root / _NAMES[sink]
 
 
 def export(sink: str, model: keras.Model, root: Path) -> Path:
     import keras_orbax
 
     target = destination(sink, root)
+    if sink.startswith("step"):  # the next step: 1, then 2 (3 after a committed 2)
+        step = 1 + sum(p.name.isdecimal() for p in target.iterdir()) if target.exists() else 1
+        return keras_orbax.save(model, target, step=step, format=sink.split(".")[1])
     if sink == "weights.h5":
         return keras_orbax.save_weights(model, target)
     if sink == "weights.json":  # about 2 KiB a part: several parts
@@ -109,8 +118,13 @@ def export(sink: str, model: keras.Model, root: Path) -> Path:
 def loaded(sink: str, root: Path) -> dict[int, np.ndarray] | None:
     """What Keras's or keras-hub's own loader reads from the export in `root`, by position in the
     model's weights; None for a Hugging Face directory (its bytes are compared instead)."""
+    import keras_orbax
+
     target = destination(sink, root)
-    if sink.startswith("weights"):
+    if sink.startswith("step"):  # the latest committed step, as `restore_sharded` picks it
+        model = built_sharded(sink)
+        keras_orbax.restore_sharded(model, target)
+    elif sink.startswith("weights"):
         model = built_sharded(sink)
         model.load_weights(target)
     elif sink == "preset":
@@ -121,6 +135,12 @@ def loaded(sink: str, root: Path) -> dict[int, np.ndarray] | None:
     else:
         return None
     return {i: np.array(w.value) for i, w in enumerate(model.weights)}
+
+
+def kept_files(sink: str, root: Path) -> dict[str, str]:
+    """`files` of what a failed export must leave as it was: the whole export, or a checkpoint's
+    first step (a failed step leaves Orbax's temporary directory beside it)."""
+    return files(root / "ckpt" / "1") if sink.startswith("step") else files(root)
 
 
 def files(root: Path) -> dict[str, str]:
@@ -215,6 +235,8 @@ def commits(sink: str, stage: str, fault: str) -> bool:
     staged by then, except a preset's configs, which it writes once the regions are in)."""
     if stage == "prune":
         return True
+    if sink.startswith("step"):  # at "fsync", Orbax has renamed the step: only a power cut loses it
+        return stage == "fsync" and fault != "EIO"
     if fault == "ENOSPC":
         return stage in ("fsync", "rename") or (stage == "agree" and sink != "preset")
     return False

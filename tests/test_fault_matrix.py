@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="mounting a tmpfs or an ext4 image needs root"
 )
 CASES = [(sink, stage) for sink in _faults.SINKS for stage in _faults.STAGES]
+CASES += [(sink, stage) for sink in _faults.STEP_SINKS for stage in _faults.STEP_STAGES]
 _ids = [f"{sink}-{stage}" for sink, stage in CASES]
 
 
@@ -35,7 +36,7 @@ def models():
     """Each sink's model (built once), with its previous and new values."""
     try:
         built = {}
-        for sink in _faults.SINKS:
+        for sink in (*_faults.SINKS, *_faults.STEP_SINKS):
             model = _faults.built_sharded(sink)
             values = {seed: _faults.fill(model, seed) for seed in (_faults.NEW, _faults.PREVIOUS)}
             built[sink] = (model, values)
@@ -63,7 +64,7 @@ def _check(sink, root, models, new_hf_files, *, before, committed):
         else:
             _faults.assert_values(_faults.loaded(sink, root), values[_faults.NEW])
         return
-    assert _faults.files(root) == before  # the previous export, every file byte for byte
+    assert _faults.kept_files(sink, root) == before  # the previous export, byte for byte
     if sink != "transformers":
         _faults.assert_values(_faults.loaded(sink, root), values[_faults.PREVIOUS])
 
@@ -77,7 +78,7 @@ def _failing_export(sink, model, root, stage, fault, committed):
         elif committed:
             _faults.export(sink, model, root)
         else:
-            with pytest.raises(SaveFailedError, match="previous one is untouched"):
+            with pytest.raises(SaveFailedError, match=r"previous one is untouched|Saving step 2"):
                 _faults.export(sink, model, root)
 
 
@@ -87,7 +88,7 @@ def test_enospc(tmp_path, models, new_hf_files, sink, stage):
     with _faults.tmpfs(tmp_path / "disk") as root:
         _faults.fill(model, _faults.PREVIOUS)
         _faults.export(sink, model, root)
-        before = _faults.files(root)
+        before = _faults.kept_files(sink, root)
         committed = _faults.commits(sink, stage, "ENOSPC")
         # A full tmpfs refuses no unlink: the prune of a committed export succeeds, no warning.
         _faults.fill(model, _faults.NEW)
@@ -108,7 +109,7 @@ def test_eio(tmp_path, models, new_hf_files, sink, stage):
     with _faults.ext4(image, root):
         _faults.fill(model, _faults.PREVIOUS)
         _faults.export(sink, model, root)
-        before = _faults.files(root)
+        before = _faults.kept_files(sink, root)
         committed = _faults.commits(sink, stage, "EIO")
         _failing_export(sink, model, root, stage, lambda: _faults.shut_down(root), committed)
     # Mounted again: what the disk holds, not the page cache.
@@ -130,7 +131,7 @@ def test_sigkill(tmp_path, models, new_hf_files):
         _faults.fill(model, _faults.PREVIOUS)
         _faults.export(sink, model, root)
         cases.append({"sink": sink, "stage": stage, "root": str(root)})
-    befores = {case["root"]: _faults.files(Path(case["root"])) for case in cases}
+    befores = {c["root"]: _faults.kept_files(c["sink"], Path(c["root"])) for c in cases}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(KERAS_BACKEND="jax", JAX_PLATFORMS="cpu", PYTHONPATH=str(_harness.REPO_ROOT))
@@ -154,7 +155,9 @@ def test_sigkill(tmp_path, models, new_hf_files):
         model, _ = models[sink]  # the next export replaces what the killed one left
         _faults.fill(model, _faults.NEW)
         _faults.export(sink, model, root)
-        assert sorted(p.name for p in root.iterdir() if p.name.startswith(".")) == []
+        assert [
+            p.name for p in root.iterdir() if p.name.startswith(".") and "lock" not in p.name
+        ] == []
         _check(sink, root, models, new_hf_files, before={}, committed=True)
 
 

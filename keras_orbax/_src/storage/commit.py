@@ -96,18 +96,18 @@ def write(sink: Sink, name: str) -> Path:
     primary = multihost.is_primary()
     committed = False
     try:
-        _fault("stage")
+        fault_point("stage")
         _collectively(f"{name}: prepare", _prepare, sink, staging, primary=True)
         written = _collectively(f"{name}: stage", _stage, sink, staging, primary=False)
-        _fault("agree")
+        fault_point("agree")
         reports = multihost.gather(f"{name}: regions", _digest(written or ()))
         _collectively(f"{name}: complete", _check_and_assemble, sink, staging, reports)
-        _fault("fsync")
+        fault_point("fsync")
         _collectively(f"{name}: fsync", _fsync_staged, sink, staging)
-        _fault("rename")
+        fault_point("rename")
         _collectively(f"{name}: rename", _rename, sink, staging)
         committed = True
-        _fault("prune")
+        fault_point("prune")
         if primary:
             _prune(sink, staging)
     finally:
@@ -151,7 +151,9 @@ def on_stage(hook: Callable[[str], None]) -> Iterator[None]:
         _hooks.remove(hook)
 
 
-def _fault(stage: str) -> None:
+def fault_point(stage: str) -> None:
+    """Test-only: where a fault matrix injects its fault (`on_stage` hooks, `KILL_AT_ENV`); a
+    no-op otherwise. Also called by `save`'s writer at the stages it has (`stage`, `fsync`)."""
     for hook in list(_hooks):
         hook(stage)
     kill_at = os.environ.get(KILL_AT_ENV, "")

@@ -25,7 +25,7 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.storage import commit, durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer
@@ -254,6 +254,7 @@ def write_step(
     values = {key: keras_compat.current_value(v) for key, v in variables.items() if _size(v) > 0}
 
     def start() -> DurableResponse | None:
+        commit.fault_point("stage")
         plan = incremental_saves.plan_for(checkpointer.directory, step) if incremental else None
         with incremental_saves.planned(plan):
             response = checkpointer.save_async(
@@ -292,6 +293,7 @@ class DurableResponse:
 
     def result(self) -> None:
         self._response.result()
+        commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
             durable.step_committed(self._step_dir)
 
