@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import keras_hub
@@ -10,7 +11,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.storage import commit
-from keras_orbax.errors import SaveFailedError
+from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 from tests import _faults
 
 
@@ -77,3 +78,23 @@ def test_a_directory_export_keeps_other_files_and_drops_stale_weights(tmp_path):
     loaded = keras_hub.models.TextClassifier.from_preset(str(tmp_path / "preset"))
     for i, weight in enumerate(loaded.weights):
         np.testing.assert_array_equal(np.asarray(weight.value), want[i])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_directory_export_to_a_mount_point_renames_its_files(tmp_path):
+    """A mount point cannot be swapped: the export is staged inside it and renamed file by file,
+    with a warning; the new export loads, and the old form's weights are gone."""
+    model = _faults.build("preset")
+    with _faults.tmpfs(tmp_path / "preset") as mounted:
+        _faults.fill(model, _faults.PREVIOUS)
+        with pytest.warns(KerasOrbaxWarning, match="cannot be swapped"):
+            keras_orbax.save_to_preset(model, mounted, max_shard_size=1e-6)
+        want = _faults.fill(model, _faults.NEW)
+        with pytest.warns(KerasOrbaxWarning, match="renamed one by one, configs last"):
+            keras_orbax.save_to_preset(model, mounted)
+        names = sorted(p.name for p in mounted.iterdir())
+        assert "model.weights.h5" in names and "model.weights.json" not in names, names
+        assert not [n for n in names if n.startswith((".", "model_"))], names
+        loaded = keras_hub.models.TextClassifier.from_preset(str(mounted))
+        for i, weight in enumerate(loaded.weights):
+            np.testing.assert_array_equal(np.asarray(weight.value), want[i])

@@ -92,7 +92,7 @@ def write(sink: Sink, name: str) -> Path:
     """
     if sink.whole_directory and sink.destination.is_symlink():  # swap the directory, not the link
         sink.destination = sink.destination.resolve()
-    staging = staging_path(sink.destination)
+    staging = staging_path(sink)
     primary = multihost.is_primary()
     committed = False
     try:
@@ -135,9 +135,16 @@ def check_space(directory: Path, needed: int) -> None:
         )
 
 
-def staging_path(destination: Path) -> Path:
-    """Where an export of `destination` is staged: hidden, beside it, a name no reader looks for."""
-    return destination.with_name(f".{destination.name}.partial")
+def staging_path(sink: Sink) -> Path:
+    """Where an export is staged: hidden, a name no reader looks for; beside the destination, or,
+    where that is a mount point (no rename leaves it), inside it."""
+    if _in_place(sink):
+        return sink.destination / ".keras_orbax.partial"
+    return sink.destination.with_name(f".{sink.destination.name}.partial")
+
+
+def _in_place(sink: Sink) -> bool:
+    return sink.whole_directory and os.path.ismount(sink.destination)
 
 
 @contextlib.contextmanager
@@ -195,7 +202,7 @@ def _prepare(sink: Sink, staging: Path) -> None:
 
 def _stage(sink: Sink, staging: Path) -> list[str]:
     written = list(sink.stage(staging))
-    if multihost.is_primary() and sink.whole_directory:
+    if multihost.is_primary() and sink.whole_directory and not _in_place(sink):
         _link_kept_files(sink, staging)
     return written
 
@@ -229,7 +236,9 @@ def _rename(sink: Sink, staging: Path) -> None:
     """The commit: one atomic exchange for a directory, else each file, configs last."""
     parent = sink.destination.parent
     if sink.whole_directory:
-        if not sink.destination.exists():
+        if _in_place(sink):
+            _rename_each_file(sink, staging)
+        elif not sink.destination.exists():
             os.rename(staging, sink.destination)
         elif not _exchange(staging, sink.destination):
             _rename_each_file(sink, staging)
@@ -243,21 +252,28 @@ def _rename(sink: Sink, staging: Path) -> None:
 
 
 def _rename_each_file(sink: Sink, staging: Path) -> None:
-    """Where the filesystem cannot exchange two directories: the files one by one, configs last
-    (say so: a kill part-way leaves a directory that mixes both exports)."""
+    """Where the directory cannot be swapped (a mount point, a filesystem without
+    `RENAME_EXCHANGE`): the files one by one, configs last, then the old export's files that this
+    one does not write removed; say so: a kill part-way leaves a directory that mixes both."""
     warnings.warn(
-        f"{sink.destination.parent} cannot swap two directories atomically (renameat2 "
-        "RENAME_EXCHANGE); the export's files are renamed one by one, configs last.",
+        f"{sink.destination} cannot be swapped with its new version atomically (a mount point, "
+        "or no renameat2 RENAME_EXCHANGE); the export's files are renamed one by one, configs "
+        "last.",
         KerasOrbaxWarning,
         stacklevel=4,
     )
     files = sorted(
         (p for p in staging.rglob("*") if p.is_file()), key=lambda p: p.name.endswith(".json")
     )
+    written = {path.relative_to(staging).as_posix() for path in files}
     for path in files:
         target = sink.destination / path.relative_to(staging)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
+    for path in list(sink.destination.rglob("*")):
+        relative = path.relative_to(sink.destination).as_posix()
+        if path.is_file() and relative not in written and sink.is_export_file(relative):
+            path.unlink()
     durable.fsync_tree(sink.destination)
 
 
