@@ -219,3 +219,27 @@ def test_two_processes(tmp_path, models):
         _faults.assert_values(_faults.loaded("weights.h5", ext4_root), models["weights.h5"][1][0])
     finally:
         _faults.unmount(ext4_root)
+
+
+@pytest.mark.parametrize("stage", ["fsync", "rename"])
+def test_convert_goes_through_the_same_protocol(tmp_path, models, stage):
+    """`convert` to a `.weights.h5` is the export sink: EIO at its stages leaves the previous file."""
+    import keras_orbax
+
+    model, values = models["weights.h5"]
+    _faults.fill(model, _faults.NEW)
+    keras_orbax.save(model, tmp_path / "ckpt", step=1)
+    image, root = tmp_path / "ext4.img", tmp_path / "disk"
+    with _faults.ext4(image, root):
+        _faults.fill(model, _faults.PREVIOUS)
+        _faults.export("weights.h5", model, root)
+        before = _faults.files(root)
+        with commit.on_stage(_faults.fault_at(stage, lambda: _faults.shut_down(root))):
+            with pytest.raises(SaveFailedError, match="Input/output error"):
+                keras_orbax.convert(tmp_path / "ckpt", root / "m.weights.h5", model=model)
+    _faults.mount(root, "-o", "loop", str(image))
+    try:
+        assert _faults.files(root) == before
+        _faults.assert_values(_faults.loaded("weights.h5", root), values[_faults.PREVIOUS])
+    finally:
+        _faults.unmount(root)
