@@ -234,9 +234,12 @@ def test_convert_goes_through_the_same_protocol(tmp_path, models, stage):
         _faults.fill(model, _faults.PREVIOUS)
         _faults.export("weights.h5", model, root)
         before = _faults.files(root)
-        with commit.on_stage(_faults.fault_at(stage, lambda: _faults.shut_down(root))):
-            with pytest.raises(SaveFailedError, match="Input/output error"):
-                keras_orbax.convert(tmp_path / "ckpt", root / "m.weights.h5", model=model)
+        shut_down = _faults.fault_at(stage, lambda: _faults.shut_down(root))
+        with (
+            commit.on_stage(shut_down),
+            pytest.raises(SaveFailedError, match="Input/output error"),
+        ):
+            keras_orbax.convert(tmp_path / "ckpt", root / "m.weights.h5", model=model)
     _faults.mount(root, "-o", "loop", str(image))
     try:
         assert _faults.files(root) == before
