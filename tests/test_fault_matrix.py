@@ -181,8 +181,8 @@ def test_a_task_preset_failing_on_its_backbone_keeps_the_previous_preset(tmp_pat
 
 
 def test_two_processes(tmp_path, models):
-    """2 processes x 4 devices, each fault injected by process 1: EIO (every process raises
-    `SaveFailedError` naming it), ENOSPC (the same), SIGKILL (process 0 gives up within
+    """2 processes x 4 devices, each fault injected by process 1: EIO (every process raises the
+    same `SaveFailedError`, naming the processes it failed on), ENOSPC (the same), SIGKILL (process 0 gives up within
     `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export is left byte for byte and loads exactly."""
     image, ext4_root = tmp_path / "ext4.img", tmp_path / "ext4"
     roots = {"weights.h5": ext4_root, "transformers": tmp_path / "tmpfs", "preset": tmp_path / "p"}
@@ -200,10 +200,12 @@ def test_two_processes(tmp_path, models):
         first = json.loads((tmp_path / "w" / "cases_0.json").read_text())
         second = json.loads((tmp_path / "w" / "cases_1.json").read_text())
         for sink in ("weights.h5", "transformers"):
-            for process, done in enumerate((first, second)):
-                (case,) = [c for c in done if c["sink"] == sink]
-                assert case["error"].startswith("SaveFailedError"), (sink, process, case)
-                assert "process 1" in case["error"], (sink, process, case)
+            # Where the fault surfaces first depends on timing (process 0 may be the one whose
+            # write meets the full or shut-down disk); every process raises the same error.
+            (mine,) = [c["error"] for c in first if c["sink"] == sink]
+            (theirs,) = [c["error"] for c in second if c["sink"] == sink]
+            assert mine == theirs, (sink, mine, theirs)
+            assert mine.startswith("SaveFailedError") and " of 2 processes:" in mine, (sink, mine)
         hf = next(c for c in first if c["sink"] == "transformers")
         assert _faults.files(roots["transformers"]) == hf["before"]
     assert [c["sink"] for c in second] == ["weights.h5", "transformers"]  # killed in the third

@@ -173,11 +173,10 @@ class H5File:
             self.writer.copy_staged(process)
 
     def files(self, staging: Path) -> list[str]:
-        """The file names written, in rename order: the parts, then the index."""
+        """The file names written, in rename order: the parts the index names, then the index."""
         if not self.sharded:
             return [self.name]
-        parts = sorted(p.name for p in staging.iterdir() if p.name != self.name and p.is_file())
-        return [*[p for p in parts if p.endswith(SUFFIX)], self.name]
+        return [*[p.name for p in parts_of(staging / self.name)], self.name]
 
     def old_files(self, directory: Path) -> list[str]:
         """The files an earlier export of this name left in `directory` (its index and parts)."""
