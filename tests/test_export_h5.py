@@ -21,6 +21,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.export import regions
+from keras_orbax.errors import SaveFailedError
 from tests import _harness, _models
 
 
@@ -144,7 +145,7 @@ def test_error_mid_export_leaves_the_previous_file(tmp_path):
     before = destination.read_bytes()
     inputs = keras.Input((16,))
     failing = keras.Model(inputs, _Failing()(keras.layers.Dense(8)(inputs)))
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(SaveFailedError, match="OSError: disk gone"):
         keras_orbax.save_weights(failing, destination)
     assert destination.read_bytes() == before  # the old, complete file: never a partial one
     assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]  # no partial file left

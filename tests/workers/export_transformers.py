@@ -2,7 +2,8 @@
 
 args: {"action": ..., "directory": ...}
 - "disk_full" (1 process): exports once, then again with no file allowed past 16 KiB
-  (RLIMIT_FSIZE, so writes fail with EFBIG); reports the error.
+  (RLIMIT_FSIZE, so writes fail with EFBIG); reports the error and each file's SHA-256 before
+  and after.
 - "memory" (1 process): a Llama3 backbone whose largest variable is 8 MiB, exported with a 1 MiB
   window; reports the peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of
   keras_orbax's export and of keras-hub's own.
@@ -17,6 +18,7 @@ args: {"action": ..., "directory": ...}
 
 from __future__ import annotations
 
+import hashlib
 import resource
 import signal
 import tracemalloc
@@ -52,11 +54,15 @@ def disk_full(directory: Path) -> dict:
     backbone = _hf_export.backbone_class("llama3")(**_hf_export.config("llama3"))
     _hf_export.fill(backbone)
     keras_orbax.export_to_transformers(backbone, directory)
-    had_weights = (directory / "model.safetensors").exists()
+    before = _digests(directory)
     old = _limit_file_size(16 * 1024)
     error = _error_of(lambda: keras_orbax.export_to_transformers(backbone, directory))
     resource.setrlimit(resource.RLIMIT_FSIZE, old)
-    return {"error": error, "had_weights_before": had_weights}
+    return {"error": error, "before": before, "after": _digests(directory)}
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def memory(directory: Path) -> dict:

@@ -8,8 +8,8 @@ files are written by `weights_h5.write`, the same groups and datasets Keras writ
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,7 @@ import keras
 
 from keras_orbax._src.compat import hub_compat, saving_compat
 from keras_orbax._src.export import regions, weights_h5
-from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import locations
-from keras_orbax.errors import SaveFailedError
+from keras_orbax._src.storage import commit, locations
 
 
 def save_to_preset(
@@ -55,8 +53,8 @@ def save_to_preset(
     Raises:
         ValueError: `model` is neither a keras-hub `Backbone` nor a `Task`, or `directory` is an
             object-store URL.
-        OSError: a file could not be written; no weights file was left half written. Under
-            `jax.distributed`, `SaveFailedError` on every process, naming each one's error.
+        SaveFailedError: a file could not be written (on any process: every process raises,
+            naming each one's error); the previous preset in `directory` is untouched.
     """
     import keras_hub
 
@@ -72,78 +70,89 @@ def save_to_preset(
             f"`keras_orbax.save_weights`. Received: model of type {type(model).__name__}"
         )
     destination: Path = locations.as_path(text)
-    if isinstance(model, keras_hub.models.Task):
-        _save_task(model, destination, window_bytes, max_shard_size)
-    else:
-        _save_backbone(model, destination, window_bytes, max_shard_size)
-    return destination
+    sink = PresetSink(model, destination, window_bytes, max_shard_size)
+    return commit.write(sink, f"save_to_preset {destination}")
 
 
-def _save_backbone(
-    backbone: Any, directory: Path, window_bytes: int, max_shard_size: float | None
-) -> None:
-    """As keras-hub's `KerasPresetSaver.save_backbone`: one weights file, or an index and parts
-    where the backbone is larger than `max_shard_size` GB. The weights first, so that a preset
-    whose export failed has no config and never loads."""
-    size = hub_compat.preset_weights_bytes(str(directory), backbone) / 1024**3
-    index = directory / hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE")
-    single = directory / hub_compat.preset_file("MODEL_WEIGHTS_FILE")
-    if max_shard_size is not None and size > max_shard_size:
-        weights_h5.write(backbone, index, window_bytes=window_bytes, max_shard_size=max_shard_size)
-        stale = [single]
-    else:
-        weights_h5.write(backbone, single, window_bytes=window_bytes)
-        stale = [*_parts(index), index]
-    # The other form, from an earlier save: keras-hub reads `model.weights.h5` where there is
-    # one, so a stale one would shadow the weights just written.
-    _on_primary("save_to_preset stale weights", lambda: _remove(stale))
-    _on_primary(
-        "save_to_preset config",
-        lambda: hub_compat.save_preset_config(
-            str(directory), backbone, hub_compat.preset_file("CONFIG_FILE"), metadata=True
-        ),
-    )
+class PresetSink:
+    """A keras-hub preset, as keras-hub's `KerasPresetSaver.save_backbone` and `save_task` write
+    it: task weights (only the task's own layers), the backbone's weights (one file, or an index
+    and parts where it is larger than `max_shard_size` GB), the configs and the preprocessor's
+    files. The whole directory is staged and swapped with the old one at once (`storage.commit`):
+    a task's head never lands on another export's backbone, and the old directory's other files
+    are kept."""
 
+    whole_directory = True
 
-def _save_task(task: Any, directory: Path, window_bytes: int, max_shard_size: float | None) -> None:
-    """As keras-hub's `KerasPresetSaver.save_task`: task weights (only the task's own layers),
-    the backbone, the task config and the preprocessor's files."""
-    if task.has_task_weights():
-        weights = directory / hub_compat.preset_file("TASK_WEIGHTS_FILE")
-        skip = saving_compat.all_layers(task.backbone)  # as `Task.save_task_weights`
-        weights_h5.write(task, weights, window_bytes=window_bytes, skip=skip)
-    _save_backbone(task.backbone, directory, window_bytes, max_shard_size)
+    def __init__(
+        self, model: Any, destination: Path, window_bytes: int, max_shard_size: float | None
+    ) -> None:
+        import keras_hub
 
-    def configs() -> None:
-        config_file = hub_compat.preset_file("TASK_CONFIG_FILE")
-        hub_compat.save_preset_config(str(directory), task, config_file, metadata=False)
-        if task.preprocessor is not None:
-            task.preprocessor.save_to_preset(str(directory))
+        self.model, self.destination = model, destination
+        is_task = isinstance(model, keras_hub.models.Task)
+        self.backbone = model.backbone if is_task else model
+        self.files: list[weights_h5.H5File] = []
+        if is_task and model.has_task_weights():
+            skip = saving_compat.all_layers(self.backbone)  # as `Task.save_task_weights`
+            name = hub_compat.preset_file("TASK_WEIGHTS_FILE")
+            self.files.append(weights_h5.H5File(model, name, window_bytes, skip))
+        size = hub_compat.preset_weights_bytes(str(destination), self.backbone) / 1024**3
+        if max_shard_size is not None and size > max_shard_size:
+            name = hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE")
+            self.files.append(
+                weights_h5.H5File(self.backbone, name, window_bytes, (), max_shard_size)
+            )
+        else:
+            name = hub_compat.preset_file("MODEL_WEIGHTS_FILE")
+            self.files.append(weights_h5.H5File(self.backbone, name, window_bytes))
 
-    _on_primary("save_to_preset task config", configs)
+    def prepare(self, staging: Path) -> None:
+        commit.check_space(staging, max(file.bytes_needed() for file in self.files))
 
+    def stage(self, staging: Path) -> list[str]:
+        return [key for file in self.files for key in file.stage(staging)]
 
-def _remove(paths: list[Path]) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
+    def regions_due(self, process: int) -> list[str]:
+        return [key for file in self.files for key in file.regions_due(process)]
 
+    def assemble(self, staging: Path) -> None:
+        """The staged regions copied in, then the configs and the preprocessor's files."""
+        for file in self.files:
+            file.assemble(staging)
+        weights_h5.remove_regions(staging)
+        config = hub_compat.preset_file("CONFIG_FILE")
+        hub_compat.save_preset_config(str(staging), self.backbone, config, metadata=True)
+        if self.model is not self.backbone:
+            config = hub_compat.preset_file("TASK_CONFIG_FILE")
+            hub_compat.save_preset_config(str(staging), self.model, config, metadata=False)
+            if self.model.preprocessor is not None:
+                self.model.preprocessor.save_to_preset(str(staging))
 
-def _parts(index: Path) -> list[Path]:
-    """The part files a `model.weights.json` lists (none if there is none or it cannot be read)."""
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-    except (OSError, ValueError, AttributeError):
+    def commit_order(self) -> list[str]:
+        return []  # the directory is swapped whole
+
+    def replaced(self) -> list[str]:
         return []
-    names = {name for name in weight_map.values() if isinstance(name, str) and "/" not in name}
-    return [index.parent / name for name in sorted(names)]
 
-
-def _on_primary(name: str, write: Any) -> None:
-    """Runs `write` on process 0; every process raises if it failed."""
-    error = None
-    if multihost.is_primary():
-        try:
-            write()
-        except Exception as failed:  # reported to every process by `agree`, which re-raises
-            error = failed
-    multihost.agree(name, error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError)
+    def is_export_file(self, relative: str) -> bool:
+        """The configs and every weights file a preset export writes, in either form: an old one
+        that this export does not write would shadow or mix with the new weights."""
+        names = {
+            hub_compat.preset_file(name)
+            for name in (
+                "CONFIG_FILE",
+                "TASK_CONFIG_FILE",
+                "TASK_WEIGHTS_FILE",
+                "MODEL_WEIGHTS_FILE",
+                "SHARDED_MODEL_WEIGHTS_CONFIG_FILE",
+            )
+        }
+        stem = hub_compat.preset_file("SHARDED_MODEL_WEIGHTS_CONFIG_FILE").removesuffix(
+            ".weights.json"
+        )
+        return (
+            relative in names
+            or relative == "metadata.json"
+            or re.fullmatch(rf"{re.escape(stem)}_\d+\.weights\.h5", relative) is not None
+        )

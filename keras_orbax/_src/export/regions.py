@@ -14,6 +14,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -100,6 +101,74 @@ def iter_regions(array: jax.Array, window_bytes: int = DEFAULT_WINDOW_BYTES) -> 
     writes it).
     """
     yield from shard_regions(array, distinct_shards(array), window_bytes)
+
+
+def region_key(index: Index) -> str:
+    """`index` as text: `0-4.0-8` (start-stop per axis)."""
+    return ".".join(f"{s.start}-{s.stop}" for s in index)
+
+
+def parse_region_key(text: str) -> Index:
+    return tuple(slice(*map(int, b.split("-"))) for b in text.split(".") if b)
+
+
+def own_shards(array: jax.Array) -> list[jax.Shard]:
+    """The distinct shards this process writes (`writer_of`), each from its lowest replica here."""
+    me = jax.process_index()
+    owner = _owners(array)
+    return [
+        shard
+        for shard in distinct_shards(array)
+        if owner[_key(normalized(shard.index, array.shape))] == me
+    ]
+
+
+def due_windows(
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: jax.sharding.Sharding,
+    process: int,
+    window_bytes: int,
+    fully_addressable: bool,
+) -> list[Index]:
+    """The windows (global indices) that `process` writes of an array of `shape`, `dtype` and
+    `sharding`, as `shard_regions(array, own_shards(array), window_bytes)` yields them there:
+    computed from the sharding alone, so process 0 can check every process's part."""
+    owner = _owners_of(shape, sharding, fully_addressable)
+    itemsize = np.dtype(dtype).itemsize
+    due = []
+    for key in sorted(k for k, p in owner.items() if p == process):
+        origin = tuple(slice(a, b) for a, b in key)
+        local_shape = tuple(b - a for a, b in key)
+        for local in windows(local_shape, itemsize, window_bytes):
+            due.append(
+                tuple(
+                    slice(o.start + w.start, o.start + w.stop)
+                    for o, w in zip(origin, local, strict=True)
+                )
+            )
+    return due
+
+
+def _owners(array: jax.Array) -> dict[tuple[tuple[int, int], ...], int]:
+    return _owners_of(tuple(array.shape), array.sharding, array.is_fully_addressable)
+
+
+def _owners_of(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, fully_addressable: bool
+) -> dict[tuple[tuple[int, int], ...], int]:
+    """Each distinct region of an array -> the process that writes it: the lowest process that
+    holds it; every region of a process-local array (each process holds all of it): process 0."""
+    owner: dict[tuple[tuple[int, int], ...], int] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        key = _key(normalized(index, shape))
+        process = 0 if fully_addressable else int(device.process_index)  # type: ignore[attr-defined]
+        owner[key] = min(owner.get(key, process), process)
+    return owner
+
+
+def _key(index: Index) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in index)
 
 
 def _cut(data: jax.Array, local: Index) -> jax.Array:

@@ -5,15 +5,18 @@ host (`np.array`), which needs the whole model on that host and fails outright f
 span other processes' devices. Here the tensors, their names and the config are keras-hub's
 (`hub_tensors`, `compat.hub_compat`); the safetensors layout is fixed before any byte is written
 (`safetensors_writer`), so every process writes its own regions into the same files on a shared
-filesystem, one window at a time. Process 0 writes the headers and the non-weight files, and
-renames the files into place only after every process has written and synced its part: a failure
-anywhere fails all and leaves no weights file that keras-hub or transformers would load.
+filesystem, one window at a time. Process 0 writes the headers and the non-weight files. The
+directory goes through the commit protocol every export shares (`storage.commit`): staged whole,
+checked against the regions each process was due to write, fsynced, and swapped with the old one
+at once; a failure anywhere fails all and leaves the previous export as it was.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,7 @@ from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.export import hub_tensors, regions, safetensors_writer
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
-from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.storage import commit, locations
 from keras_orbax.errors import SaveFailedError, UnsupportedSourceError
 
 DEFAULT_WINDOW_BYTES = regions.DEFAULT_WINDOW_BYTES
@@ -55,8 +57,8 @@ def export_to_transformers(
     Args:
         model: A keras-hub backbone, or a task with a `backbone` (a `CausalLM`: the LM head and
             the preprocessor's tokenizer are exported too), of a class keras-hub exports.
-        directory: Local directory to write into (created if missing). Weights files of an
-            earlier export there are removed first.
+        directory: Local directory to write into (created if missing). An earlier export
+            there is replaced only once this one is complete; other files there are kept.
         window_bytes: The most bytes of a variable's shard fetched to the host at a time.
         max_shard_bytes: If the tensors exceed it, write `model-0000i-of-0000n.safetensors` parts
             of at most this many bytes each (a larger tensor gets a part of its own) and
@@ -67,9 +69,8 @@ def export_to_transformers(
 
     Raises:
         UnsupportedSourceError: keras-hub cannot export this model to Hugging Face format.
-        SaveFailedError: writing failed on some process (each process raises, naming it); no
-            weights file is left in `directory`. In a single process, a file that cannot be
-            opened raises its own `OSError`.
+        SaveFailedError: writing failed on some process (each process raises, naming it); the
+            previous export in `directory` is untouched.
     """
     if window_bytes < 1:
         raise ValueError(f"window_bytes must be at least 1. Received: window_bytes={window_bytes}")
@@ -87,44 +88,82 @@ def export_to_transformers(
     )
     specs = [TensorSpec(t.name, t.shape, t.dtype) for t in tensors]
     layouts = safetensors_writer.plan_files(specs, max_shard_bytes)
-    name = f"export_to_transformers({directory})"
 
-    def prepare() -> None:
-        if multihost.is_primary():
-            config = get_config(backbone)
-            _prepare(directory, layouts, _with_tokens(config, tokenizer))
-            if model is not backbone:
-                hub_compat.hf_write_extra_files(backbone, tokenizer, os.fspath(directory))
+    def other_files(staging: Path) -> None:
+        with open(staging / "config.json", "w") as f:
+            json.dump(_with_tokens(get_config(backbone), tokenizer), f, indent=2)
+        if model is not backbone:
+            hub_compat.hf_write_extra_files(backbone, tokenizer, os.fspath(staging))
 
-    try:
-        abandoned = multihost.NOTHING_EXPORTED
-        failed = SaveFailedError  # what another library's error (an OSError) becomes
-        multihost.run_collectively(
-            f"{name}: prepare", prepare, unchanged=abandoned, fallback=failed
+    sink = TransformersSink(directory, tensors, layouts, window_bytes, other_files)
+    return commit.write(sink, f"export_to_transformers({directory})")
+
+
+class TransformersSink:
+    """A Hugging Face directory: `config.json`, the safetensors files (laid out before any byte is
+    written, each process writing its own regions at their offsets) and, for a `CausalLM`, the
+    tokenizer's and other configs. Staged whole and swapped with the old directory at once
+    (`storage.commit`); the old directory's other files are kept."""
+
+    whole_directory = True
+
+    def __init__(
+        self,
+        destination: Path,
+        tensors: list[HubTensor],
+        layouts: list[FileLayout],
+        window_bytes: int,
+        other_files: Callable[[Path], None],
+    ) -> None:
+        self.destination, self.tensors, self.layouts = destination, tensors, layouts
+        self.window_bytes, self.other_files = window_bytes, other_files
+        # name -> (shape, dtype, sharding, fully addressable, window) of what each tensor was
+        # written from, recorded while writing (a computed tensor's sharding is known only then)
+        self.written_from: dict[str, tuple[Any, ...]] = {}
+
+    def prepare(self, staging: Path) -> None:
+        """Process 0: `config.json` as keras-hub writes it, the other files, and each weights
+        file's header (its data follows from every process)."""
+        commit.check_space(staging, sum(layout.size for layout in self.layouts) + (1 << 20))
+        self.other_files(staging)
+        for layout in self.layouts:
+            with open(staging / layout.file_name, "wb") as f:
+                f.write(layout.prefix)
+
+    def stage(self, staging: Path) -> list[str]:
+        return _write_regions(
+            staging, self.tensors, self.layouts, self.window_bytes, self.written_from
         )
-        multihost.run_collectively(
-            f"{name}: write",
-            _write_regions,
-            directory,
-            tensors,
-            layouts,
-            window_bytes,
-            unchanged=abandoned,
-            fallback=failed,
+
+    def regions_due(self, process: int) -> list[str]:
+        return [
+            f"{name}/{regions.region_key(index)}"
+            for name, (shape, dtype, sharding, local, window) in self.written_from.items()
+            for index in regions.due_windows(shape, dtype, sharding, process, window, local)
+        ]
+
+    def assemble(self, staging: Path) -> None:
+        """Process 0: the index, where the tensors are in parts (a directory with parts and no
+        index loads nothing)."""
+        if len(self.layouts) > 1:
+            index = safetensors_writer.index_json(self.layouts)
+            (staging / safetensors_writer.INDEX_FILE).write_text(index)
+
+    def commit_order(self) -> list[str]:
+        return []  # the directory is swapped whole
+
+    def replaced(self) -> list[str]:
+        return []
+
+    def is_export_file(self, relative: str) -> bool:
+        """The config and every weights file an export writes: an old one would mix with the
+        new export (transformers reads `model.safetensors` before an index)."""
+        return (
+            relative
+            in ("config.json", safetensors_writer.SINGLE_FILE, safetensors_writer.INDEX_FILE)
+            or re.fullmatch(r"model-\d+-of-\d+\.safetensors", relative) is not None
+            or (relative.startswith(".") and relative.endswith(".partial"))
         )
-        multihost.run_collectively(
-            f"{name}: commit",
-            _commit_if_primary,
-            directory,
-            layouts,
-            unchanged=abandoned,
-            fallback=failed,
-        )
-    except BaseException:
-        if multihost.is_primary():
-            _remove_weights(directory)
-        raise
-    return directory
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:
@@ -160,56 +199,38 @@ def _with_tokens(config: Any, tokenizer: Any) -> dict[str, Any]:
     return config
 
 
-def _partial(directory: Path, layout: FileLayout) -> Path:
-    """Where a file is written until it is complete: a name no reader looks for."""
-    return directory / f".{layout.file_name}.partial"
-
-
-def _prepare(directory: Path, layouts: list[FileLayout], config: dict[str, Any]) -> None:
-    """Process 0: the directory, `config.json` as keras-hub writes it, and each weights file's
-    header (its data follows from every process)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    _remove_weights(directory)
-    with open(directory / "config.json", "w") as f:
-        json.dump(config, f, indent=2)
-    for layout in layouts:
-        with open(_partial(directory, layout), "wb") as f:
-            f.write(layout.prefix)
-
-
-def _remove_weights(directory: Path) -> None:
-    """Every weights file (complete or partial) that an export writes, so that none is stale."""
-    names = [safetensors_writer.SINGLE_FILE, safetensors_writer.INDEX_FILE]
-    for path in directory.glob("*.safetensors*"):
-        if path.name in names or path.name.startswith("model-"):
-            path.unlink(missing_ok=True)
-    for path in directory.glob(".*.partial"):
-        path.unlink(missing_ok=True)
-
-
 def _write_regions(
-    directory: Path, tensors: list[HubTensor], layouts: list[FileLayout], window_bytes: int
-) -> None:
-    """This process's regions of every tensor, at their byte offsets; then synced to disk."""
+    staging: Path,
+    tensors: list[HubTensor],
+    layouts: list[FileLayout],
+    window_bytes: int,
+    written_from: dict[str, tuple[Any, ...]],
+) -> list[str]:
+    """This process's regions of every tensor, at their byte offsets, then synced to disk; the
+    keys of the regions written. Every process runs every computed tensor (they run collectives),
+    in one order, even after a failure here."""
     file_of = {name: layout for layout in layouts for name in layout.offsets}
     fds = {
-        layout.file_name: os.open(_partial(directory, layout), os.O_WRONLY | os.O_CLOEXEC)
+        layout.file_name: os.open(staging / layout.file_name, os.O_WRONLY | os.O_CLOEXEC)
         for layout in layouts
     }
     error: SaveFailedError | None = None
+    written: list[str] = []
     try:
         for tensor in tensors:
             if error is not None:
-                # Computed tensors run collectives: every process runs them all, in one order.
                 if isinstance(tensor.source, Computed):
                     tensor.source.compute()
                 continue
             layout = file_of[tensor.name]
             try:
                 fd = fds[layout.file_name]
-                _write_tensor(fd, layout.offsets[tensor.name], tensor, window_bytes)
+                keys = _write_tensor(
+                    fd, layout.offsets[tensor.name], tensor, window_bytes, written_from
+                )
+                written += [f"{tensor.name}/{key}" for key in keys]
             except OSError as e:
-                where = _partial(directory, layout)
+                where = staging / layout.file_name
                 error = SaveFailedError(f"Writing {tensor.name} into {where} failed: {e}")
         if error is None:
             for fd in fds.values():
@@ -219,16 +240,27 @@ def _write_regions(
             os.close(fd)
     if error is not None:
         raise error
+    return written
 
 
-def _write_tensor(fd: int, offset: int, tensor: HubTensor, window_bytes: int) -> None:
+def _write_tensor(
+    fd: int,
+    offset: int,
+    tensor: HubTensor,
+    window_bytes: int,
+    written_from: dict[str, tuple[Any, ...]],
+) -> list[str]:
+    """Writes this process's regions of `tensor`; their keys (in the array's coordinates)."""
     source = tensor.source
+    keys = []
     if isinstance(source, Computed):
         array = source.compute()
         _check(tensor, array)
+        _record(written_from, tensor.name, array, window_bytes)
         for region in _own_regions(array, window_bytes):
             safetensors_writer.write_box(fd, offset, tensor.shape, region.index, region.block)
-        return
+            keys.append(regions.region_key(region.index))
+        return keys
     array = source.variable.value
     kept = [axis for axis, n in enumerate(array.shape) if n != 1]
     view = tuple(array.shape[axis] for axis in kept)
@@ -236,20 +268,35 @@ def _write_tensor(fd: int, offset: int, tensor: HubTensor, window_bytes: int) ->
     view = tuple(view[p] for p in permutation)
     moved = permutation != tuple(range(len(permutation)))
     # A moved block is copied once on the host: half the window each.
-    for region in _own_regions(array, window_bytes // 2 if moved else window_bytes):
+    window = window_bytes // 2 if moved else window_bytes
+    _record(written_from, tensor.name, array, window)
+    for region in _own_regions(array, window):
+        keys.append(regions.region_key(region.index))
         index = tuple(region.index[axis] for axis in kept)
         block = region.block.reshape([s.stop - s.start for s in index])
         block = block.transpose(permutation)
         index = tuple(index[p] for p in permutation)
         safetensors_writer.write_box(fd, offset, view, index, block)
         del block
+    return keys
+
+
+def _record(
+    written_from: dict[str, tuple[Any, ...]], name: str, array: jax.Array, window: int
+) -> None:
+    written_from[name] = (
+        tuple(array.shape),
+        array.dtype,
+        array.sharding,
+        bool(array.is_fully_addressable),
+        max(1, window),
+    )
 
 
 def _own_regions(array: jax.Array, window_bytes: int) -> Any:
-    """The regions of `array` this process writes: the shards of replica 0 (each region of the
-    array belongs to exactly one replica 0 shard, on one process)."""
-    shards = [s for s in array.addressable_shards if s.replica_id == 0]
-    return regions.shard_regions(array, shards, max(1, window_bytes))
+    """The regions of `array` this process writes (`regions.own_shards`: each region of the array
+    by one process)."""
+    return regions.shard_regions(array, regions.own_shards(array), max(1, window_bytes))
 
 
 def _check(tensor: HubTensor, array: jax.Array) -> None:
@@ -258,25 +305,3 @@ def _check(tensor: HubTensor, array: jax.Array) -> None:
             f"{tensor.name}: keras-hub's operations gave {np.dtype(array.dtype).name} "
             f"{list(array.shape)} where the trace gave {tensor.dtype.name} {list(tensor.shape)}."
         )
-
-
-def _commit_if_primary(directory: Path, layouts: list[FileLayout]) -> None:
-    """Process 0, once every process has synced its part: the files under their names, the index
-    last (a directory with parts and no index loads nothing)."""
-    if not multihost.is_primary():
-        return
-    for layout in layouts:
-        partial = _partial(directory, layout)
-        size = partial.stat().st_size
-        if size != layout.size:
-            raise SaveFailedError(
-                f"{partial}: {size} bytes after every process wrote, expected {layout.size}."
-            )
-        os.replace(partial, directory / layout.file_name)
-    if len(layouts) > 1:
-        index = directory / safetensors_writer.INDEX_FILE
-        temporary = directory / f".{index.name}.partial"
-        temporary.write_text(safetensors_writer.index_json(layouts))
-        durable.fsync_path(temporary)
-        os.replace(temporary, index)
-    durable.fsync_path(directory)

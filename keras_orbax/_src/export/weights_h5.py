@@ -10,13 +10,16 @@ from the shards (`regions`).
 An h5 file has one writer, process 0. Under `jax.distributed` every other process writes the
 regions that only it holds, window by window, as `.npy` files in a staging directory beside the
 destination (which must be on a filesystem all processes share), and process 0 copies them in.
-The file is written under a hidden temporary name and renamed into place only when complete; on any
-failure, on any process, nothing is left at the destination.
+The file goes through the commit protocol every export shares (`storage.commit`): staged in a hidden
+directory beside the destination, agreed on by every process (each region checked against those it
+was due to write), fsynced, then renamed into place; on any failure, on any process, the previous
+file is untouched.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -31,8 +34,7 @@ import numpy as np
 from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.export import regions
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import durable, locations
-from keras_orbax.errors import SaveFailedError
+from keras_orbax._src.storage import commit, durable, locations
 
 SUFFIX = ".weights.h5"
 SHARDED_SUFFIX = ".weights.json"
@@ -73,8 +75,8 @@ def save_weights(
     Raises:
         ValueError: `path` does not end in `.weights.h5` (`.weights.json` with `max_shard_size`)
             or is an object-store URL, or `model` is not built.
-        OSError: the file could not be written; nothing was left at `path`. Under
-            `jax.distributed`, `SaveFailedError` on every process, naming each one's error.
+        SaveFailedError: the file could not be written (on any process: every process raises,
+            naming each one's error); the previous file at `path` is untouched.
     """
     destination = _local_destination(path, SUFFIX if max_shard_size is None else SHARDED_SUFFIX)
     if not model.built:
@@ -111,74 +113,130 @@ def write(
     skip: Sequence[Any] = (),
     max_shard_size: float | None = None,
 ) -> Path:
-    """Writes `destination` (absolute) as `save_weights` does; collective under `jax.distributed`.
+    """Writes `destination` (absolute) as `save_weights` does, through the commit protocol
+    (`storage.commit`); collective under `jax.distributed`."""
+    sink = H5Sink(H5File(model, destination.name, window_bytes, skip, max_shard_size), destination)
+    return commit.write(sink, f"save_weights {destination}")
 
-    Sharded (`max_shard_size`), the index and its parts are written into a hidden directory, then
-    moved into place: the old index removed first, the parts, the new index last, so that a failure
-    part-way leaves no index that names a part of another export.
-    """
-    sharded = max_shard_size is not None
-    partial = destination.with_name(f".{destination.name}.partial")  # a directory if sharded
-    staging = destination.with_name(f".{destination.name}.staging")
-    primary = multihost.is_primary()
-    shared = multihost.process_count() > 1
-    name = f"save_weights {destination}"
-    error: BaseException | None = None
-    if primary:
-        try:
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            _remove(partial, staging)
-            if sharded:
-                partial.mkdir()
-            if shared:
-                staging.mkdir()
-        except OSError as failed:
-            error = failed
-    multihost.agree(
-        f"{name}: prepare", error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError
-    )
-    writer = _Writer(window_bytes, staging, primary)
-    target: Any = (partial / destination.name if sharded else partial) if primary else io.BytesIO()
+
+class H5File:
+    """One `.weights.h5` (or `.weights.json` and its parts) of a model, staged in a directory:
+    process 0 writes the file, the other processes stage their regions as `.npy` files beside it
+    (`regions/<name>/`), which process 0 copies in once every process has written its part."""
+
+    def __init__(
+        self,
+        model: keras.Model,
+        name: str,
+        window_bytes: int,
+        skip: Sequence[Any] = (),
+        max_shard_size: float | None = None,
+    ) -> None:
+        self.model, self.name, self.skip = model, name, skip
+        self.window_bytes, self.max_shard_size = window_bytes, max_shard_size
+        self.writer: _Writer | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.max_shard_size is not None
+
+    def bytes_needed(self) -> int:
+        """About the file's size: every weight and optimizer variable (skipped ones included: an
+        upper bound), and 1 MiB of HDF5 metadata."""
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = [*self.model.weights, *(optimizer.variables if optimizer is not None else [])]
+        return sum(int(v.value.nbytes) for v in variables) + (1 << 20)
+
+    def stage(self, staging: Path) -> list[str]:
+        """Every process: Keras's walk, each array's regions written (process 0) or staged."""
+        primary = multihost.is_primary()
+        regions_dir = staging / "regions" / self.name
+        if not primary:
+            regions_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = _Writer(self.window_bytes, regions_dir, primary)
+        target: Any = staging / self.name if primary else io.BytesIO()
+        shards = self.max_shard_size if primary else None  # others: one plain store, in memory
+        saving_compat.save_state(self.model, target, self.writer, self.skip, max_shard_size=shards)
+        if not primary:
+            durable.fsync_tree(regions_dir)
+        return [f"{self.name}/{key}" for key in self.writer.written]
+
+    def regions_due(self, process: int) -> list[str]:
+        assert self.writer is not None
+        return [f"{self.name}/{key}" for key in self.writer.due(process)]
+
+    def assemble(self, staging: Path) -> None:
+        """Process 0: copies in the regions the other processes staged (every one due: a region
+        missing from a lagging shared filesystem is an error, never zeros)."""
+        assert self.writer is not None
+        for process in range(1, multihost.process_count()):
+            self.writer.copy_staged(process)
+
+    def files(self, staging: Path) -> list[str]:
+        """The file names written, in rename order: the parts the index names, then the index."""
+        if not self.sharded:
+            return [self.name]
+        return [*[p.name for p in parts_of(staging / self.name)], self.name]
+
+    def old_files(self, directory: Path) -> list[str]:
+        """The files an earlier export of this name left in `directory` (its index and parts)."""
+        index = directory / self.name
+        if not self.sharded:
+            return [self.name] if index.exists() else []
+        return [*[p.name for p in parts_of(index)], *([self.name] if index.exists() else [])]
+
+
+class H5Sink:
+    """`save_weights`'s sink: one `.weights.h5`, renamed into place in one step; or a
+    `.weights.json` and its parts, the old index removed first so that no index ever names a part
+    of another export (a kill part-way leaves no index: nothing loads, nothing mixes)."""
+
+    whole_directory = False
+
+    def __init__(self, file: H5File, destination: Path) -> None:
+        self.file, self.destination = file, destination
+        self._old: list[str] = []
+        self._new: list[str] = []
+
+    def prepare(self, staging: Path) -> None:
+        commit.check_space(staging, self.file.bytes_needed())
+        self._old = self.file.old_files(self.destination.parent)
+
+    def stage(self, staging: Path) -> list[str]:
+        return self.file.stage(staging)
+
+    def regions_due(self, process: int) -> list[str]:
+        return self.file.regions_due(process)
+
+    def assemble(self, staging: Path) -> None:
+        self.file.assemble(staging)
+        remove_regions(staging)
+        self._new = self.file.files(staging)
+
+    def commit_order(self) -> list[str]:
+        return self._new
+
+    def replaced(self) -> list[str]:
+        return [name for name in self._old if name not in self._new]
+
+    def is_export_file(self, relative: str) -> bool:
+        return True
+
+
+def remove_regions(staging: Path) -> None:
+    """Removes the staged regions' directory, copied in by now (never part of the export)."""
+    if (staging / "regions").exists():
+        shutil.rmtree(staging / "regions")
+
+
+def parts_of(index: Path) -> list[Path]:
+    """The part files a `.weights.json` lists (none if there is none or it cannot be read)."""
     try:
-        try:  # other processes only stage their regions: one plain store, in memory
-            shards = max_shard_size if primary else None
-            saving_compat.save_state(model, target, writer, skip, max_shard_size=shards)
-        except Exception as failed:  # reported to every process by `agree`, which re-raises
-            error = failed
-        multihost.agree(
-            f"{name}: regions",
-            error,
-            unchanged=multihost.NOTHING_EXPORTED,
-            fallback=SaveFailedError,
-        )
-        if primary:
-            try:
-                writer.copy_staged()
-                _move_into_place(partial, destination, sharded)
-            except Exception as failed:
-                error = failed
-        multihost.agree(
-            f"{name}: commit", error, unchanged=multihost.NOTHING_EXPORTED, fallback=SaveFailedError
-        )
-    finally:
-        if primary:
-            _remove(partial, staging)
-    return destination
-
-
-def _move_into_place(partial: Path, destination: Path, sharded: bool) -> None:
-    """fsyncs what `partial` holds, then renames it (a sharded export's parts, then its index)."""
-    if not sharded:
-        durable.fsync_path(partial)
-        partial.replace(destination)
-    else:
-        files = sorted(partial.iterdir(), key=lambda f: f.name == destination.name)  # index last
-        for file in files:
-            durable.fsync_path(file)
-        destination.unlink(missing_ok=True)
-        for file in files:
-            file.replace(destination.parent / file.name)
-    durable.fsync_path(destination.parent)
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    names = {n for v in weight_map.values() for n in ([v] if isinstance(v, str) else v)}
+    return [index.parent / n for n in sorted(names) if isinstance(n, str) and "/" not in n]
 
 
 def create_dataset(group: h5py.Group, key: str, shape: Sequence[int], dtype: Any) -> h5py.Dataset:
@@ -200,73 +258,63 @@ class _Writer:
         self.window_bytes = window_bytes
         self.staging = staging
         self.primary = primary
-        # (file, h5 path) of each dataset, in the walk's order (the same on every process)
-        self.datasets: list[tuple[str, str]] = []
+        # (file, h5 path, shape, dtype, sharding, fully addressable) of each dataset, in the
+        # walk's order (the same on every process)
+        self.datasets: list[tuple[str, str, tuple[int, ...], Any, Any, bool]] = []
+        self.written: list[str] = []
 
     def __call__(self, group: h5py.Group, key: str, value: Any) -> None:
         array = value.value if isinstance(value, keras.Variable) else value
         number = len(self.datasets)
-        self.datasets.append((str(group.file.filename), f"{group.name}/{key}"))
+        self.datasets.append(
+            (
+                str(group.file.filename),
+                f"{group.name}/{key}",
+                tuple(array.shape),
+                array.dtype,
+                array.sharding,
+                bool(array.is_fully_addressable),
+            )
+        )
         dataset = None
         if self.primary:
             dataset = create_dataset(group, key, array.shape, array.dtype)
-        for region in regions.shard_regions(array, _shards_to_write(array), self.window_bytes):
+        for region in regions.shard_regions(array, regions.own_shards(array), self.window_bytes):
+            name = _staged_name(number, region.index)
             if dataset is not None:
                 dataset[region.index] = region.block
             else:
-                np.save(self.staging / _staged_name(number, region.index), region.block)
+                np.save(self.staging / name, region.block)
+            self.written.append(name)
 
-    def copy_staged(self) -> None:
-        """Writes the regions other processes staged into the files (process 0), one window at a
-        time."""
-        if not self.staging.is_dir():
-            return
-        by_file: dict[str, list[tuple[str, Path]]] = {}
-        for path in sorted(self.staging.iterdir()):
-            number, _ = _parse_staged(path.name)
-            file, dataset = self.datasets[number]
-            by_file.setdefault(file, []).append((dataset, path))
+    def due(self, process: int) -> list[str]:
+        """The staged names of every window `process` writes."""
+        return [
+            _staged_name(number, index)
+            for number, (_, _, shape, dtype, sharding, local) in enumerate(self.datasets)
+            for index in regions.due_windows(
+                shape, dtype, sharding, process, self.window_bytes, local
+            )
+        ]
+
+    def copy_staged(self, process: int) -> None:
+        """Writes the regions `process` staged into the files (process 0), one window at a time,
+        each opened by the name it was due under."""
+        by_file: dict[str, list[tuple[str, regions.Index, str]]] = {}
+        for name in self.due(process):
+            number, index = _parse_staged(name)
+            file, dataset = self.datasets[number][:2]
+            by_file.setdefault(file, []).append((dataset, index, name))
         for file, staged in by_file.items():
             with h5py.File(file, "r+") as h5:
-                for dataset, path in staged:
-                    h5[dataset][_parse_staged(path.name)[1]] = np.load(path)
-
-
-def _shards_to_write(array: jax.Array) -> list[jax.Shard]:
-    """The distinct shards this process writes: every region process 0 holds is process 0's; a
-    region it does not hold, the lowest process's that does. A process-local array (each process
-    holds all of it) is process 0's alone."""
-    me = jax.process_index()
-    if array.is_fully_addressable:
-        return regions.distinct_shards(array) if me == 0 else []
-    holders: dict[tuple[tuple[int, int], ...], int] = {}
-    for device, index in array.sharding.devices_indices_map(array.shape).items():
-        key = _key(regions.normalized(index, array.shape))
-        process = int(device.process_index)  # type: ignore[attr-defined]
-        holders[key] = min(holders.get(key, process), process)
-    return [
-        shard
-        for shard in regions.distinct_shards(array)
-        if holders[_key(regions.normalized(shard.index, array.shape))] == me
-    ]
-
-
-def _key(index: regions.Index) -> tuple[tuple[int, int], ...]:
-    return tuple((s.start, s.stop) for s in index)
+                for dataset, index, name in staged:
+                    h5[dataset][index] = np.load(self.staging / name)
 
 
 def _staged_name(number: int, index: regions.Index) -> str:
-    return ".".join([f"{number:06d}", *(f"{s.start}-{s.stop}" for s in index)]) + ".npy"
+    return f"{number:06d}.{regions.region_key(index)}.npy"
 
 
 def _parse_staged(name: str) -> tuple[int, regions.Index]:
-    number, *bounds = name.removesuffix(".npy").split(".")
-    return int(number), tuple(slice(*map(int, b.split("-"))) for b in bounds)
-
-
-def _remove(*paths: Path) -> None:
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+    number, _, bounds = name.removesuffix(".npy").partition(".")
+    return int(number), regions.parse_region_key(bounds)

@@ -24,7 +24,7 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.storage import commit, durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer
@@ -256,6 +256,7 @@ def write_step(
     checkpointables = arrays | _keras_state(model, state.objects, always=not values)
 
     def start() -> DurableResponse | None:
+        commit.fault_point("stage")
         plan = (
             incremental_saves.plan_for(checkpointer.directory, step, rewrite_every)
             if incremental
@@ -298,6 +299,7 @@ class DurableResponse:
 
     def result(self) -> None:
         self._response.result()
+        commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
             durable.step_committed(self._step_dir)
 

@@ -1,0 +1,100 @@
+"""The commit protocol every export goes through (`storage/commit.py`), beyond the fault matrix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import keras_hub
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax._src.storage import commit
+from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
+from tests import _faults
+
+
+class _OneFile:
+    """A sink of one file whose regions are `a` and `b`; it writes those given."""
+
+    whole_directory = False
+
+    def __init__(self, destination: Path, writes: list[str]) -> None:
+        self.destination, self.writes = destination, writes
+
+    def prepare(self, staging: Path) -> None:
+        pass
+
+    def stage(self, staging: Path) -> list[str]:
+        (staging / self.destination.name).write_text(",".join(self.writes))
+        return self.writes
+
+    def regions_due(self, process: int) -> list[str]:
+        return ["a", "b"]
+
+    def assemble(self, staging: Path) -> None:
+        pass
+
+    def commit_order(self) -> list[str]:
+        return [self.destination.name]
+
+    def replaced(self) -> list[str]:
+        return []
+
+    def is_export_file(self, relative: str) -> bool:
+        return True
+
+
+def test_a_region_not_written_fails_the_export(tmp_path):
+    """Completeness is checked against the regions due, not what the staging directory holds."""
+    destination = tmp_path / "out.txt"
+    commit.write(_OneFile(destination, ["a", "b"]), "whole")
+    with pytest.raises(SaveFailedError, match=r"Not every region.*wrote 1 regions, was due 2"):
+        commit.write(_OneFile(destination, ["a"]), "partial")
+    assert destination.read_text() == "a,b"  # the previous export
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # nothing staged left
+
+
+def test_a_directory_export_keeps_other_files_and_drops_stale_weights(tmp_path):
+    """A preset exported in the sharded form, then as one file: the user's README and the
+    preprocessor-less task load; no part of the earlier form is left to shadow the new weights."""
+    model = _faults.build("preset")
+    _faults.fill(model, _faults.PREVIOUS)
+    keras_orbax.save_to_preset(model, tmp_path / "preset", max_shard_size=1e-6)
+    assert (tmp_path / "preset" / "model.weights.json").exists()
+    (tmp_path / "preset" / "README.md").write_text("mine")
+    (tmp_path / "preset" / "notes").mkdir()
+    (tmp_path / "preset" / "notes" / "a.txt").write_text("kept")
+    want = _faults.fill(model, _faults.NEW)
+    keras_orbax.save_to_preset(model, tmp_path / "preset")
+    names = sorted(
+        p.relative_to(tmp_path / "preset").as_posix() for p in (tmp_path / "preset").rglob("*")
+    )
+    assert "README.md" in names and "notes/a.txt" in names
+    assert (tmp_path / "preset" / "README.md").read_text() == "mine"
+    assert not [n for n in names if n.startswith("model_") or n == "model.weights.json"], names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preset"]
+    loaded = keras_hub.models.TextClassifier.from_preset(str(tmp_path / "preset"))
+    for i, weight in enumerate(loaded.weights):
+        np.testing.assert_array_equal(np.asarray(weight.value), want[i])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_directory_export_to_a_mount_point_renames_its_files(tmp_path):
+    """A mount point cannot be swapped: the export is staged inside it and renamed file by file,
+    with a warning; the new export loads, and the old form's weights are gone."""
+    model = _faults.build("preset")
+    with _faults.tmpfs(tmp_path / "preset") as mounted:
+        _faults.fill(model, _faults.PREVIOUS)
+        with pytest.warns(KerasOrbaxWarning, match="cannot be swapped"):
+            keras_orbax.save_to_preset(model, mounted, max_shard_size=1e-6)
+        want = _faults.fill(model, _faults.NEW)
+        with pytest.warns(KerasOrbaxWarning, match="renamed one by one, configs last"):
+            keras_orbax.save_to_preset(model, mounted)
+        names = sorted(p.name for p in mounted.iterdir())
+        assert "model.weights.h5" in names and "model.weights.json" not in names, names
+        assert not [n for n in names if n.startswith((".", "model_"))], names
+        loaded = keras_hub.models.TextClassifier.from_preset(str(mounted))
+        for i, weight in enumerate(loaded.weights):
+            np.testing.assert_array_equal(np.asarray(weight.value), want[i])
