@@ -163,8 +163,16 @@ class _ForksAChild(keras.callbacks.Callback):
         self.exitcode = child.exitcode
 
 
-def test_a_child_forked_during_fit_gets_the_default_sigterm(tmp_path, caplog):
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM's default action before the test, whatever an earlier test of this worker left;
+    the earlier handler is put back after."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_child_forked_during_fit_gets_the_default_sigterm(tmp_path, caplog, default_sigterm):
     forks = _ForksAChild()
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_on_preemption=True)
     with caplog.at_level(logging.WARNING, logger="keras_orbax"):

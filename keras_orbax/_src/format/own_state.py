@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.runtime import multihost
 from keras_orbax.errors import CorruptCheckpointError
 
 KERAS_STATE = "keras_state"  # the Orbax checkpointable (a folder of the step) holding it
@@ -127,6 +126,8 @@ class StepFiles:
     async def save(self, directory: Any) -> Any:
         async def write_files() -> None:
             path = await directory.await_creation()
+            from keras_orbax._src.runtime import multihost  # JAX: not for `inspect`'s reads
+
             if multihost.is_primary():
                 for name, data in self._files.items():
                     (path / name).write_bytes(data)
