@@ -21,6 +21,8 @@ import resource
 import shutil
 import time
 
+from benchmarks.harness import WORK
+
 
 def embedding(rows: int, cols: int, axes: tuple):
     import keras
@@ -49,13 +51,17 @@ def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
         model = embedding(rows, cols, (None, "model"))
     verify = False if mode.endswith("noverify") else None
 
-    def once(i: int) -> None:
+    def once(i: int) -> float:
+        """Seconds of one operation (the save's delete afterwards is not counted)."""
+        target = os.path.join(work, f"save_{i}")
+        start = time.perf_counter()
         if mode == "save":
-            target = os.path.join(work, f"save_{i}")
             keras_orbax.save(model, target, step=1)
-            shutil.rmtree(target)
         else:
             keras_orbax.restore_sharded(model, step, verify=verify)
+        seconds = time.perf_counter() - start
+        shutil.rmtree(target, ignore_errors=True)
+        return seconds
 
     once(-1)  # warm: page cache, imports, compiled placements
     open(os.path.join(work, f"{mode}.ready"), "w").close()
@@ -73,6 +79,48 @@ def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
         "minor_faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / loops,
         "loops": loops,
     }
+
+
+def libc_base() -> int:
+    """Where libc is mapped in this process: py-spy leaves its local symbols (the memcpy variants,
+    the futex waits) as bare addresses, which `libc_symbol` names from the offset."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/libc.so" in line and line.split()[2] == "00000000":
+                return int(line.split("-")[0], 16)
+    return 0
+
+
+def libc_symbols() -> list[tuple[int, str]]:
+    import subprocess
+
+    path = next(
+        p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/libc.so.6") if os.path.exists(p)
+    )
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", path], capture_output=True, text=True
+    ).stdout
+    symbols = [
+        (int(a, 16), n)
+        for a, t, n in (x.split()[:3] for x in out.splitlines() if x.count(" ") >= 2)
+        if t in "Tt"
+    ]
+    return sorted(symbols)
+
+
+def name_libc(frames: list[str], base: int, symbols: list[tuple[int, str]]) -> list[str]:
+    """`frames` with bare libc addresses named after the nearest exported symbol below them."""
+    import bisect
+
+    named = []
+    for frame in frames:
+        if frame.startswith("0x") and "(libc.so" in frame and base and symbols:
+            offset = int(frame.split()[0], 16) - base
+            i = bisect.bisect_right(symbols, (offset, "~")) - 1
+            if i >= 0:
+                frame = f"{symbols[i][1]}+{offset - symbols[i][0]:#x} (libc.so.6)"
+        named.append(frame)
+    return named
 
 
 def profile(mode: str, work: str, seconds: float, py_spy: str) -> dict:
@@ -108,7 +156,12 @@ def profile(mode: str, work: str, seconds: float, py_spy: str) -> dict:
     out, _ = child.communicate()
     result = json.loads(out.strip().splitlines()[-1])
     result["main"] = shares(raws["python"], main_category, main_thread=True)
-    result["pool"] = shares(raws["native"], pool_category, main_thread=False)
+    symbols = libc_symbols()
+    result["pool"] = shares(
+        raws["native"],
+        lambda frames: pool_category(name_libc(frames, result["libc_base"], symbols)),
+        main_thread=False,
+    )
     return result
 
 
@@ -126,19 +179,21 @@ def shares(raw_path: str, categorize, main_thread: bool) -> dict[str, float]:
     counts: collections.Counter = collections.Counter()
     for frames, n in stacks(raw_path, main_thread):
         counts[categorize(frames)] += n
+    counts.pop(EXCLUDED, None)
     total = sum(counts.values()) or 1
     return {k: round(v / total, 4) for k, v in counts.most_common()}
 
 
-# Innermost frame first: (category, substrings of a frame). The main thread's frames are Python.
-MAIN = [
+EXCLUDED = "(the benchmark deleting the last save)"
+MAIN = [  # in priority order: the first whose substring any frame holds
+    (EXCLUDED, ("_rmtree",)),
     ("device_put", ("batched_device_put", "put_on_devices", "device_put")),
     ("CRC", ("checksum.py",)),
-    ("waiting for the read threads", ("Future.result", "Condition.wait", "as_completed")),
-    ("thread pool start/stop", ("Thread.start", "shutdown", "_adjust_thread_count")),
-    ("fresh memory", ("aligned_empty",)),
+    ("thread pools: start and stop", ("Thread.start", "shutdown", "_adjust_thread_count")),
     ("fsync", ("fsync",)),
-    ("writes", ("write", "pwritev")),
+    ("waiting for the I/O threads", ("Future.result", "as_completed", "Condition.wait")),
+    ("writes", ("_write_all", "write_shard")),
+    ("fresh memory", ("aligned_empty",)),
     ("Python per region (keras-orbax)", ("keras_orbax/",)),
     ("Keras / JAX Python", ("keras/", "jax/")),
 ]
@@ -149,6 +204,10 @@ POOL = [
     ("fsync", ("fsync", "fdatasync")),
     ("freeing memory (munmap)", ("munmap",)),
     ("copies", ("memcpy", "memmove")),
+    (
+        "waits (futex, condition variables)",
+        ("futex", "pthread_cond", "sem_", "epoll_wait", "lll_lock"),
+    ),
     ("idle: waiting for work", ("_worker (concurrent",)),
 ]
 
@@ -162,9 +221,99 @@ def first_match(frames: list[str], table) -> str | None:
 
 
 def main_category(frames: list[str]) -> str:
-    return first_match(frames, MAIN) or "other"
+    for label, needles in MAIN:
+        if any(needle in frame for frame in frames for needle in needles):
+            return label
+    return "other"
 
 
 def pool_category(frames: list[str]) -> str:
     label = first_match(frames, POOL)
     return label or ("other Python" if any(".py:" in f for f in frames) else "other native")
+
+
+MODES = {
+    "restore_same_noverify": "same layout, `verify=False`",
+    "restore_same": "same layout, checked (default)",
+    "restore_reshard_noverify": "resharded, `verify=False`",
+    "restore_reshard": "resharded, checked (default)",
+    "save": "sync save",
+}
+IDLE = "idle: waiting for work"
+
+
+def markdown(report: dict) -> str:
+    """Two tables, one column per mode: the main thread's wall time and the pool threads' work."""
+    runs = {r["mode"]: r for r in report["runs"]}
+    modes = [m for m in MODES if m in runs]
+    head = "| | " + " | ".join(MODES[m] for m in modes) + " |"
+    rule = "|---|" + "---:|" * len(modes)
+    lines = [head, rule]
+    lines.append(
+        "| ms per operation | "
+        + " | ".join(f"{runs[m]['seconds'] * 1e3:.0f}" for m in modes)
+        + " |"
+    )
+    lines.append(
+        "| minor page faults per operation | "
+        + " | ".join(f"{runs[m]['minor_faults']:.0f}" for m in modes)
+        + " |"
+    )
+    lines.append(
+        "| load average (1 min) after | "
+        + " | ".join(f"{runs[m]['loadavg'][0]:.1f}" for m in modes)
+        + " |"
+    )
+    for title, key in (
+        ("**main thread** (share of wall time)", "main"),
+        ("**pool threads** (share of busy samples)", "pool"),
+    ):
+        lines.append(f"| {title} |" + " |" * len(modes))
+        shares = {m: busy(runs[m][key]) for m in modes}
+        labels = sorted(
+            {k for s in shares.values() for k in s},
+            key=lambda k: -max(s.get(k, 0) for s in shares.values()),
+        )
+        for label in labels:
+            lines.append(
+                f"| {label} | " + " | ".join(f"{shares[m].get(label, 0):.0%}" for m in modes) + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def busy(shares: dict[str, float]) -> dict[str, float]:
+    """`shares` without the idle samples, renormalised."""
+    total = sum(v for k, v in shares.items() if k != IDLE) or 1
+    return {k: v / total for k, v in shares.items() if k != IDLE}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    import shutil as sh
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=10, help="of sampling per mode and kind")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    p.add_argument("--work", default=os.path.join(WORK, "breakdown"))
+    p.add_argument("--json", default=None, help="default: <work>/breakdown.json")
+    p.add_argument("--report-only", action="store_true", help="re-render --json without running")
+    args = p.parse_args(argv)
+    path = args.json or os.path.join(args.work, "breakdown.json")
+    if not args.report_only:
+        py_spy = sh.which("py-spy", path=os.path.dirname(sys.executable)) or sh.which("py-spy")
+        if not py_spy:
+            raise SystemExit("py-spy is needed: pip install py-spy")
+        report: dict = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "runs": []}
+        for mode in args.modes:
+            run_ = profile(mode, args.work, args.seconds, py_spy)
+            report["runs"].append(dict(run_, loadavg=os.getloadavg()))
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    with open(path) as f:
+        print(markdown(json.load(f)))
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,8 @@ class Benchmark:
     `cases` maps each case to what it measures; `floor` is the case the others are divided by
     (None: no floor); `sizes` maps "small" (a smoke run of seconds) and "full" (the figures in
     docs/benchmarks.md) to the parameters `run_case` and `prepare` get. `evict`: the cases that
-    start with the work directory dropped from the page cache (cold reads). `columns`: extra figures for the
+    start with the work directory dropped from the page cache (cold reads). `apart`: cases run after every round of the others, not between them (one that
+    frees much fresh memory slows whatever runs next). `columns`: extra figures for the
     table, (key, header, format). `cpu_devices`: virtual CPU devices of each process (None: the
     real devices). `script`: a benchmark with its own runner, not yet on this harness, run as
     `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
@@ -61,6 +62,7 @@ class Benchmark:
     sizes: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     repeats: int = 3
     evict: tuple[str, ...] = ()
+    apart: tuple[str, ...] = ()
     columns: tuple[tuple[str, str, str], ...] = ()
     targets: dict[str, float] = dataclasses.field(default_factory=dict)
     cpu_devices: int | None = 8
@@ -117,17 +119,14 @@ def measure(
     started, load_before = time.perf_counter(), os.getloadavg()
     if bench.prepare:
         child(bench, bench.prepare, None, params, work)
-    rounds = []
-    for r in range(repeats):
-        order = list(bench.cases) if r % 2 == 0 else list(reversed(bench.cases))
-        row = {}
-        for case in order:
-            if case in bench.evict:
-                evict(work)
-            row[case] = child(bench, bench.run_case, case, dict(params, _round=r), work)
-            row[case]["loadavg_1m"] = os.getloadavg()[0]
-            log(f"[{bench.name}] round {r + 1}/{repeats} {case}: {row[case]['seconds']:.3f} s")
-        rounds.append(row)
+    paired = [c for c in bench.cases if c not in bench.apart]
+    rounds: list[dict] = [{} for _ in range(repeats)]
+    for r, row in enumerate(rounds):
+        for case in paired if r % 2 == 0 else paired[::-1]:
+            row[case] = run_one(bench, case, dict(params, _round=r), work, log)
+    for r, row in enumerate(rounds):  # after every pair: see `Benchmark.apart`
+        for case in bench.apart:
+            row[case] = run_one(bench, case, dict(params, _round=r), work, log)
     return {
         "benchmark": bench.name,
         "size": size,
@@ -141,6 +140,15 @@ def measure(
         "rounds": rounds,
         "summary": summarize(bench, rounds),
     }
+
+
+def run_one(bench: Benchmark, case: str, params: dict, work: str, log) -> dict:
+    if case in bench.evict:
+        evict(work)
+    result = child(bench, bench.run_case, case, params, work)
+    result["loadavg_1m"] = os.getloadavg()[0]
+    log(f"[{bench.name}] round {params['_round'] + 1} {case}: {result['seconds']:.3f} s")
+    return result
 
 
 def summarize(bench: Benchmark, rounds: list[dict]) -> dict[str, dict]:
