@@ -46,7 +46,8 @@ class Benchmark:
     (None: no floor); `sizes` maps "small" (a smoke run of seconds) and "full" (the figures in
     docs/benchmarks.md) to the parameters `run_case` and `prepare` get. `evict`: the cases that
     start with the work directory dropped from the page cache (cold reads). `apart`: cases run after every round of the others, not between them (one that
-    frees much fresh memory slows whatever runs next). `columns`: extra figures for the
+    frees much fresh memory slows whatever runs next). `requires`: cases run only where the named
+    parameter is set (`--set NAME=VALUE`). `columns`: extra figures for the
     table, (key, header, format). `cpu_devices`: virtual CPU devices of each process (None: the
     real devices). `script`: a benchmark with its own runner, not yet on this harness, run as
     `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
@@ -63,6 +64,7 @@ class Benchmark:
     repeats: int = 3
     evict: tuple[str, ...] = ()
     apart: tuple[str, ...] = ()
+    requires: dict[str, str] = dataclasses.field(default_factory=dict)
     columns: tuple[tuple[str, str, str], ...] = ()
     targets: dict[str, float] = dataclasses.field(default_factory=dict)
     cpu_devices: int | None = 8
@@ -119,13 +121,14 @@ def measure(
     started, load_before = time.perf_counter(), os.getloadavg()
     if bench.prepare:
         child(bench, bench.prepare, None, params, work)
-    paired = [c for c in bench.cases if c not in bench.apart]
+    cases = [c for c in bench.cases if params.get(bench.requires.get(c, ""), True)]
+    paired = [c for c in cases if c not in bench.apart]
     rounds: list[dict] = [{} for _ in range(repeats)]
     for r, row in enumerate(rounds):
         for case in paired if r % 2 == 0 else paired[::-1]:
             row[case] = run_one(bench, case, dict(params, _round=r), work, log)
     for r, row in enumerate(rounds):  # after every pair: see `Benchmark.apart`
-        for case in bench.apart:
+        for case in (c for c in bench.apart if c in cases):
             row[case] = run_one(bench, case, dict(params, _round=r), work, log)
     return {
         "benchmark": bench.name,
@@ -154,7 +157,7 @@ def run_one(bench: Benchmark, case: str, params: dict, work: str, log) -> dict:
 def summarize(bench: Benchmark, rounds: list[dict]) -> dict[str, dict]:
     """Per case: the median of each numeric figure over the rounds, its min, and x floor."""
     out = {}
-    for case in bench.cases:
+    for case in (c for c in bench.cases if any(c in r for r in rounds)):
         runs = [r[case] for r in rounds if case in r]
         keys = [k for k, v in runs[0].items() if isinstance(v, int | float)] if runs else []
         row = {k: statistics.median(run[k] for run in runs) for k in keys}

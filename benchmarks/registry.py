@@ -10,6 +10,10 @@ from benchmarks.harness import Benchmark
 
 CPU_S = ("cpu_s", "CPU s", ".3f")
 PEAK_X = ("peak_x", "peak growth / array", ".2f")
+FIRST_SAVE = {
+    "layers": 8, "width": 2048, "epochs": 4, "steps": 4, "devices": 8, "mesh": 1,
+    "compile_first": 1, "settle": 0.0, "incremental": 1, "tf_site": "", "profile": "",
+}  # fmt: skip
 RESTORE_CASES = {
     "copied": "restore onto the saved layout, every byte read into fresh memory (the default)",
     "same": "restore onto the saved layout, large shards mapped (`KERAS_ORBAX_MAP_SHARDS=1`)",
@@ -223,7 +227,30 @@ BENCHMARKS = [
         ),
         targets={"async": 0.05},
     ),
-    _script("first_save", "first_save.py", "each background save of a fresh process's `fit`"),
+    _suite(
+        "first_save",
+        "first_save",
+        "time `fit` is blocked by the first background save of a fresh process, x a sync save",
+        {
+            "without_tf": "first `ModelCheckpoint` save of the process, TensorFlow not importable",
+            "with_tf": "the same with TensorFlow on the path (`--set tf_site=DIR`)",
+        },
+        None,
+        prepare=False,
+        sizes={
+            "small": dict(FIRST_SAVE, layers=2, width=256, epochs=2, steps=2),
+            "full": FIRST_SAVE,
+        },
+        requires={"with_tf": "tf_site"},
+        cpu_devices=None,  # the process sets its own (`devices`)
+        columns=(
+            ("floor_s", "sync save s (same process)", ".3f"),
+            ("first_cpu_s", "first CPU s", ".3f"),
+            ("later_s", "later saves s", ".3f"),
+            ("later_x_sync", "later x sync", ".3f"),
+            ("on_train_begin_s", "on_train_begin s", ".3f"),
+        ),
+    ),
     _script("incremental", "incremental_benchmark.py", "incremental saves: bytes and time"),
     _script("replica", "replica_benchmark.py", "single-replica reads over 4 processes"),
     _script("gpu_memory", "gpu_memory.py", "per-device peak memory of a restore on accelerators"),
