@@ -152,14 +152,20 @@ def profile(mode: str, work: str, seconds: float, py_spy: str) -> dict:
     open(stop, "w").close()
     out, _ = child.communicate()
     result = json.loads(out.strip().splitlines()[-1])
-    result["main"] = shares(raws["python"], main_category, main_thread=True)
+    return dict(result, **classify(result, raws["python"], raws["native"]))
+
+
+def classify(result: dict, python_raw: str, native_raw: str) -> dict:
+    """The main thread's and the pool's shares from the two profiles of one mode."""
     symbols = libc_symbols()
-    result["pool"] = shares(
-        raws["native"],
-        lambda frames: pool_category(name_libc(frames, result["libc_base"], symbols)),
-        main_thread=False,
-    )
-    return result
+    return {
+        "main": shares(python_raw, main_category, main_thread=True),
+        "pool": shares(
+            native_raw,
+            lambda frames: pool_category(name_libc(frames, result["libc_base"], symbols)),
+            main_thread=False,
+        ),
+    }
 
 
 def stacks(raw_path: str, main_thread: bool):
@@ -182,6 +188,7 @@ def shares(raw_path: str, categorize, main_thread: bool) -> dict[str, float]:
 
 
 EXCLUDED = "(the benchmark deleting the last save)"
+IDLE = "idle: waiting for work"
 MAIN = [  # in priority order: the first whose substring any frame holds
     (EXCLUDED, ("_rmtree",)),
     ("device_put", ("batched_device_put", "put_on_devices", "device_put")),
@@ -194,18 +201,17 @@ MAIN = [  # in priority order: the first whose substring any frame holds
     ("Python per region (keras-orbax)", ("keras_orbax/",)),
     ("Keras / JAX Python", ("keras/", "jax/")),
 ]
-POOL = [
+POOL = [  # matched against the innermost native frame first
     ("CRC", ("crc32",)),
     ("read syscalls (copy from the page cache, faults of fresh pages)", ("preadv", "pread")),
-    ("write syscalls", ("pwrite", "__libc_write")),
+    ("write syscalls", ("pwrite", "write (libc", "__libc_write")),
     ("fsync", ("fsync", "fdatasync")),
-    ("freeing memory (munmap)", ("munmap",)),
-    ("copies", ("memcpy", "memmove")),
-    (
-        "waits (futex, condition variables)",
-        ("futex", "pthread_cond", "sem_", "epoll_wait", "lll_lock"),
-    ),
-    ("idle: waiting for work", ("_worker (concurrent",)),
+    ("faulting fresh memory in (`MADV_POPULATE_WRITE`)", ("madvise",)),
+    ("mapping and unmapping memory", ("mmap64", "munmap")),
+    ("copies", ("memcpy", "memmove", "raw_array_assign")),
+    # glibc's futex waits have no exported name: the nearest one below them is __nptl_death_event
+    ("waits (locks, the GIL)", ("futex", "pthread_cond", "sem_", "lll_lock", "__nptl_death_event")),
+    (IDLE, ("epoll_wait",)),  # an event loop with nothing to do
 ]
 
 
@@ -225,8 +231,12 @@ def main_category(frames: list[str]) -> str:
 
 
 def pool_category(frames: list[str]) -> str:
-    label = first_match(frames, POOL)
-    return label or ("other Python" if any(".py:" in f for f in frames) else "other native")
+    python = [f for f in frames if ".py:" in f]
+    if python and python[-1].startswith("_worker (concurrent/futures/thread.py"):
+        return IDLE  # blocked in the pool's queue: no work for this thread
+    native = [f for f in frames if ".py:" not in f]
+    label = first_match(native[-1:], POOL) if native else None
+    return label or ("other Python" if python else "other native")
 
 
 MODES = {
@@ -236,7 +246,6 @@ MODES = {
     "restore_reshard": "resharded, checked (default)",
     "save": "sync save",
 }
-IDLE = "idle: waiting for work"
 
 
 def markdown(report: dict) -> str:
@@ -309,7 +318,16 @@ def main(argv: list[str] | None = None) -> None:
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
     with open(path) as f:
-        print(markdown(json.load(f)))
+        report = json.load(f)
+    for run_ in report["runs"]:  # the categories again, where the profiles are still there
+        raws = [
+            os.path.join(args.work, f"{run_['mode']}.{kind}.raw") for kind in ("python", "native")
+        ]
+        if all(os.path.exists(raw) for raw in raws):
+            run_.update(classify(run_, *raws))
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(markdown(report))
 
 
 if __name__ == "__main__":
