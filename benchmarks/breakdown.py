@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default=os.path.join(WORK, "breakdown"))
     p.add_argument("--json", default=None, help="default: <work>/breakdown.json")
     p.add_argument("--report-only", action="store_true", help="re-render --json without running")
+    p.add_argument("--write-docs", action="store_true", help="the table into docs/benchmarks.md")
     args = p.parse_args(argv)
     path = args.json or os.path.join(args.work, "breakdown.json")
     if not args.report_only:
@@ -327,7 +328,15 @@ def main(argv: list[str] | None = None) -> None:
             run_.update(classify(run_, *raws))
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    print(markdown(report))
+    text = markdown(report)
+    if args.write_docs:
+        from benchmarks import render
+
+        with open(render.PAGE) as f:
+            page = render.replace_section(f.read(), "breakdown", text)
+        with open(render.PAGE, "w") as f:
+            f.write(page)
+    print(text)
 
 
 if __name__ == "__main__":
