@@ -21,6 +21,7 @@ import shutil
 from functools import partial
 
 from benchmarks import bench_model as bm
+from benchmarks.harness import files_of
 
 FLOOR_THREADS = 8
 
@@ -136,7 +137,7 @@ def run_case(case: str, params: dict, work: str) -> dict:
     }
     order = ["case", "floor"] if params["_round"] % 2 else ["floor", "case"]
     times = {name: timed(writes[name]) for name in order}
-    disk = sum(os.path.getsize(p) for p in _files(paths["case"]))
+    disk = sum(os.path.getsize(p) for p in files_of(paths["case"]))
     if not many:
         for path in paths.values():
             shutil.rmtree(path)
@@ -152,7 +153,3 @@ def run_case(case: str, params: dict, work: str) -> dict:
         "disk_gib": disk / 2**30,
         "variables": len(variables),
     }
-
-
-def _files(directory: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
