@@ -95,13 +95,3 @@ def write(bench: Benchmark, result: dict, out_dir: str, write_docs: bool) -> str
 def plots_named(text: str) -> set[str]:
     """The PNG files a section's markdown shows (`![...](name.png)`)."""
     return {part.split(")")[0] for part in text.split("](")[1:] if ".png" in part.split(")")[0]}
-
-
-def pyplot():
-    """matplotlib's pyplot without a display (the `bench` extra installs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt

@@ -181,15 +181,20 @@ def write_outputs(report: dict, out_dir: str, write_docs: bool) -> str:
     markdown = render(report)
     with open(os.path.join(out_dir, "speed_report.md"), "w") as f:
         f.write("# keras-orbax speed report\n\n" + markdown)
+    plotted = False
     if items(report):
-        plot_ratios(report, os.path.join(out_dir, PNGS[0]))
-        plot_times(report, os.path.join(out_dir, PNGS[1]))
+        try:
+            plot_ratios(report, os.path.join(out_dir, PNGS[0]))
+            plot_times(report, os.path.join(out_dir, PNGS[1]))
+            plotted = True
+        except ImportError:
+            print('No plots: they need matplotlib (pip install -e ".[bench]").', flush=True)
     if write_docs:
         page = os.path.join(DOCS, "benchmarks.md")
         with open(page) as f:
             text = f.read()
         with open(page, "w") as f:
             f.write(replace_section(text, markdown))
-        for png in PNGS if items(report) else ():
+        for png in PNGS if plotted else ():
             shutil.copy(os.path.join(out_dir, png), os.path.join(DOCS, png))
     return markdown
