@@ -51,7 +51,8 @@ class Benchmark:
     table, (key, header, format). `cpu_devices`: virtual CPU devices of each process (None: the
     real devices). `script`: a benchmark with its own runner, not yet on this harness, run as
     `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
-    for a table of its own (default: `render.table`, one row per case).
+    for a table of its own (default: `render.table`, one row per case). `env`: variables set in a
+    case's process from its start (an allocator's `MALLOC_*`).
     """
 
     name: str
@@ -70,6 +71,7 @@ class Benchmark:
     cpu_devices: int | None = 8
     script: str | None = None
     render: str | None = None
+    env: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def call(target: str, *args: Any) -> Any:
@@ -81,7 +83,9 @@ def child(bench: Benchmark, target: str, case: str | None, params: dict, work: s
     """Runs `target(case, params, work)` (or `target(params, work)`) in a fresh process."""
     request = {"target": target, "case": case, "params": params, "work": work}
     request["cpu_devices"] = bench.cpu_devices
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    # BENCH_T0: when the process was asked for, for end-to-end times from an empty process.
+    env.update(bench.env.get(case or "", {}), PYTHONPATH=REPO, BENCH_T0=repr(time.time()))
     command = [sys.executable, "-m", "benchmarks.harness", json.dumps(request)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
@@ -119,8 +123,7 @@ def measure(
     repeats = repeats or (1 if size == "small" else bench.repeats)
     os.makedirs(work, exist_ok=True)
     started, load_before = time.perf_counter(), os.getloadavg()
-    if bench.prepare:
-        child(bench, bench.prepare, None, params, work)
+    prepared = child(bench, bench.prepare, None, params, work) if bench.prepare else {}
     cases = [c for c in bench.cases if params.get(bench.requires.get(c, ""), True)]
     paired = [c for c in cases if c not in bench.apart]
     rounds: list[dict] = [{} for _ in range(repeats)]
@@ -140,6 +143,7 @@ def measure(
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_s": time.perf_counter() - started,
+        "prepared": prepared,
         "rounds": rounds,
         "summary": summarize(bench, rounds),
     }

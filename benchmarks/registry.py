@@ -10,6 +10,18 @@ from benchmarks.harness import Benchmark
 
 CPU_S = ("cpu_s", "CPU s", ".3f")
 PEAK_X = ("peak_x", "peak growth / array", ".2f")
+_RESTORE = {
+    "ko_deferred": "`deferred_init` build, then `keras_orbax.restore_sharded` (model + Adam)",
+    "ko_deferred_compact": 'ko_deferred from a `format="compact"` step (`--set compact=true`)',
+    "ko_built": "normal build, then `keras_orbax.restore_sharded`",
+    "keras_h5": 'build, then `model.load_weights("model.weights.h5")`',
+    "keras_orbax_cb": "build, then `model.load_weights(<keras.callbacks.OrbaxCheckpoint dir>)`",
+    "orbax_floor": "plain Orbax v1 `load` of the OrbaxCheckpoint callback's checkpoint",
+    "orbax_floor_fast": "plain Orbax v1 `load` of the keras-orbax checkpoint's files",
+    "disk_read": "every file of the keras-orbax checkpoint read into fresh buffers",
+}
+# Each case with glibc's default allocator and with `MALLOC_MMAP_THRESHOLD_=1048576`.
+RESTORE = {**_RESTORE, **{f"{k}+mmap1M": f"{v}; `mmap1M` allocator" for k, v in _RESTORE.items()}}
 FIRST_SAVE = {
     "layers": 8, "width": 2048, "epochs": 4, "steps": 4, "devices": 8, "mesh": 1,
     "compile_first": 1, "settle": 0.0, "incremental": 1, "tf_site": "", "profile": "",
@@ -195,10 +207,19 @@ BENCHMARKS = [
         repeats=5,
         cpu_devices=None,
     ),
-    _script(
+    _suite(
         "restore",
-        "restore_benchmark.py",
-        "restore time and peak memory of the benchmark model, many cases and allocators",
+        "restore_benchmark",
+        "restore time and peak memory against Keras's loaders and plain Orbax, two allocators",
+        RESTORE,
+        "orbax_floor",
+        sizes={
+            "small": {"params_gib": 0.02, "layers": 3, "compact": False},
+            "full": {"params_gib": 1.0, "layers": 15, "compact": False},
+        },
+        env={f"{case}+mmap1M": {"MALLOC_MMAP_THRESHOLD_": "1048576"} for case in _RESTORE},
+        requires={"ko_deferred_compact": "compact", "ko_deferred_compact+mmap1M": "compact"},
+        render="benchmarks.restore_benchmark:render",
     ),
     _script("speed_report", "speed_report.py", "every speed target in one run"),
     _script(
