@@ -22,6 +22,17 @@ _RESTORE = {
 }
 # Each case with glibc's default allocator and with `MALLOC_MMAP_THRESHOLD_=1048576`.
 RESTORE = {**_RESTORE, **{f"{k}+mmap1M": f"{v}; `mmap1M` allocator" for k, v in _RESTORE.items()}}
+INCREMENTAL = {
+    f"{kind}_{saves}_{mode}": f"{kind}, {'incremental' if saves == 'inc' else 'full'} saves, {mode}"
+    for kind in ("lora", "full")
+    for mode in ("sync", "async")
+    for saves in ("inc", "full")
+}
+INCREMENTAL["sha256"] = "SHA-256 of `frozen_gib` GiB on one thread (what detecting a change costs)"
+INCREMENTAL_FULL = {
+    "model": "gemma", "frozen_gib": 1.0, "width": 2048, "rank": 8, "epochs": 6, "steps": 2,
+    "batch": 8,
+}  # fmt: skip
 FIRST_SAVE = {
     "layers": 8, "width": 2048, "epochs": 4, "steps": 4, "devices": 8, "mesh": 1,
     "compile_first": 1, "settle": 0.0, "incremental": 1, "tf_site": "", "profile": "",
@@ -272,7 +283,27 @@ BENCHMARKS = [
             ("on_train_begin_s", "on_train_begin s", ".3f"),
         ),
     ),
-    _script("incremental", "incremental_benchmark.py", "incremental saves: bytes and time"),
+    _suite(
+        "incremental",
+        "incremental_benchmark",
+        "incremental saves of LoRA and a full fine-tune: bytes written and time per save",
+        INCREMENTAL,
+        None,
+        prepare=False,
+        sizes={
+            "small": dict(INCREMENTAL_FULL, model="dense", frozen_gib=0.01, width=256, epochs=3),
+            "full": INCREMENTAL_FULL,
+        },
+        repeats=1,
+        cpu_devices=1,
+        columns=(
+            ("floor_s", "changed-only save s", ".3f"),
+            ("written_mib", "written MiB", ".1f"),
+            ("changed_mib", "changed MiB", ".1f"),
+            ("state_mib", "of MiB", ".1f"),
+            ("restore_s", "restore s", ".3f"),
+        ),
+    ),
     _script("replica", "replica_benchmark.py", "single-replica reads over 4 processes"),
     _script("gpu_memory", "gpu_memory.py", "per-device peak memory of a restore on accelerators"),
     _script("stress_kill", "stress_kill.py", "many kill-and-resume trials"),
