@@ -1,12 +1,7 @@
-"""Markdown tables and plots for restore_benchmark.py's results.json / sizes.json."""
+"""The restore benchmark's table and plot (restore_benchmark.render feeds them)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 GIB = 2**30
 
 
@@ -81,27 +76,6 @@ def main_table(results: dict, allocator: str) -> list[str]:
     return out
 
 
-def render_sizes(sizes: dict) -> str:
-    out = [
-        "## Peak memory against model size and number of variables",
-        "",
-        "| model | variables | resident GiB | case | allocator | restore s | peak - import GiB | x resident | ok |",
-        "|---|---:|---:|---|---|---:|---:|---:|:-:|",
-    ]
-    for r in sizes["rows"]:
-        if "error" in r:
-            out.append(
-                f"| {r['tag']} | {r['n_state_variables']} | | {r['case']} | {r['allocator']} | failed ||||"
-            )
-            continue
-        out.append(
-            f"| {r['tag']} | {r['n_state_variables']} | {r['resident_gib']:.2f} | {r['case']} | {r['allocator']} "
-            f"| {r['restore_s']:.2f} | {r['peak_minus_import_gib']:.2f} | {r['peak_x_resident']:.2f} "
-            f"| {'yes' if r['ok'] else '**NO**'} |"
-        )
-    return "\n".join(out) + "\n\n`pA_lB`: A GiB of float32 parameters, B Dense blocks.\n"
-
-
 def plot_main(results: dict, path: str) -> None:
     import matplotlib
 
@@ -139,68 +113,3 @@ def plot_main(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def plot_sizes(sizes: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    series: dict[tuple, list] = {}
-    for r in sizes["rows"]:
-        if "error" not in r:
-            series.setdefault((r["case"], r["allocator"], r["layers"]), []).append(r)
-    for (case, alloc, layers), rs in sorted(series.items()):
-        rs.sort(key=lambda r: r["resident_gib"])
-        ax.plot(
-            [r["resident_gib"] for r in rs],
-            [r["peak_minus_import_gib"] for r in rs],
-            "o-" if len(rs) > 1 else "s",
-            label=f"{case}, {alloc}, {layers} blocks",
-        )
-    top = max((r["resident_gib"] for rs in series.values() for r in rs), default=1)
-    ax.plot([0, top], [0, top], color="gray", lw=0.8, ls="--", label="1 x resident")
-    ax.set_xlabel("resident GiB (model + Adam, replicas counted)")
-    ax.set_ylabel("peak RSS - post-import RSS, GiB")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def load(path: str):
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_outputs(work_dir: str, write_docs: bool) -> None:
-    """results.md and PNGs in the work dir from whatever results exist there; docs/ on request."""
-    results, sizes = (
-        load(os.path.join(work_dir, "results.json")),
-        load(os.path.join(work_dir, "sizes.json")),
-    )
-    parts, pngs = (
-        ["# keras-orbax restore benchmark\n", "Produced by `benchmarks/restore_benchmark.py`.\n"],
-        [],
-    )
-    if results:
-        parts.append(render_main(results) + "\n![restore](restore_benchmark.png)\n")
-        plot_main(results, os.path.join(work_dir, "restore_benchmark.png"))
-        pngs.append("restore_benchmark.png")
-    if sizes:
-        parts.append(render_sizes(sizes) + "\n![sizes](restore_benchmark_sizes.png)\n")
-        plot_sizes(sizes, os.path.join(work_dir, "restore_benchmark_sizes.png"))
-        pngs.append("restore_benchmark_sizes.png")
-    markdown = "\n".join(parts)
-    with open(os.path.join(work_dir, "results.md"), "w") as f:
-        f.write(markdown)
-    if write_docs:
-        os.makedirs(DOCS, exist_ok=True)
-        with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-            f.write(markdown)
-        for png in pngs:
-            shutil.copy(os.path.join(work_dir, png), os.path.join(DOCS, png))

@@ -11,26 +11,15 @@ the resident bytes of the loaded state:
     read_floor      reading every byte of the h5 file into fresh memory (page cache warm)
     e2e_keras_h5 / e2e_ko_h5   from an empty process to a model that has predicted once
 
-Usage: python benchmarks/h5_benchmark.py [--params-gib 1.0] [--repeats 3] [--out results.json]
+`model` (a parameter): `dense` or `embedding`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import bench_model as bm  # noqa: E402
-
-MODELS = ("dense", "embedding")
-CASES = ("keras_h5", "ko_h5", "ko_json", "ko_converted", "read_floor", "e2e_keras_h5", "e2e_ko_h5")
+from benchmarks import bench_model as bm
 
 
 def _build(model_name: str, spec: bm.ModelSpec, deferred: bool = False):
@@ -68,8 +57,9 @@ def _paths(work: str, model_name: str) -> dict[str, str]:
     }
 
 
-def prepare(model_name: str, spec: bm.ModelSpec, work: str) -> None:
+def prepare(params: dict, work: str) -> None:
     """Writes the h5, sharded json and converted keras-orbax files of one trained-looking model."""
+    model_name, spec = params["model"], bm.ModelSpec(params_gib=params["params_gib"])
     import keras
     import numpy as np
 
@@ -92,9 +82,10 @@ def _rules() -> dict[str, tuple]:
     return {**bm.layout_rules(), "embed/embeddings": ("batch", "model")}
 
 
-def run_case(case: str, model_name: str, spec: bm.ModelSpec, work: str) -> dict:
+def run_case(case: str, params: dict, work: str) -> dict:
     """Runs in a fresh process: one case, one model; returns seconds and memory figures."""
     start_wall = time.perf_counter()
+    model_name, spec = params["model"], bm.ModelSpec(params_gib=params["params_gib"])
     import jax
     import keras
 
@@ -107,7 +98,8 @@ def run_case(case: str, model_name: str, spec: bm.ModelSpec, work: str) -> dict:
         with open(paths["h5"], "rb", buffering=0) as f:
             data = f.read()
         seconds = bm.since(clock)[0]
-        return {"seconds": seconds, "growth": bm.peak_rss_bytes() - baseline, "resident": len(data)}
+        growth = bm.peak_rss_bytes() - baseline
+        return {"seconds": seconds, "peak_x_resident": growth / len(data)}
     keras.distribution.set_distribution(bm.make_distribution(rules=_rules()))
     jax.devices()
     baseline = bm.rss_bytes()
@@ -127,76 +119,10 @@ def run_case(case: str, model_name: str, spec: bm.ModelSpec, work: str) -> dict:
         model.predict(x, verbose=0)
         seconds = time.perf_counter() - start_wall
     state = [v.value for v in bm.state_variables(model)]
+    resident = bm.resident_bytes(state)
+    growth = bm.peak_rss_bytes() - baseline
     return {
         "seconds": seconds,
-        "growth": bm.peak_rss_bytes() - baseline,
-        "resident": bm.resident_bytes(state),
+        "peak_x_resident": growth / resident,
+        "resident_gib": resident / 2**30,
     }
-
-
-def _child(case: str, model_name: str, args: argparse.Namespace) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        case,
-        "--model",
-        model_name,
-        "--params-gib",
-        str(args.params_gib),
-        "--work",
-        args.work,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{case}/{model_name} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
-    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES))
-    parser.add_argument("--work", default=os.path.join(HERE, "_work", "h5"))
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--child", default=None)
-    parser.add_argument("--model", default="dense")
-    parser.add_argument("--prepare", action="store_true")
-    args = parser.parse_args()
-    bm.set_env()
-    spec = bm.ModelSpec(params_gib=args.params_gib)
-    if args.prepare:
-        prepare(args.model, spec, args.work)
-        return
-    if args.child:
-        print(json.dumps(run_case(args.child, args.model, spec, args.work)))
-        return
-    os.makedirs(args.work, exist_ok=True)
-    results = {}
-    for model_name in args.models:
-        command = [sys.executable, __file__, "--prepare", "--model", model_name]
-        command += ["--params-gib", str(args.params_gib), "--work", args.work]
-        subprocess.run(command, check=True, capture_output=True)
-        for case in args.cases:
-            runs = [_child(case, model_name, args) for _ in range(args.repeats)]
-            row = {
-                "seconds": statistics.median(r["seconds"] for r in runs),
-                "peak_over_resident": statistics.median(r["growth"] / r["resident"] for r in runs),
-                "resident_gib": runs[0]["resident"] / 2**30,
-            }
-            results[f"{model_name}/{case}"] = row
-            print(
-                f"{model_name:<10} {case:<14} {row['seconds']:7.2f} s  "
-                f"peak/resident {row['peak_over_resident']:.2f}  "
-                f"(resident {row['resident_gib']:.2f} GiB)",
-                flush=True,
-            )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,53 +1,45 @@
 """Incremental saves: bytes written, save time and blocked time per `ModelCheckpoint` save, for LoRA
 and for a full fine-tune of the same model, with and without `incremental`.
 
-    .venv/bin/python benchmarks/incremental_benchmark.py [--frozen-gib 1] [--epochs 6] [--json PATH]
+    python -m benchmarks incremental [--set frozen_gib=1] [--set epochs=6] [--set model=dense]
 
-The model (`--model gemma`, the default): a keras-hub `GemmaBackbone` of width `--width` (float32)
-with as many decoder blocks as make `--frozen-gib` GiB, trained to map tokens to zeros; "lora"
-calls keras-hub's own `backbone.enable_lora(--rank)` (the query and value kernels get LoRA factors,
+The model (`model=gemma`, the default): a keras-hub `GemmaBackbone` of width `width` (float32)
+with as many decoder blocks as make `frozen_gib` GiB, trained to map tokens to zeros; "lora"
+calls keras-hub's own `backbone.enable_lora(rank)` (the query and value kernels get LoRA factors,
 everything else is frozen: Adam's state and the updates are the factors'), "full" trains it all.
-`--model dense`: a stack of `Dense(--width, use_bias=False)` layers instead, `enable_lora` on each. Each of the four variants (lora/full x
-incremental on/off) trains `--epochs` epochs of `--steps` batches in a fresh directory with
-`keras_orbax.ModelCheckpoint` saving at every epoch end, once in the background (the default: the
-time `fit` is blocked in `on_epoch_end`) and once synchronously (`save_on_background=False`: the
-whole save, wall time, in `on_epoch_end`); times are medians from the third save on. Counted from the filesystem, for each save after the
+`model=dense`: a stack of `Dense(width, use_bias=False)` layers instead, `enable_lora` on each.
+Each case (lora/full x incremental/full saves x sync/async), in a fresh process, trains `epochs`
+epochs of `steps` batches in a fresh directory with `keras_orbax.ModelCheckpoint` saving at every
+epoch end, in the background (`*_async`: the time `fit` is blocked in `on_epoch_end`) or
+synchronously (`*_sync`: the whole save, wall time, in `on_epoch_end`); its figure is the median
+from the third save on. Counted from the filesystem, for each save after the
 first: the bytes of new inodes ("written"), and the bytes of shard files whose content differs
 from the previous step's ("changed", comparing the files byte for byte: the bytes an ideal
-incremental save writes). "fingerprint" is the time SHA-256 takes over all of the state's bytes
+incremental save writes). The case `sha256` is the time SHA-256 takes over `frozen_gib` GiB
 on one thread (the detection's CPU cost). The restore time of the last step is measured too (it
-should not depend on how the step was written). After each synchronous run, "changed-only save":
+should not depend on how the step was written). In each synchronous case, "changed-only save" (its floor):
 the same writer saving only the trainable variables, optimizer and metric state (the floor for
 "writing only the changed bytes").
-Results go to stdout and `--json` (default `benchmarks/_work/incremental/results.json`).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-WORK = REPO_ROOT / "benchmarks" / "_work" / "incremental"
+# The harness sets the environment before it imports this module in the measured process.
+import keras
+import numpy as np
 
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(REPO_ROOT))
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from hook_timer import TimedCallback  # noqa: E402
-
-import keras_orbax  # noqa: E402
-from keras_orbax._src.format import step_dirs  # noqa: E402
+import keras_orbax
+from benchmarks.hook_timer import TimedCallback
+from keras_orbax._src.format import step_dirs
 
 GEMMA_VOCABULARY, GEMMA_SEQUENCE = 32000, 16
 
@@ -154,7 +146,7 @@ def same_bytes(a: Path, b: Path) -> bool:
                 return True
 
 
-def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace) -> dict:
+def run(kind: str, incremental: bool, background: bool, args: SimpleNamespace, work: Path) -> dict:
     n = args.steps * args.batch
     if args.model == "gemma":
         layers = gemma_layers(args.frozen_gib, args.width)
@@ -167,7 +159,7 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
         x = rng.standard_normal((n, args.width), dtype="float32")
         y = rng.standard_normal((n, args.width), dtype="float32")
     model = make(kind, args.width, layers, args.rank)
-    directory = WORK / f"{kind}-{'inc' if incremental else 'full'}-{'bg' if background else 'sync'}"
+    directory = work / f"{kind}-{'inc' if incremental else 'full'}-{'bg' if background else 'sync'}"
     shutil.rmtree(directory, ignore_errors=True)
     checkpoint = keras_orbax.ModelCheckpoint(
         directory,
@@ -178,7 +170,7 @@ def run(kind: str, incremental: bool, background: bool, args: argparse.Namespace
     timed = TimedCallback(checkpoint)
     model.fit(x, y, batch_size=args.batch, epochs=args.epochs, callbacks=[timed], verbose=0)
     saves = per_save(directory)
-    floor = changed_only_save_s(model, WORK / "changed-only") if not background else None
+    floor = changed_only_save_s(model, work / "changed-only") if not background else None
     restored = make(kind, args.width, layers, args.rank)
     restored.optimizer.build(restored.trainable_variables)
     start = time.perf_counter()
@@ -245,61 +237,20 @@ def fingerprint_s(nbytes: int) -> float:
     return (time.perf_counter() - start) * nbytes / data.nbytes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("gemma", "dense"), default="gemma")
-    parser.add_argument("--frozen-gib", type=float, default=1.0)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--kinds", nargs="+", choices=("lora", "full"), default=["lora", "full"])
-    parser.add_argument("--sync-only", action="store_true", help="skip the background saves")
-    parser.add_argument("--json", type=Path, default=WORK / "results.json")
-    args = parser.parse_args()
-    results = []
-    print(
-        f"{'variant':28} {'written MiB':>12} {'changed MiB':>12} {'of MiB':>8} "
-        f"{'on_epoch_end s':>15} {'restore s':>10} {'changed-only save s':>20}"
-    )
-    for kind in args.kinds:
-        for background in (False,) if args.sync_only else (False, True):
-            for incremental in (True, False):
-                r = run(kind, incremental, background, args)
-                results.append(r)
-                later = r["saves"]
-                mib = 1 << 20
-                written = statistics.mean(s["written"] for s in later) / mib
-                changed = statistics.mean(s["changed"] for s in later) / mib
-                total = statistics.mean(s["total"] for s in later) / mib
-                name = (
-                    f"{kind} {'incremental' if incremental else 'full save'} "
-                    f"{'async' if background else 'sync'}"
-                )
-                print(
-                    f"{name:28} {written:12.1f} {changed:12.1f} {total:8.1f} "
-                    f"{r['later_epoch_end_s']:15.3f} {r['restore_s']:10.3f} "
-                    f"{r['changed_only_save_s'] or float('nan'):20.3f}",
-                    flush=True,
-                )
-    state_bytes = results[-1]["saves"][0]["total"]
-    fp = fingerprint_s(state_bytes)
-    print(
-        f"SHA-256 of the last variant's {state_bytes / (1 << 20):.0f} MiB on one thread: {fp:.3f} s"
-    )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "args": vars(args) | {"json": str(args.json)},
-                "results": results,
-                "sha256_one_thread_s": fp,
-            },
-            indent=1,
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()
+def run_case(case: str, params: dict, work: str) -> dict:
+    """`sha256`, or `<lora|full>_<inc|full>_<sync|async>`: one variant's training and saves."""
+    if case == "sha256":
+        return {"seconds": fingerprint_s(int(params["frozen_gib"] * (1 << 30)))}
+    kind, saves, mode = case.split("_")
+    r = run(kind, saves == "inc", mode == "async", SimpleNamespace(**params), Path(work))
+    mib = 1 << 20
+    return {
+        "seconds": r["later_epoch_end_s"],
+        **({"floor_s": r["changed_only_save_s"]} if r["changed_only_save_s"] else {}),
+        "written_mib": statistics.mean(s["written"] for s in r["saves"]) / mib,
+        "changed_mib": statistics.mean(s["changed"] for s in r["saves"]) / mib,
+        "state_mib": statistics.mean(s["total"] for s in r["saves"]) / mib,
+        "restore_s": r["restore_s"],
+        "layers": r["layers"],
+        "epoch_end_s": r["epoch_end_s"],
+    }

@@ -1,7 +1,7 @@
 """What the command line and `import keras_orbax` load, the lazy public names, the one error for a
 Keras on another backend, and a reader that closes the pipe early. Each process-level fact is
 checked in a fresh Python process (this one has JAX and Keras loaded already); no timings are
-asserted (see benchmarks/cli_startup.py for the figures)."""
+asserted (`python -m benchmarks cli_startup` measures the figures)."""
 
 from __future__ import annotations
 

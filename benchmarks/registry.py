@@ -1,0 +1,314 @@
+"""Every benchmark of keras-orbax: its cases, its floor, its alternatives and its sizes.
+
+Declared here, not in the benchmark modules, so that `python -m benchmarks --list` imports no
+JAX. Each module named by `run_case` holds the code that runs in the measured processes.
+"""
+
+from __future__ import annotations
+
+from benchmarks.harness import Benchmark
+
+CPU_S = ("cpu_s", "CPU s", ".3f")
+PEAK_X = ("peak_x", "peak growth / array", ".2f")
+_RESTORE = {
+    "ko_deferred": "`deferred_init` build, then `keras_orbax.restore_sharded` (model + Adam)",
+    "ko_deferred_compact": 'ko_deferred from a `format="compact"` step (`--set compact=true`)',
+    "ko_built": "normal build, then `keras_orbax.restore_sharded`",
+    "keras_h5": 'build, then `model.load_weights("model.weights.h5")`',
+    "keras_orbax_cb": "build, then `model.load_weights(<keras.callbacks.OrbaxCheckpoint dir>)`",
+    "orbax_floor": "plain Orbax v1 `load` of the OrbaxCheckpoint callback's checkpoint",
+    "orbax_floor_fast": "plain Orbax v1 `load` of the keras-orbax checkpoint's files",
+    "disk_read": "every file of the keras-orbax checkpoint read into fresh buffers",
+}
+# Each case with glibc's default allocator and with `MALLOC_MMAP_THRESHOLD_=1048576`.
+RESTORE = {**_RESTORE, **{f"{k}+mmap1M": f"{v}; `mmap1M` allocator" for k, v in _RESTORE.items()}}
+INCREMENTAL = {
+    f"{kind}_{saves}_{mode}": f"{kind}, {'incremental' if saves == 'inc' else 'full'} saves, {mode}"
+    for kind in ("lora", "full")
+    for mode in ("sync", "async")
+    for saves in ("inc", "full")
+}
+INCREMENTAL["sha256"] = "SHA-256 of `frozen_gib` GiB on one thread (what detecting a change costs)"
+INCREMENTAL_FULL = {
+    "model": "gemma", "frozen_gib": 1.0, "width": 2048, "rank": 8, "epochs": 6, "steps": 2,
+    "batch": 8,
+}  # fmt: skip
+FIRST_SAVE = {
+    "layers": 8, "width": 2048, "epochs": 4, "steps": 4, "devices": 8, "mesh": 1,
+    "compile_first": 1, "settle": 0.0, "incremental": 1, "tf_site": "", "profile": "",
+}  # fmt: skip
+RESTORE_CASES = {
+    "copied": "restore onto the saved layout, every byte read into fresh memory (the default)",
+    "same": "restore onto the saved layout, large shards mapped (`KERAS_ORBAX_MAP_SHARDS=1`)",
+    "other": "restore onto the other layout",
+}
+
+
+def _suite(
+    name: str, module: str, summary: str, cases: dict, floor: str | None, prepare=True, **kw
+) -> Benchmark:
+    return Benchmark(
+        name,
+        summary,
+        cases=cases,
+        floor=floor,
+        run_case=f"benchmarks.{module}:run_case",
+        prepare=f"benchmarks.{module}:prepare" if prepare else None,
+        **kw,
+    )
+
+
+def _script(name: str, script: str, summary: str) -> Benchmark:
+    return Benchmark(name, summary, script=script)
+
+
+BENCHMARKS = [
+    _suite(
+        "reshard",
+        "reshard_benchmark",
+        "restore onto another layout against the saved one (a 256 MiB embedding at full size)",
+        RESTORE_CASES,
+        "copied",
+        sizes={
+            "small": {"rows": 4096, "cols": 256, "layout": "cols"},
+            "full": {"rows": 65536, "cols": 1024, "layout": "cols"},
+        },
+        columns=(CPU_S, PEAK_X),
+        targets={"other": 1.5},
+    ),
+    _suite(
+        "verify",
+        "verify_benchmark",
+        "restore with every byte checked against its CRC-32 (the default) against `verify=False`",
+        {
+            "unchecked": "`restore_sharded(..., verify=False)`",
+            "checked": "`restore_sharded(...)`: every byte read checked against its CRC-32",
+        },
+        "unchecked",
+        sizes={
+            "small": {"rows": 4096, "cols": 256, "layout": "same", "layers": 4, "width": 64},
+            "full": {"rows": 65536, "cols": 1024, "layout": "same", "layers": 24, "width": 256},
+        },
+        repeats=7,
+        columns=(CPU_S,),
+    ),
+    _suite(
+        "cold",
+        "cold_benchmark",
+        "restore from a cold page cache against reading the same files cold",
+        {
+            "read_cold": "every file of the step read cold, 8 threads",
+            "ko_cold": "`deferred_init` + `restore_sharded`, cold",
+            "touch": "first touch of as many bytes of fresh memory",
+        },
+        "read_cold",
+        sizes={"small": {"params_gib": 0.02}, "full": {"params_gib": 0.5}},
+        repeats=5,
+        evict=("read_cold", "ko_cold", "touch"),
+        apart=("touch",),  # the next process after it is slower on this virtual machine
+        targets={"ko_cold": 1.2},
+    ),
+    _suite(
+        "mapped",
+        "mapped_benchmark",
+        "restore by copying (the default) against mapping the shard files",
+        {
+            "copy_warm": "shards copied into fresh memory, page cache warm (the default)",
+            "map_warm": "shards of 4 MiB and more mapped, page cache warm",
+            "copy_cold": "shards copied, files evicted first",
+            "map_cold": "shards mapped, files evicted first",
+        },
+        "copy_warm",
+        sizes={"small": {"params_mib": 8, "layers": 3}, "full": {"params_mib": 384, "layers": 3}},
+        repeats=5,
+        evict=("copy_cold", "map_cold"),
+        columns=(
+            CPU_S,
+            ("peak_growth_mib", "peak growth MiB", ".0f"),
+            ("RssAnon_mib", "RssAnon after MiB", ".0f"),
+            ("RssFile_mib", "RssFile after MiB", ".0f"),
+        ),
+    ),
+    _suite(
+        "many_restore",
+        "many_restore_benchmark",
+        "restore of 5000 small variables against reading the step's files and Keras's h5 load",
+        {
+            "read": "every file of the step read into fresh memory, 8 threads",
+            "ko": "`deferred_init` + `restore_sharded`",
+            "keras_h5": "Keras `load_weights(.weights.h5)` into a built model",
+        },
+        "read",
+        sizes={"small": {"layers": 50, "width": 64}, "full": {"layers": 2500, "width": 64}},
+        columns=(CPU_S,),
+        targets={"ko": 1.2},
+    ),
+    _suite(
+        "save",
+        "save_benchmark",
+        "sync save against the durable write floor (8 Dense(4096) + Adam: 1.5 GiB at full size)",
+        {
+            "ko": '`keras_orbax.save(..., format="fast")`',
+            "ko_orbax": "the same files written by Orbax/tensorstore",
+            "compact": '`keras_orbax.save(..., format="compact")`: zstd + OCDBT',
+            "orbax_std": "`orbax.checkpoint.StandardCheckpointer().save`",
+            "keras_h5": '`model.save_weights("*.weights.h5")`',
+        },
+        None,
+        sizes={
+            "small": {"layers": 2, "width": 256},
+            "full": {"layers": 8, "width": 4096},
+        },
+        columns=(
+            CPU_S,
+            ("floor_s", "floor s (same process)", ".3f"),
+            ("disk_gib", "on disk GiB", ".2f"),
+        ),
+        targets={"ko": 1.2},
+    ),
+    _suite(
+        "save_many",
+        "save_benchmark",
+        "sync save of 5000 small variables against the durable write floor",
+        {
+            "ko": '`keras_orbax.save(..., format="fast")`',
+            "ko_orbax": "the same files written by Orbax/tensorstore",
+            "keras_h5": '`model.save_weights("*.weights.h5")`',
+        },
+        None,
+        sizes={
+            "small": {"layers": 50, "width": 64, "many": True},
+            "full": {"layers": 2500, "width": 64, "many": True},
+        },
+        columns=(CPU_S, ("floor_s", "floor s (same process)", ".3f")),
+        targets={"ko": 1.2},
+    ),
+    _suite(
+        "h5",
+        "h5_benchmark",
+        "loading Keras's own weight files sharded, against Keras's `load_weights`",
+        {
+            "read_floor": "every byte of the h5 file read into fresh memory (page cache warm)",
+            "keras_h5": "build + compile + optimizer build + `load_weights(x.weights.h5)`",
+            "ko_h5": "`deferred_init` build + `restore_sharded(x.weights.h5)`",
+            "ko_json": "the same from `save_weights(..., max_shard_size=...)` (json + parts)",
+            "ko_converted": "`restore_sharded` of the state converted to a keras-orbax checkpoint",
+            "e2e_keras_h5": "empty process to a Keras-loaded model that has predicted once",
+            "e2e_ko_h5": "empty process to a keras-orbax-loaded model that has predicted once",
+        },
+        "read_floor",
+        sizes={
+            "small": {"params_gib": 0.01, "model": "dense"},
+            "full": {"params_gib": 1.0, "model": "dense"},
+        },
+        columns=(("peak_x_resident", "peak growth / resident", ".2f"),),
+    ),
+    _suite(
+        "cli_startup",
+        "cli_startup",
+        "CPU seconds of the command line in fresh processes (the figure is CPU, not wall, time)",
+        {
+            "python": "`python -c pass`",
+            "help": "`keras-orbax --help`",
+            "help_m": "`python -m keras_orbax --help`",
+            "inspect": "`keras-orbax inspect` of a one-layer checkpoint",
+        },
+        "python",
+        sizes={"small": {}, "full": {}},
+        repeats=5,
+        cpu_devices=None,
+    ),
+    _suite(
+        "restore",
+        "restore_benchmark",
+        "restore time and peak memory against Keras's loaders and plain Orbax, two allocators",
+        RESTORE,
+        "orbax_floor",
+        sizes={
+            "small": {"params_gib": 0.02, "layers": 3, "compact": False},
+            "full": {"params_gib": 1.0, "layers": 15, "compact": False},
+        },
+        env={f"{case}+mmap1M": {"MALLOC_MMAP_THRESHOLD_": "1048576"} for case in _RESTORE},
+        requires={"ko_deferred_compact": "compact", "ko_deferred_compact+mmap1M": "compact"},
+        render="benchmarks.restore_benchmark:render",
+    ),
+    _script("speed_report", "speed_report.py", "every speed target in one run"),
+    _script(
+        "seed_case", "seed_case.py", "the seed's own case: a Gemma2 9B preset, load and export"
+    ),
+    _suite(
+        "callback",
+        "callback_benchmark",
+        "time `fit` is blocked per save: mean over the saves of one `fit`, the first included",
+        {
+            "sync": "`keras_orbax.ModelCheckpoint(save_on_background=False)`",
+            "async": "`keras_orbax.ModelCheckpoint()` (saves in the background, the default)",
+            "keras": "`keras.callbacks.OrbaxCheckpoint()` (Keras 3.15)",
+        },
+        "sync",
+        prepare=False,
+        sizes={
+            "small": {"mib": 16, "epochs": 2, "steps": 2},
+            "full": {"mib": 256, "epochs": 4, "steps": 8},
+        },
+        repeats=1,
+        columns=(
+            ("max_s", "longest save s", ".3f"),
+            ("on_train_end_s", "on_train_end s", ".2f"),
+            ("fit_s", "fit s", ".2f"),
+        ),
+        targets={"async": 0.05},
+    ),
+    _suite(
+        "first_save",
+        "first_save",
+        "time `fit` is blocked by the first background save of a fresh process, x a sync save",
+        {
+            "without_tf": "first `ModelCheckpoint` save of the process, TensorFlow not importable",
+            "with_tf": "the same with TensorFlow on the path (`--set tf_site=DIR`)",
+        },
+        None,
+        prepare=False,
+        sizes={
+            "small": dict(FIRST_SAVE, layers=2, width=256, epochs=2, steps=2),
+            "full": FIRST_SAVE,
+        },
+        requires={"with_tf": "tf_site"},
+        cpu_devices=None,  # the process sets its own (`devices`)
+        columns=(
+            ("floor_s", "sync save s (same process)", ".3f"),
+            ("first_cpu_s", "first CPU s", ".3f"),
+            ("later_s", "later saves s", ".3f"),
+            ("later_x_sync", "later x sync", ".3f"),
+            ("on_train_begin_s", "on_train_begin s", ".3f"),
+        ),
+    ),
+    _suite(
+        "incremental",
+        "incremental_benchmark",
+        "incremental saves of LoRA and a full fine-tune: bytes written and time per save",
+        INCREMENTAL,
+        None,
+        prepare=False,
+        sizes={
+            "small": dict(INCREMENTAL_FULL, model="dense", frozen_gib=0.01, width=256, epochs=3),
+            "full": INCREMENTAL_FULL,
+        },
+        repeats=1,
+        cpu_devices=1,
+        columns=(
+            ("floor_s", "changed-only save s", ".3f"),
+            ("written_mib", "written MiB", ".1f"),
+            ("changed_mib", "changed MiB", ".1f"),
+            ("state_mib", "of MiB", ".1f"),
+            ("restore_s", "restore s", ".3f"),
+        ),
+    ),
+    _script("replica", "replica_benchmark.py", "single-replica reads over 4 processes"),
+    _script("gpu_memory", "gpu_memory.py", "per-device peak memory of a restore on accelerators"),
+    _script("stress_kill", "stress_kill.py", "many kill-and-resume trials"),
+    _script(
+        "breakdown", "breakdown.py", "where a 256 MiB restore and save spend their time (py-spy)"
+    ),
+]
+BY_NAME = {b.name: b for b in BENCHMARKS}
