@@ -24,10 +24,11 @@ import numpy as np
 
 SINKS = ("weights.h5", "weights.json", "preset", "transformers")
 STAGES = ("stage", "agree", "fsync", "rename", "prune")
-# `save`'s steps: Orbax agrees, renames and commits inside its own save, so only two stages are
-# keras-orbax's: writing the shards ("stage") and making the committed step durable ("fsync").
+# `save`'s steps: writing the shards ("stage"), every process's outcome agreed on ("agree", before
+# Orbax's commit barrier), Orbax's finalize and rename ("rename"), the renamed step made durable
+# ("fsync"; after Orbax's rename). No "prune": `save` removes nothing.
 STEP_SINKS = ("step.fast", "step.compact")
-STEP_STAGES = ("stage", "fsync")
+STEP_STAGES = ("stage", "agree", "rename", "fsync")
 PREVIOUS, NEW = 0, 1  # the seeds of the previous export's values and of the failing one's
 
 

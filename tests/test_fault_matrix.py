@@ -182,11 +182,20 @@ def test_a_task_preset_failing_on_its_backbone_keeps_the_previous_preset(tmp_pat
 
 def test_two_processes(tmp_path, models):
     """2 processes x 4 devices, each fault injected by process 1: EIO (every process raises the
-    same `SaveFailedError`, naming the processes it failed on), ENOSPC (the same), SIGKILL (process 0 gives up within
-    `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export is left byte for byte and loads exactly."""
+    same `SaveFailedError`, naming the processes it failed on), ENOSPC (the same), EFBIG on
+    process 1 alone inside `keras_orbax.save` (both raise `SaveFailedError` naming process 1,
+    process 0 without waiting in Orbax's commit barrier, whose limit is 20 minutes: the launch's
+    own timeout stops that), SIGKILL (process 0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S`);
+    each earlier export or step is left byte for byte and loads exactly."""
     image, ext4_root = tmp_path / "ext4.img", tmp_path / "ext4"
-    roots = {"weights.h5": ext4_root, "transformers": tmp_path / "tmpfs", "preset": tmp_path / "p"}
+    roots = {
+        "weights.h5": ext4_root,
+        "transformers": tmp_path / "tmpfs",
+        "step.fast": tmp_path / "s",
+        "preset": tmp_path / "p",
+    }
     roots["preset"].mkdir()
+    roots["step.fast"].mkdir()
     (tmp_path / "w").mkdir()
     cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
     env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "20"}
@@ -208,7 +217,8 @@ def test_two_processes(tmp_path, models):
             assert mine.startswith("SaveFailedError") and " of 2 processes:" in mine, (sink, mine)
         hf = next(c for c in first if c["sink"] == "transformers")
         assert _faults.files(roots["transformers"]) == hf["before"]
-    assert [c["sink"] for c in second] == ["weights.h5", "transformers"]  # killed in the third
+    assert [c["sink"] for c in second] == ["weights.h5", "transformers", "step.fast"]
+    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the fourth
     preset = next(c for c in first if c["sink"] == "preset")
     assert preset["error"].startswith("ProcessSyncError"), preset
     assert "Processes [1] did not reach" in preset["error"], preset
@@ -221,6 +231,29 @@ def test_two_processes(tmp_path, models):
         _faults.assert_values(_faults.loaded("weights.h5", ext4_root), models["weights.h5"][1][0])
     finally:
         _faults.unmount(ext4_root)
+
+
+def _check_step_on_two_processes(root, first, second):
+    """Both processes raised the agreed `SaveFailedError` naming process 1's EFBIG; step 2 is not
+    committed; step 1 is byte for byte as before and restores exactly."""
+    import keras_orbax
+    from keras_orbax._src.format import step_dirs
+    from tests import _models
+    from tests.workers.fault_multi import WIDE
+
+    (mine,) = [c for c in first if c["sink"] == "step.fast"]
+    (theirs,) = [c for c in second if c["sink"] == "step.fast"]
+    for error in (mine["error"], theirs["error"]):
+        assert error.startswith("SaveFailedError"), error
+        assert "1 of 2 processes" in error and "process 1:" in error, error
+        assert "File too large" in error, error
+    assert step_dirs.committed_steps(root / "ckpt") == [1]
+    assert _faults.files(root / "ckpt" / "1") == mine["before"]
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    saved, restored = _models.mlp(width=WIDE), _models.mlp(width=WIDE)
+    previous = _faults.fill(saved, _faults.PREVIOUS)
+    keras_orbax.restore_sharded(restored, root / "ckpt")
+    _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
 
 
 @pytest.mark.parametrize("stage", ["fsync", "rename"])

@@ -4,6 +4,10 @@ earlier one of the same sink, each with a real fault that process 1 injects
 
 - "weights.h5" on an ext4 filesystem that process 1 shuts down at the start of "stage" (EIO);
 - "transformers" on a tmpfs that process 1 fills at the start of "stage" (ENOSPC);
+- "step.fast" (`keras_orbax.save`), where no file of process 1 may grow past a limit
+  (RLIMIT_FSIZE) that its shard files exceed: its writes fail with EFBIG, on process 1 alone (a
+  fault of the shared filesystem would fail process 0's writes too, and so never show process 0
+  waiting for process 1); process 0 must raise too, without waiting in Orbax's commit barrier;
 - "preset", where process 1 SIGKILLs itself at the start of "agree" (`KERAS_ORBAX_TEST_KILL_AT`):
   process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
 
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 from pathlib import Path
 
 import keras
 
+import keras_orbax
 from keras_orbax._src.storage import commit
-from tests import _faults
+from tests import _faults, _models
 from tests._worker_util import exit_now, init_worker, write_result
 
 _FAULTS = {  # sink -> (stage, what process 1 does there)
@@ -51,11 +58,46 @@ def _case(sink: str, root: Path, process_id: int) -> dict:
     return {"sink": sink, "error": error, "before": before}
 
 
+# The step case's hidden kernel, 16 x WIDE float32 over a (2, 4) mesh: 8 * WIDE bytes a shard file.
+WIDE = 32768
+
+
+def _step_case(root: Path, process_id: int, log: Path) -> dict:
+    """Step 1 saved; then step 2, whose shard files process 1 cannot write (EFBIG)."""
+    keras.utils.set_random_seed(0)
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp(width=WIDE)
+    _faults.fill(model, _faults.PREVIOUS)
+    keras_orbax.save(model, root / "ckpt", step=1)
+    before = _faults.files(root / "ckpt" / "1") if process_id == 0 else None
+    _faults.fill(model, _faults.NEW)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    error = ""
+    try:
+        if process_id == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
+            # Room for this process's log to grow, none for a shard file (8 * WIDE bytes).
+            room = log.stat().st_size + 64 * 1024
+            assert room < 8 * WIDE, room
+            resource.setrlimit(resource.RLIMIT_FSIZE, (room, limit[1]))
+        keras_orbax.save(model, root / "ckpt", step=2)
+    except Exception as failed:
+        error = f"{type(failed).__name__}: {failed}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    return {"sink": "step.fast", "error": error, "before": before}
+
+
 def main() -> None:
     ctx = init_worker()
     done = []
     for case in ctx.args["cases"]:
-        done.append(_case(case["sink"], Path(case["root"]), ctx.process_id))
+        root = Path(case["root"])
+        if case["sink"] == "step.fast":
+            log = ctx.workdir / f"worker_{ctx.process_id}.log"
+            done.append(_step_case(root, ctx.process_id, log))
+        else:
+            done.append(_case(case["sink"], root, ctx.process_id))
         (ctx.workdir / f"cases_{ctx.process_id}.json").write_text(json.dumps(done))
     write_result({"cases": done})
     exit_now()  # process 1 is dead: skip jax's shutdown barrier

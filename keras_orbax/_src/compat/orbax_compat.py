@@ -8,8 +8,11 @@ resolved on first use (importing Orbax is left to the verbs that need it) and fa
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,13 @@ _ARRAY_LEAF_HANDLER = Private(
 )
 _ARRAY_LEAF_HANDLER_SERIALIZE = Private(
     "orbax-checkpoint", f"{_V1}.serialization.array_leaf_handler", "ArrayLeafHandler.serialize"
+)
+# Orbax's wait for a pytree's write futures, the step before its commit barrier.
+_ASYNC_FUTURES = Private(
+    "orbax-checkpoint", f"{_V1}.synchronization.compatibility", "async_futures"
+)
+_BACKGROUND_SAVE = Private(
+    "orbax-checkpoint", f"{_V1}.handlers.pytree_handler", "PyTreeHandler._background_save"
 )
 _SHARDING_METADATA = Private(
     "orbax-checkpoint", "orbax.checkpoint._src.metadata.sharding", "from_jax_sharding"
@@ -119,8 +129,16 @@ def epath_forget_tensorflow() -> None:
         is_tf_installed.cache_clear()
 
 
-def pytree_handler_with_array_writer(leaf_handler: type) -> type:
-    """Orbax's `PyTreeHandler`, saving every `jax.Array` leaf with `leaf_handler` instead of Orbax's.
+# `before_commit(operation_id, error, wait_s)`: called once this process's writes of a pytree
+# have ended (`error` None if they succeeded), before Orbax's commit barrier; raises to abandon.
+BeforeCommit = Callable[[str, "BaseException | None", "float | None"], None]
+
+
+def pytree_handler_with_array_writer(
+    leaf_handler: type, before_commit: BeforeCommit | None = None
+) -> type:
+    """Orbax's `PyTreeHandler`, saving every `jax.Array` leaf with `leaf_handler` instead of Orbax's,
+    and calling `before_commit` between this process's writes and Orbax's commit barrier.
 
     Why private: Orbax registers checkpointable handlers by class and records the class's dotted name
     in the step's metadata (`item_handlers`); plain `ocp.load` resolves the handler from that name.
@@ -129,11 +147,20 @@ def pytree_handler_with_array_writer(leaf_handler: type) -> type:
     exactly `PyTreeHandler`'s layout: plain Orbax then loads it with no warning. `leaf_handler` is
     registered for `jax.Array` under Orbax's own type name `"jax.Array"` (the `value_type` in
     `_METADATA`), so the tree metadata is unchanged too.
+
+    Why `_background_save` is overridden: it waits for the write futures and then enters a barrier
+    across processes (`..._commit_complete`) with no hook between; a process whose write failed
+    never reaches the barrier, and the others wait there up to Orbax's `timeout_secs`, which bounds
+    the whole write (20 minutes by default). The override waits for the futures itself, hands the
+    outcome to `before_commit` (keras-orbax's own agreement, which raises on every process if any
+    failed), and only then runs Orbax's barrier and finalize, with no futures left to wait for.
     """
     import jax
     from orbax.checkpoint.experimental.v1.handlers import PyTreeHandler
 
     registry, standard = _LEAF_REGISTRY.get(), _STANDARD_LEAF_HANDLERS.get()
+    async_futures = _ASYNC_FUTURES.get()
+    _BACKGROUND_SAVE.get()
 
     class Handler(PyTreeHandler):
         def __init__(self, **kwargs: Any) -> None:
@@ -143,6 +170,34 @@ def pytree_handler_with_array_writer(leaf_handler: type) -> type:
                     handler = leaf_handler
                 leaves.add(leaf, abstract, handler, secondary_typestrs=typestrs)
             super().__init__(leaf_handler_registry=leaves, **kwargs)
+
+        async def _background_save(
+            self, directory: Any, *, commit_futures: Any, operation_id: str, start_time: float
+        ) -> None:
+            if before_commit is not None:
+                timeout_s = self._context.async_options.timeout_secs
+                error = None
+                try:
+                    await async_futures(
+                        commit_futures,
+                        timeout_secs=timeout_s,
+                        start_time=start_time,
+                        operation_name="PyTreeHandler._async_futures",
+                        re_raise_cancelled=True,
+                    )
+                except Exception as failed:  # handed to `before_commit`, which raises it
+                    error = failed
+                left = None if timeout_s is None else timeout_s - (time.time() - start_time)
+                await asyncio.to_thread(before_commit, operation_id, error, left)
+                if error is not None:  # `before_commit` must not let a failed write commit
+                    raise error
+                commit_futures = []
+            await super()._background_save(
+                directory,
+                commit_futures=commit_futures,
+                operation_id=operation_id,
+                start_time=start_time,
+            )
 
     Handler.__module__ = PyTreeHandler.__module__
     Handler.__qualname__ = Handler.__name__ = PyTreeHandler.__qualname__

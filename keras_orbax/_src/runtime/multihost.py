@@ -105,6 +105,72 @@ def agree(
         raise _mark(_combined(name, failures, fallback)) from error
 
 
+def agree_on_outcome(
+    name: str,
+    round_key: str,
+    error: BaseException | None,
+    *,
+    wait_s: float | None = None,
+    fallback: type[KerasOrbaxError] = errors.SaveFailedError,
+) -> None:
+    """`agree` for a write whose processes may finish far apart: a failure is raised on every
+    process as soon as it has ended its own part, while processes that are merely slower are
+    waited for up to `wait_s` (the write's own time limit; None: without limit).
+
+    Safe from a background thread: the keys are named by `round_key` (the same on every process,
+    e.g. Orbax's operation id), not by the order of this process's collective calls.
+
+    Raises:
+        `fallback` (or the failing process's keras-orbax error type) naming each process that
+        failed and its error, at once on a process that failed and on every other one once it
+        has ended its own part; `ProcessSyncError`: a process did not report within `wait_s`.
+    """
+    if process_count() == 1:
+        if error is not None:
+            raise error
+        return
+    client = orbax_compat.distributed_client()
+    prefix = f"keras_orbax/outcome/{round_key}"
+    me = jax.process_index()
+    client.key_value_set(f"{prefix}/{me}", json.dumps(_outcome(error)))
+    _outcome_keys.append(f"{prefix}/{me}")
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    while True:
+        found = {
+            int(key.rsplit("/", 1)[1]): json.loads(value)
+            for key, value in client.key_value_dir_get(f"{prefix}/")
+        }
+        failures = {p: f for p, f in found.items() if not f["ok"]}
+        if failures:
+            raise _mark(_combined(name, failures, fallback)) from error
+        missing = [p for p in range(process_count()) if p not in found]
+        if not missing:
+            _forget_outcomes(client, f"{prefix}/{me}")
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise ProcessSyncError(
+                f"Processes {missing} did not report the outcome of '{name}' within "
+                f"{wait_s:.0f} s (this is process {me}). They may have crashed or be stuck; "
+                "nothing was committed."
+            )
+        time.sleep(_POLL_S)
+
+
+_POLL_S = 0.05
+_outcome_keys: list[str] = []  # `agree_on_outcome`'s keys this process set, deleted a round later
+
+
+def _forget_outcomes(client: Any, current: str) -> None:
+    """Deletes this process's outcome keys of earlier rounds: every process has read them, since
+    every process reported this round, which each enters only after ending the last."""
+    earlier, _outcome_keys[:] = [k for k in _outcome_keys if k != current], [current]
+    for key in earlier:
+        try:
+            client.key_value_delete(key)
+        except Exception:  # the service going away: nothing left to free
+            return
+
+
 def _mark(error: KerasOrbaxError) -> KerasOrbaxError:
     """`error`, noted as the outcome of an `agree`, which every process that got there raises."""
     _agreed.add(error)

@@ -160,7 +160,8 @@ def on_stage(hook: Callable[[str], None]) -> Iterator[None]:
 
 def fault_point(stage: str) -> None:
     """Test-only: where a fault matrix injects its fault (`on_stage` hooks, `KILL_AT_ENV`); a
-    no-op otherwise. Also called by `save`'s writer at the stages it has (`stage`, `fsync`)."""
+    no-op otherwise. Also called by `save`'s writer at its stages (`stage`, `agree`, `rename`,
+    `fsync`; docs/reliability.md maps them onto Orbax's commit)."""
     for hook in list(_hooks):
         hook(stage)
     kill_at = os.environ.get(KILL_AT_ENV, "")

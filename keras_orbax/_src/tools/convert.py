@@ -106,12 +106,12 @@ def convert(
         )
     _refuse_keras_file(destination)
     resolve.check_destination(destination, "keras-orbax")
+    root = locations.as_path(os.fspath(destination))  # the one path of it from here on
     opened = resolve.open_source(source)  # its metadata only
     step = step_dirs.checked_step(step if step is not None else opened.step or 0)
-    if step in step_dirs.committed_steps(destination):  # before reading the arrays
+    if step in step_dirs.committed_steps(root):  # before reading the arrays
         raise StepExistsError(
-            f"Step {step} is already committed in '{locations.as_path(os.fspath(destination))}'; "
-            "nothing was written. "
+            f"Step {step} is already committed in '{root}'; nothing was written. "
             f"Received: step={step}"
         )
     if model is None:
@@ -137,11 +137,10 @@ def convert(
         if on_write is not None:
             on_write(record.variables[key].nbytes, total)
 
-    root = locations.as_path(os.fspath(destination))
     made = not locations.is_remote(root) and not root.exists()
     try:
         return array_writer.save_arrays(
-            destination,
+            root,
             step,
             record,
             read_each(),

@@ -128,9 +128,9 @@ def save(
                 incremental=incremental,
                 rewrite_every=rewrite_every,
             )
-    except KerasOrbaxError:
-        raise
-    except Exception as error:  # the write itself failed: a full disk, a read-only directory...
+    except Exception as error:  # the write failed: a full disk, a read-only directory...
+        if isinstance(error, KerasOrbaxError) and not isinstance(error, SaveFailedError):
+            raise  # the caller's input (StepExistsError...), or a process that never reported
         steps = step_dirs.committed_steps(directory)
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
@@ -181,8 +181,10 @@ def open_checkpointer(
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
-    if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
-        context.checkpointables_options.registry = _fast_registry(leaf_handler)
+    # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way every
+    # process's outcome agreed on (`_agree_on_write`) before Orbax commits the step.
+    array_handler = leaf_handler if format == "fast" else orbax_compat.array_leaf_handler()
+    context.checkpointables_options.registry = _registry(array_handler)
     if commit_timeout_s is not None:
         context.async_options.timeout_secs = commit_timeout_s
     if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
@@ -192,10 +194,10 @@ def open_checkpointer(
     )
 
 
-def _fast_registry(leaf_handler: type = shard_writer.FastArrayLeafHandler) -> Any:
+def _registry(leaf_handler: type) -> Any:
     """Orbax's handlers, with `state` saved by a PyTreeHandler whose `jax.Array` leaves go to
-    `leaf_handler` (by default written via `shard_writer`)."""
-    handler = orbax_compat.pytree_handler_with_array_writer(leaf_handler)
+    `leaf_handler` and whose commit waits for `_agree_on_write`."""
+    handler = orbax_compat.pytree_handler_with_array_writer(leaf_handler, _agree_on_write)
     registry = ocp.handlers.local_registry(include_global_registry=False)
     registry.add(handler, checkpointable_name=STATE)
     default = ocp.handlers.local_registry()
@@ -207,6 +209,23 @@ def _fast_registry(leaf_handler: type = shard_writer.FastArrayLeafHandler) -> An
                 secondary_typestrs=default.get_secondary_typestrs(handler_type),
             )
     return registry
+
+
+def _agree_on_write(operation_id: str, error: BaseException | None, wait_s: float | None) -> None:
+    """The step's "agree" stage, between this process's writes and Orbax's commit: every process
+    reports whether its shard files were written and fsynced; if any failed, every process raises
+    `SaveFailedError` naming it, and none enters Orbax's commit barrier. Processes that are only
+    slower are waited for as long as Orbax's own limit on the write (`wait_s`).
+
+    Raises:
+        SaveFailedError: a process failed (its error named); the step is not committed.
+        ProcessSyncError: a process did not report within `wait_s`.
+    """
+    commit.fault_point("agree")
+    multihost.agree_on_outcome(
+        "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
+    )
+    commit.fault_point("rename")  # Orbax's finalize: its metadata, then the rename
 
 
 def write_step(
