@@ -34,7 +34,6 @@ class _File:
         self.key, self.path, self.data_bytes, self.algorithm = key, path, data_bytes, algorithm
         self.pieces: dict[int, tuple[int, int]] = {}
         self.ends: dict[int, int] = {}  # end -> start
-        self.whole = False  # checked whole (`ReadChecks.whole`)
         self.again = False  # some bytes not kept as a piece: read it back in `finish`
         self.nbytes_read = 0  # by this process, in pieces of any size
         self.lock = threading.Lock()
@@ -77,11 +76,12 @@ class ReadChecks:
         self.recorded, self.read_back = recorded, read_back
         self.unchecked: dict[str, None] = {}  # keys of arrays with a file `finish` left unchecked
         self._files: dict[str, _File] = {}
+        self._whole: set[str] = set()  # files checked whole (`whole`): `finish` skips them
         self._lock = threading.Lock()
 
-    def whole(self, name: str, key: str, path: Any, *parts: Any) -> None:
-        """Checks a file read whole: `parts` (buffers) are all its bytes, as read, in order. A file
-        with no recorded checksum costs no CRC.
+    def whole(self, name: str, key: str, file: Callable[[], Any], *parts: Any) -> None:
+        """Checks a file read whole: `parts` (buffers) are all its bytes, as read, in order;
+        `file()` its path (for a message). A file with no recorded checksum costs no CRC.
 
         Raises:
             CorruptCheckpointError: naming the array and the file.
@@ -91,9 +91,8 @@ class ReadChecks:
             algorithm, value = recorded
             crc = algorithm.of(*parts)
             if crc != value:
-                raise checksum.mismatch(key, path, crc, value, algorithm)
-            with self._lock:
-                self._files.setdefault(name, _File(key, path, 0, algorithm)).whole = True
+                raise checksum.mismatch(key, file(), crc, value, algorithm)
+            self._whole.add(name)  # a set's `add` is atomic: no lock
 
     def fetching(
         self, name: str, key: str, path: Any, data_bytes: int, fetch: Callable, data_offset: int
@@ -135,7 +134,7 @@ class ReadChecks:
         with self._lock:  # checked once: a later `finish` (one per array in `convert`) skips them
             files, self._files = self._files, {}
         for name, file in files.items():
-            if file.whole:
+            if name in self._whole:
                 continue
             data_crc = file.data_crc()
             if data_crc is None:

@@ -197,8 +197,9 @@ class FastArray:
         Raises:
             CorruptCheckpointError: naming the array and the file.
         """
-        if self.checks is not None:
-            self.checks.whole(self.file_name(coords), self.key, self.file(coords), *parts)
+        if self.checks is not None:  # the path only for a message: a Path costs more than a CRC
+            file = functools.partial(self.file, coords)
+            self.checks.whole(self.file_name(coords), self.key, file, *parts)
 
     def file_name(self, coords: tuple[int, ...]) -> str:
         """The file of chunk `coords` as a step's checksum files name it: `<array>/<chunk key>`."""
