@@ -9,12 +9,15 @@ Cases, each a step saved once and restored again and again into the same model:
   so the files are read back and checked before the regions are read.
 - `mlp`: a stack of `--layers` Dense(`--width`) layers with Adam's state (many small files, each read
   whole and checked).
+- `save` (not by default): the `same` embedding saved (durable: each file fsync-ed) recording a
+  CRC-32C beside the CRC-32 (with google-crc32c installed), against the CRC-32 alone: what recording
+  both costs. Its columns are "both" and "CRC-32 only".
 
 Prints per case the median seconds with checks and without, and their ratio, wall and process CPU
 (on a shared machine the CPU time is the steadier figure).
 
 Usage: python benchmarks/verify_benchmark.py [--rows 65536] [--cols 1024] [--layers 24]
-    [--width 256] [--repeats 7] [--cases same,reshard,mlp] [--directory /tmp/vb] [--cold]
+    [--width 256] [--repeats 7] [--cases same,reshard,mlp,save] [--directory /tmp/vb] [--cold]
 """
 
 from __future__ import annotations
@@ -71,6 +74,30 @@ def _time(model, directory: str, verify: bool, cold: bool = False) -> tuple[floa
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def _saves(name: str, args: argparse.Namespace, root: str) -> list[float]:
+    """Medians of (wall, CPU) of saves recording both CRCs, then of saves recording the CRC-32."""
+    import numpy as np
+
+    import keras_orbax
+    from keras_orbax._src.format import crc
+
+    model = _embedding(args.rows, args.cols, ("model", None))
+    model.weights[0].assign(np.random.default_rng(0).random(model.weights[0].shape).astype("f4"))
+    both, runs = crc.RECORDED, {}
+    for n in range(-1, args.repeats):  # the first pair warms up
+        for recorded in (both, (crc.CRC32,)):
+            crc.RECORDED = recorded  # what shard_files records; a benchmark's switch only
+            directory = os.path.join(root, f"save_{n}_{len(recorded)}")
+            start, cpu = time.perf_counter(), time.process_time()
+            keras_orbax.save(model, directory, step=1, incremental=False)
+            if n >= 0:
+                runs.setdefault(len(recorded), []).append(
+                    (time.perf_counter() - start, time.process_time() - cpu)
+                )
+    crc.RECORDED = both
+    return [statistics.median(t[i] for t in runs[k]) for k in (len(both), 1) for i in (0, 1)]
+
+
 def _case(name: str, args: argparse.Namespace, root: str) -> list[float]:
     import numpy as np
 
@@ -112,7 +139,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.cases.split(","):
-        on, on_cpu, off, off_cpu = _case(name, args, root)
+        on, on_cpu, off, off_cpu = (_saves if name == "save" else _case)(name, args, root)
         print(
             f"| {name} | {on:.3f} | {off:.3f} | {on / off:.2f} x | {on_cpu:.3f} | {off_cpu:.3f} "
             f"| {on_cpu / off_cpu:.2f} x |",
