@@ -1,8 +1,10 @@
 """Checksums of the fast format's shard files (docs/format.md, "Checksums").
 
-Each shard file's checksum is zlib's CRC-32 of the whole file (data, then the 20-byte zarr index),
-computed piece by piece while the file is written and stored beside the step's arrays. The zarr
-shard index carries its own CRC-32C (Castagnoli), which tensorstore checks when it reads a shard.
+Each shard file's checksums are CRCs of the whole file (data, then the 20-byte zarr index): zlib's
+CRC-32 always, and CRC-32C where google-crc32c is installed (`crc`), computed piece by piece while
+the file is written and stored beside the step's arrays; a reader checks the strongest it computes
+fast (`crc.strongest`). The zarr shard index carries its own CRC-32C (Castagnoli), which tensorstore
+checks when it reads a shard.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 import functools
 import json
 import struct
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from keras_orbax._src.format.crc import Crc, strongest
 from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import CorruptCheckpointError
@@ -22,7 +24,9 @@ from keras_orbax.errors import CorruptCheckpointError
 if TYPE_CHECKING:  # zarr_shards reads files through this module's checks
     from keras_orbax._src.format.zarr_shards import FastArray
 
-ALGORITHM = "crc32"  # zlib.crc32: in the standard library, about 3 GB/s here, releases the GIL
+# The file's `algorithm`: every entry has a CRC-32, which readers before CRC-32C require; a CRC-32C
+# beside it (key "crc32c") is read where google-crc32c is installed.
+ALGORITHM = "crc32"
 PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is written
 INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
@@ -57,10 +61,6 @@ def shard_index(nbytes: int) -> bytes:
     return pair + struct.pack("<I", crc32c(pair))
 
 
-def update(crc: int, data: bytes | memoryview) -> int:
-    return zlib.crc32(data, crc)
-
-
 def check_files(
     path: Path,
     what: str,
@@ -87,16 +87,17 @@ def check_files(
         for coords in files_of(array):
             file = array.file(coords)
             name = str(file.relative_to(path / STATE))
-            problem, size, crc = check_file(file, array.chunk_bytes)
+            algorithm, recorded = checksums.get(name, (None, 0))
+            problem, size, crc = check_file(file, array.chunk_bytes, algorithm)
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
-            if name not in checksums:
+            if algorithm is None:
                 uncovered[key] = None
             elif problem is None:
                 compared += 1
-                if crc != checksums[name]:
-                    problem = f"checksum {crc:#010x}, recorded {checksums[name]:#010x}"
+                if crc != recorded:
+                    problem = f"checksum {crc:#010x}, recorded {recorded:#010x} ({algorithm.label})"
             if problem is not None:
                 problems.append(f"  {key}: {file}: {problem}")
     if problems:
@@ -115,17 +116,19 @@ _NOT_MODIFIED = (
 )
 
 
-def mismatch_line(key: str, file: Any, crc: int, recorded: int) -> str:
+def mismatch_line(key: str, file: Any, crc: int, recorded: int, algorithm: Crc) -> str:
     """What a restore says of a file whose bytes, as read, do not have their recorded checksum."""
     return (
-        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x}: its bytes as read are "
-        "not those written"
+        f"{key}: {file}: checksum {crc:#010x}, recorded {recorded:#010x} ({algorithm.label}): "
+        "its bytes as read are not those written"
     )
 
 
-def mismatch(key: str, file: Any, crc: int, recorded: int) -> CorruptCheckpointError:
+def mismatch(
+    key: str, file: Any, crc: int, recorded: int, algorithm: Crc
+) -> CorruptCheckpointError:
     """The error for a file whose bytes, as read, do not have their recorded checksum."""
-    return damaged([mismatch_line(key, file, crc, recorded)])
+    return damaged([mismatch_line(key, file, crc, recorded, algorithm)])
 
 
 def damaged(lines: list[str]) -> CorruptCheckpointError:
@@ -140,8 +143,8 @@ def damaged(lines: list[str]) -> CorruptCheckpointError:
     )
 
 
-def file_crc(path: str) -> tuple[int, int]:
-    """(bytes, CRC-32) of the local file `path`, read once in large blocks (zlib releases the GIL,
+def file_crc(path: str, algorithm: Crc) -> tuple[int, int]:
+    """(bytes, CRC) of the local file `path`, read once in large blocks (both CRCs release the GIL,
     so threads check files in parallel).
 
     Raises:
@@ -152,18 +155,19 @@ def file_crc(path: str) -> tuple[int, int]:
     view = memoryview(block)
     with open(path, "rb", buffering=0) as handle:
         while n := handle.readinto(block):
-            crc = update(crc, view[:n])
+            crc = algorithm.update(crc, view[:n])
             size += n
     return size, crc
 
 
-def recorded_checksums(state: Path) -> dict[str, int]:
-    """`<array>/c/<i>/<j>` -> CRC-32 from every process's checksum file ({} for older steps).
+def recorded_checksums(state: Path) -> dict[str, tuple[Crc, int]]:
+    """`<array>/c/<i>/<j>` -> the strongest CRC recorded that this process computes fast, and its
+    value, from every process's checksum file ({} for older steps).
 
     Raises:
         CorruptCheckpointError: a checksum file cannot be read, or uses another algorithm.
     """
-    found: dict[str, int] = {}
+    found: dict[str, tuple[Crc, int]] = {}
     for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
         try:
             content = json.loads(path.read_text())
@@ -174,7 +178,12 @@ def recorded_checksums(state: Path) -> dict[str, int]:
                 f"{path} uses checksum {content.get('algorithm')!r}; this version knows "
                 f"{ALGORITHM!r}. Upgrade keras-orbax."
             )
-        found.update({name: entry[ALGORITHM] for name, entry in content["files"].items()})
+        try:
+            found.update({name: strongest(entry) for name, entry in content["files"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise CorruptCheckpointError(
+                f"Cannot read checksum file {path}: an entry without a CRC ({error!r})"
+            ) from error
     return found
 
 
@@ -183,14 +192,14 @@ def _open_unbuffered(file: Any) -> Any:
     return file.open("rb") if locations.is_remote(file) else open(file, "rb", buffering=0)
 
 
-def check_file(file: Path, chunk_bytes: int) -> tuple[str | None, int, int]:
-    """(problem or None, bytes read, CRC-32 of the whole file)."""
+def check_file(file: Path, chunk_bytes: int, algorithm: Crc | None) -> tuple[str | None, int, int]:
+    """(problem or None, bytes read, CRC of the whole file by `algorithm`: 0 if None)."""
     expected = chunk_bytes + INDEX_BYTES
     crc, size, tail = 0, 0, b""
     try:
         with _open_unbuffered(file) as handle:
             while block := handle.read(_READ_BYTES):
-                crc = update(crc, block)
+                crc = crc if algorithm is None else algorithm.update(crc, block)
                 size += len(block)
                 tail = (tail + block)[-INDEX_BYTES:]
     except FileNotFoundError:

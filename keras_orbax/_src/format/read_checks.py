@@ -1,10 +1,11 @@
-"""Checking the fast format's shard files against their recorded CRC-32 over the bytes a restore
+"""Checking the fast format's shard files against their recorded CRC (CRC-32C where google-crc32c
+is installed and the step records it, else CRC-32: `crc.strongest`) over the bytes a restore
 reads, as it reads them (`restore_sharded`'s `verify`), not in a second pass.
 
 A region that is one whole shard file is checked by the thread that read it (`whole`). A region
 that cuts a file (a restore onto another layout) reads it in pieces, often shared among regions
 and threads: each piece of at least `_PIECE_MIN_BYTES` is checksummed as it arrives, continuing
-the CRC of the piece it follows (or joined to its neighbours with `crc32_combine` when it comes
+the CRC of the piece it follows (or joined to its neighbours with `Crc.combine` when it comes
 out of order), so a file whose pieces cover it is checked without reading it again. A file read
 whole in short runs is read back once the regions are read (`finish`), before anything is
 assigned; one read in part (another process reads the rest) is read back only where the caller
@@ -14,75 +15,32 @@ unchecked: each process reads only the bytes its devices need.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from keras_orbax._src.format import checksum
+from keras_orbax._src.format.crc import Crc
 
 # Smaller pieces are runs of a cut row: a CRC call and an entry each would cost more than reading
 # the file again (`finish`).
 _PIECE_MIN_BYTES = 4 << 10
-_POLY = 0xEDB88320  # CRC-32 (zlib), reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (zlib's `multmodp`)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-@functools.lru_cache(maxsize=4096)  # pieces come in a few lengths
-def _x8n(nbytes: int) -> int:
-    """x^(8 * nbytes) modulo the polynomial (zlib's `x2nmodp(nbytes, 3)`)."""
-    p, k = 1 << 31, 3
-    while nbytes:
-        if nbytes & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        nbytes >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A + B from A's (`crc1`), B's (`crc2`) and B's length (zlib's own; Python's
-    zlib does not expose it)."""
-    return _multmodp(_x8n(len2), crc1) ^ crc2
 
 
 class _File:
     """What has been read of one file's data: pieces (start -> end, CRC), joined when adjacent."""
 
-    def __init__(self, key: str, path: Any, data_bytes: int) -> None:
-        self.key, self.path, self.data_bytes = key, path, data_bytes
+    def __init__(self, key: str, path: Any, data_bytes: int, algorithm: Crc) -> None:
+        self.key, self.path, self.data_bytes, self.algorithm = key, path, data_bytes, algorithm
         self.pieces: dict[int, tuple[int, int]] = {}
         self.ends: dict[int, int] = {}  # end -> start
-        self.whole = False  # checked whole (`ReadChecks.whole`)
         self.again = False  # some bytes not kept as a piece: read it back in `finish`
         self.nbytes_read = 0  # by this process, in pieces of any size
         self.lock = threading.Lock()
 
     def add(self, start: int, data: memoryview) -> None:
         """Notes `data`, read at `start`: a piece that follows one already read extends its CRC
-        (reading in order, the common case, needs no `crc32_combine`)."""
+        (reading in order, the common case, needs no `Crc.combine`)."""
         end = start + len(data)
         with self.lock:  # one file's: threads reading other files go on
             if start in self.pieces or end in self.ends:  # read twice: not a tiling
@@ -90,20 +48,20 @@ class _File:
                 return
             left = self.ends.pop(start, None)
             if left is None:
-                crc = checksum.update(0, data)
+                crc = self.algorithm.update(0, data)
             else:
                 _, left_crc = self.pieces.pop(left)
-                start, crc = left, checksum.update(left_crc, data)
+                start, crc = left, self.algorithm.update(left_crc, data)
             right = self.pieces.pop(end, None)
             if right is not None:
                 right_end, right_crc = right
                 del self.ends[right_end]
-                crc, end = crc32_combine(crc, right_crc, right_end - end), right_end
+                crc, end = self.algorithm.combine(crc, right_crc, right_end - end), right_end
             self.pieces[start] = (end, crc)
             self.ends[end] = start
 
     def data_crc(self) -> int | None:
-        """The CRC-32 of the whole data, if the pieces cover it exactly."""
+        """The CRC of the whole data, if the pieces cover it exactly."""
         piece = self.pieces.get(0)
         if self.again or piece is None or piece[0] != self.data_bytes or len(self.pieces) != 1:
             return None
@@ -111,26 +69,30 @@ class _File:
 
 
 class ReadChecks:
-    """The recorded checksums of one restore's shard files (`<array>/<chunk key>` -> CRC-32), and
-    what has been read of the files regions cut."""
+    """The recorded checksums of one restore's shard files (`<array>/<chunk key>` -> the CRC to
+    check and its value), and what has been read of the files regions cut."""
 
-    def __init__(self, recorded: Mapping[str, int], *, read_back: bool = False) -> None:
+    def __init__(self, recorded: Mapping[str, tuple[Crc, int]], *, read_back: bool = False) -> None:
         self.recorded, self.read_back = recorded, read_back
         self.unchecked: dict[str, None] = {}  # keys of arrays with a file `finish` left unchecked
         self._files: dict[str, _File] = {}
+        self._whole: set[str] = set()  # files checked whole (`whole`): `finish` skips them
         self._lock = threading.Lock()
 
-    def whole(self, name: str, key: str, path: Any, crc: int) -> None:
-        """Checks a file read whole (`crc` over all its bytes, as read).
+    def whole(self, name: str, key: str, file: Callable[[], Any], *parts: Any) -> None:
+        """Checks a file read whole: `parts` (buffers) are all its bytes, as read, in order;
+        `file()` its path (for a message). A file with no recorded checksum costs no CRC.
 
         Raises:
             CorruptCheckpointError: naming the array and the file.
         """
         recorded = self.recorded.get(name)
-        if recorded is not None and recorded != crc:
-            raise checksum.mismatch(key, path, crc, recorded)
-        with self._lock:
-            self._files.setdefault(name, _File(key, path, 0)).whole = True
+        if recorded is not None:
+            algorithm, value = recorded
+            crc = algorithm.of(*parts)
+            if crc != value:
+                raise checksum.mismatch(key, file(), crc, value, algorithm)
+            self._whole.add(name)  # a set's `add` is atomic: no lock
 
     def fetching(
         self, name: str, key: str, path: Any, data_bytes: int, fetch: Callable, data_offset: int
@@ -139,8 +101,9 @@ class ReadChecks:
         `data_bytes` of data at `data_offset`), noting each piece of data it reads."""
         if name not in self.recorded:
             return fetch
+        algorithm = self.recorded[name][0]
         with self._lock:
-            file = self._files.setdefault(name, _File(key, path, data_bytes))
+            file = self._files.setdefault(name, _File(key, path, data_bytes, algorithm))
 
         def checked(requests: list[tuple[memoryview, int]]) -> None:
             fetch(requests)
@@ -171,17 +134,17 @@ class ReadChecks:
         with self._lock:  # checked once: a later `finish` (one per array in `convert`) skips them
             files, self._files = self._files, {}
         for name, file in files.items():
-            if file.whole:
+            if name in self._whole:
                 continue
             data_crc = file.data_crc()
             if data_crc is None:
                 again.append((name, file))
                 continue
-            index = checksum.update(0, checksum.shard_index(file.data_bytes))
-            crc = crc32_combine(data_crc, index, checksum.INDEX_BYTES)
-            if crc != self.recorded[name]:
+            algorithm, recorded = self.recorded[name]
+            crc = algorithm.update(data_crc, checksum.shard_index(file.data_bytes))
+            if crc != recorded:
                 problems.append(
-                    checksum.mismatch_line(file.key, file.path, crc, self.recorded[name])
+                    checksum.mismatch_line(file.key, file.path, crc, recorded, algorithm)
                 )
         # Read back where every byte was needed anyway (only in short runs), or asked for.
         again, partly = (
@@ -189,12 +152,13 @@ class ReadChecks:
             [f for _, f in again if not (self.read_back or f.nbytes_read >= f.data_bytes)],
         )
         for name, file in again:
-            problem, _, crc = checksum.check_file(file.path, file.data_bytes)
+            algorithm, recorded = self.recorded[name]
+            problem, _, crc = checksum.check_file(file.path, file.data_bytes, algorithm)
             if problem is not None:
                 problems.append(f"{file.key}: {file.path}: {problem}")
-            elif crc != self.recorded[name]:
+            elif crc != recorded:
                 problems.append(
-                    checksum.mismatch_line(file.key, file.path, crc, self.recorded[name])
+                    checksum.mismatch_line(file.key, file.path, crc, recorded, algorithm)
                 )
         self.unchecked.update((file.key, None) for file in partly)
         if problems:

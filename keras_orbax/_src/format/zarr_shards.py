@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.format import checksum
 from keras_orbax._src.format.checksum import crc32c, shard_index
 from keras_orbax._src.format.dtypes import np_dtype
 from keras_orbax._src.format.read_checks import ReadChecks
@@ -187,22 +186,20 @@ class FastArray:
     def _verify_shard(self, region: list[tuple[int, int]], data: np.ndarray) -> None:
         """With `checks`, checks the data just read of a region that is one whole shard: its
         file is that data followed by the plain shard index (`_read_whole` and `_open` checked
-        the index), so the file's CRC-32 extends the data's with the index's."""
-        if self.checks is None:
-            return
+        the index), so the file's CRC extends the data's with the index's."""
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
-        crc = checksum.update(0, data.reshape(-1).view(np.uint8).data)
-        self.verify_read(coords, checksum.update(crc, self._plain_index))
+        self.verify_read(coords, data.reshape(-1).view(np.uint8).data, self._plain_index)
 
-    def verify_read(self, coords: tuple[int, ...], crc: int) -> None:
-        """Checks `crc`, of the whole file of chunk `coords` as it was read, against the one
+    def verify_read(self, coords: tuple[int, ...], *parts: Any) -> None:
+        """Checks `parts`, the whole file of chunk `coords` as it was read, against the checksum
         recorded for it (no `checks`, or none recorded for that file: nothing to check).
 
         Raises:
             CorruptCheckpointError: naming the array and the file.
         """
-        if self.checks is not None:
-            self.checks.whole(self.file_name(coords), self.key, self.file(coords), crc)
+        if self.checks is not None:  # the path only for a message: a Path costs more than a CRC
+            file = functools.partial(self.file, coords)
+            self.checks.whole(self.file_name(coords), self.key, file, *parts)
 
     def file_name(self, coords: tuple[int, ...]) -> str:
         """The file of chunk `coords` as a step's checksum files name it: `<array>/<chunk key>`."""

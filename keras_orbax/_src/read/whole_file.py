@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.format import checksum
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty, bounds, cast
 from keras_orbax._src.storage.small_files import SmallFiles
@@ -81,6 +80,6 @@ class WholeFileReader:
         # Anything but the data followed by the plain index: the general path reads or says why.
         if array is None:
             return self.array.read(whole, dtype)
-        if self.array.checks is not None:  # the whole file was just read: its CRC as read
-            self.array.verify_read((0,) * len(self.array.shape), checksum.update(0, data.data))
+        # The whole file was just read: its CRC as read.
+        self.array.verify_read((0,) * len(self.array.shape), data.data)
         return cast(array, dtype)

@@ -6,7 +6,7 @@ A fine-tuning run (LoRA on a frozen backbone, a new head on a frozen encoder) ch
 of its state between saves; the frozen weights are most of the bytes. Buffer identity cannot tell
 them apart: Keras's JAX trainer hands back a new array for every state variable each step, frozen
 ones included (`tests/test_incremental.py` checks this). So each shard's content is fingerprinted
-when it is written, the fingerprint recorded beside its CRC-32 in the step's checksum files
+when it is written, the fingerprint recorded beside its CRCs in the step's checksum files
 (`keras_orbax_checksums/process_<i>.json`, key `fingerprint`), and the next save compares against
 the previous step's record:
 
@@ -14,10 +14,11 @@ the previous step's record:
   or not, sharding) followed by the shard's bytes, kept to its first 128 bits. Two different
   contents share one with probability 2**-128 per shard compared (docs/incremental.md);
 - a shard is linked only if the previous step recorded the same file name with the same
-  fingerprint, and its file there, once linked, is read and its CRC-32 is the recorded one: a
+  fingerprint, and its file there, once linked, is read and its CRC is the recorded one (CRC-32C
+  where google-crc32c is installed and the step records it, else CRC-32): a
   file written into since (`cp -p` or `rsync -a --inplace` over the step keep its mtime; a write
   in the save's own clock tick looks unchanged) is not passed on, whatever its timestamps say. It
-  then gets the recorded CRC-32, so the new step's checksum file is complete and `verify` reads
+  then gets the recorded CRCs, so the new step's checksum file is complete and `verify` reads
   it as any other;
 - with `rewrite_every=K`, a file already held by K steps is written again, not linked: two steps
   K or more saves apart share no file (each entry counts the steps holding its file, `shared`);
@@ -58,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.format import checksum, step_dirs
+from keras_orbax._src.format import checksum, crc, step_dirs
 from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.storage import locations, object_copy
 
@@ -77,7 +78,7 @@ WriteShard = Callable[[Any], tuple[str, Mapping[str, Any]]]
 @dataclasses.dataclass(frozen=True)
 class _Recorded:
     fingerprint: str | None  # None: written without looking (`fingerprinted_after`)
-    crc: int
+    crcs: dict[str, int]  # every CRC recorded (`crc.RECORDED` keys)
     nbytes: int
     written: int
     version: str | None = None  # object storage only
@@ -125,7 +126,7 @@ class Plan:
             and self._carry(relative, f"{root}/{relative}", recorded)
         ):
             return relative, {
-                checksum.ALGORITHM: recorded.crc,
+                **recorded.crcs,
                 "bytes": recorded.nbytes,
                 ENTRY_KEY: digest,
                 WRITTEN_KEY: 0,
@@ -145,9 +146,9 @@ class Plan:
 
         No timestamp can show that a file still holds what was recorded: `cp -p` and `rsync -a
         --inplace` keep the mtime of a file they write into, and timestamps are coarse (a write in
-        the save's own tick looks older). So the linked file is read and its CRC-32 compared with
-        the recorded one; reading is far cheaper than writing and fsyncing it (docs/incremental.md).
-        The link comes first: what is checked is the very inode the new step holds.
+        the save's own tick looks older). So the linked file is read and its CRC (`crc.strongest`)
+        compared with the recorded one; reading is far cheaper than writing and fsyncing it
+        (docs/incremental.md). The link comes first: what is checked is the very inode the new step holds.
         """
         source = f"{self.previous_state}/{relative}"
         try:
@@ -157,7 +158,8 @@ class Plan:
         except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
             return False
         try:
-            intact = checksum.file_crc(target) == (recorded.nbytes, recorded.crc)
+            algorithm, value = crc.strongest(recorded.crcs)
+            intact = checksum.file_crc(target, algorithm) == (recorded.nbytes, value)
         except OSError:
             intact = False
         if not intact:  # written into since: the step gets a file of its own, written afresh
@@ -235,7 +237,7 @@ def _recorded(state: Any) -> dict[str, _Recorded]:
                     digest = entry.get(ENTRY_KEY)
                     found[name] = _Recorded(
                         None if digest is None else str(digest),
-                        int(entry[checksum.ALGORITHM]),
+                        {k: int(entry[k]) for k in crc.KEYS if k in entry or k == crc.CRC32.key},
                         int(entry["bytes"]),
                         int(entry.get(WRITTEN_KEY, 0)),
                         None if VERSION_KEY not in entry else str(entry[VERSION_KEY]),

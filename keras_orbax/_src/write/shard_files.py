@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax._src.format import checksum
+from keras_orbax._src.format import checksum, crc
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.write import incremental
 
@@ -74,13 +74,18 @@ def checksums_json(checksums: dict[str, dict[str, Any]], *, fingerprinted: bool)
     return json.dumps({**content, "files": checksums}).encode()
 
 
+def _entry(crcs: list[int], nbytes: int) -> dict[str, int]:
+    """A shard file's checksum entry: each CRC a save records (`crc.RECORDED`), and its size."""
+    return {**{c.key: value for c, value in zip(crc.RECORDED, crcs, strict=True)}, "bytes": nbytes}
+
+
 def put_shard(store: Any, shard: Shard) -> tuple[str, dict[str, int]]:
     """Writes one shard as an object (copied once into the request body); its name and checksum."""
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
-    crc = checksum.update(checksum.update(0, view), index)
+    crcs = [c.of(view, index) for c in crc.RECORDED]
     store.write(shard.relative, b"".join((view, index))).result()
-    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+    return shard.relative, _entry(crcs, len(view) + len(index))
 
 
 def put_file(store: Any, name: str, content: bytes) -> None:
@@ -89,23 +94,23 @@ def put_file(store: Any, name: str, content: bytes) -> None:
 
 def write_shard(root: str, shard: Shard) -> tuple[str, dict[str, int]]:
     """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
-    name and checksum."""
+    name and checksum entry."""
     path = f"{root}/{shard.relative}"
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
-    crc = 0
+    crcs = [0] * len(crc.RECORDED)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         for start in range(0, len(view), checksum.PIECE_BYTES):
             piece = view[start : start + checksum.PIECE_BYTES]
-            crc = checksum.update(crc, piece)
+            crcs = [c.update(value, piece) for c, value in zip(crc.RECORDED, crcs, strict=True)]
             _write_all(fd, piece)
-        crc = checksum.update(crc, index)
+        crcs = [c.update(value, index) for c, value in zip(crc.RECORDED, crcs, strict=True)]
         _write_all(fd, memoryview(index))
         os.fsync(fd)
     finally:
         os.close(fd)
-    return shard.relative, {checksum.ALGORITHM: crc, "bytes": len(view) + len(index)}
+    return shard.relative, _entry(crcs, len(view) + len(index))
 
 
 def write_file(path: str, content: bytes, sync: bool = True) -> None:
