@@ -363,8 +363,11 @@ def test_processes_agree_on_best_saves_and_on_the_preemption_step(tmp_path):
         assert result["best_steps"] == [4, 8, 16]
         assert result["preempted"]
         # Of the hundreds set for the saves, the restores and the preemption, only those of
-        # the last two collective calls may be left (each process deletes its own).
-        assert len(result["keys_left"]) <= 4, result["keys_left"]
+        # the last two collective calls, and of the last save's write agreement, may be left
+        # (each process deletes its own one round later): at most 2 keys each.
+        left = result["keys_left"]
+        agreements = [k for k in left if k.startswith("keras_orbax/outcome/")]
+        assert len(agreements) <= 2 and len(left) - len(agreements) <= 4, left
         # Step 16's array file failed its checksum on some process: all fell back to step 8.
         assert result["resumed_step"] == 8
         assert result["best_after"] == [4, 8]
