@@ -147,7 +147,7 @@ def convert(
             on_written=written,
             incremental=incremental,
             metrics=metrics,
-            keras_state=resolve.open_source(source).own_state(),  # small files: read again
+            keras_state=opened.own_state(),  # small files, read whole
         )
     except BaseException:
         if made and root.is_dir():  # made by this convert: nothing else can be in it
