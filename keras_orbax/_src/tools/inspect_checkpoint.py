@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import data_state
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
@@ -52,6 +53,8 @@ class CheckpointInfo:
             `model.save`), `"keras-hub"` (a preset) or `"transformers"`.
         kind: Which kind of source (`"keras-orbax"`, `"keras-checkpoint"`, `"keras-weights"`,
             `"keras-preset"`, `"transformers"`).
+        data_position: The input's position saved with the step by `ModelCheckpoint`, per
+            process: the kind of input, the epoch and the batches of it done (empty: none saved).
     """
 
     directory: Path
@@ -62,6 +65,7 @@ class CheckpointInfo:
     writer: str = "keras-orbax"
     kind: str = "keras-orbax"
     disk_bytes: int = 0  # of every step, a file that steps share counted once (as `du` counts)
+    data_position: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -75,8 +79,14 @@ class CheckpointInfo:
         lines = [
             f"{self.directory}: {where}"
             + (f"epoch {record.epoch}, " if record.epoch is not None else "")
+            + (f"batch {record.batch}, " if record.batch else "")
             + f"{count} {'variable' if count == 1 else 'variables'}, {human_bytes(self.nbytes)}",
         ]
+        for process, position in self.data_position.items():
+            lines.append(
+                f"input position: process {process}: {position['kind']}, epoch "
+                f"{position['epoch']}, batch {position['batch']}"
+            )
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
         else:
@@ -136,6 +146,11 @@ class CheckpointInfo:
             "steps": [dataclasses.asdict(s) for s in self.summaries],
             "step": self.step,
             "epoch": self.record.epoch,
+            "batch": self.record.batch,
+            "data_position": {
+                str(process): {k: position[k] for k in ("kind", "epoch", "batch")}
+                for process, position in self.data_position.items()
+            },
             "nbytes": self.nbytes,
             "disk_bytes": self.disk_bytes,
             "versions": self.record.versions,
@@ -195,6 +210,11 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         writer=_WRITERS[source.kind],
         kind=source.kind,
         disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
+        data_position=(
+            data_state.read_all(source.location / str(source.step))
+            if source.kind == "keras-orbax" and source.step is not None
+            else {}
+        ),
     )
 
 

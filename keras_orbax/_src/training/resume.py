@@ -15,7 +15,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.format.step_record import OPTIMIZER
+from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.runtime import multihost
@@ -43,6 +43,7 @@ def resume(
     epochs: int | None,
     steps_per_epoch: int | None = None,
     verbose: int,
+    position_input: Callable[[int, StepRecord], bool] | None = None,
 ) -> Resumed | None:
     """Restores the newest readable step of `directory` into `model` and sets `fit` to start at
     the epoch (and batch) it records; None if the directory holds no step.
@@ -51,6 +52,10 @@ def resume(
     or holds no valid keras-orbax record) cannot be resumed from, nor saved over: it is passed
     over with a `KerasOrbaxWarning` and deleted once the older step is restored, so that this run
     can write those steps again and retention does not rank it as the latest.
+
+    `position_input(step, record)` puts `fit`'s input at the position the step saved, and says
+    whether it could (`data_position.DataPosition`); if not, the trained batches of a resumed epoch
+    are read and dropped.
 
     Raises:
         CorruptCheckpointError: the directory holds steps, and none of them can be read.
@@ -78,8 +83,11 @@ def resume(
     restored = restore_sharded(model, directory, step)
     for skipped, _ in unreadable:
         checkpointer.delete(skipped, missing_ok=True)
-    _announce(restored, directory, epochs, verbose)
     record = restored.record
+    positioned = (
+        position_input is not None and record.epoch is not None and position_input(step, record)
+    )
+    _announce(restored, directory, epochs, verbose, positioned=positioned)
     if model.optimizer is not None and not any(
         v.role == OPTIMIZER for v in record.variables.values()
     ):
@@ -93,7 +101,12 @@ def resume(
     if record.epoch is None:
         return Resumed(restored, None, tuple(s for s, _ in unreadable))
     saved_steps = record.extra.get("steps_per_epoch")
-    if record.batch and saved_steps is not None and steps_per_epoch not in (None, saved_steps):
+    if (
+        not positioned
+        and record.batch
+        and saved_steps is not None
+        and steps_per_epoch not in (None, saved_steps)
+    ):
         batches = counted(saved_steps, "batch", "batches")
         dropped = counted(record.batch, "batch", "batches")
         warnings.warn(  # the batches dropped are counted, not recognized
@@ -106,7 +119,7 @@ def resume(
             stacklevel=2,
         )
     keras_compat.set_initial_epoch(model, record.epoch)
-    point = ResumePoint(model, record.epoch, record.batch or 0)
+    point = ResumePoint(model, record.epoch, record.batch or 0, read=not positioned)
     return Resumed(restored, point, tuple(s for s, _ in unreadable))
 
 
@@ -124,7 +137,14 @@ def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
     return [None, unreadable]
 
 
-def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbose: int) -> None:
+def _announce(
+    restored: RestoreResult,
+    directory: str,
+    epochs: int | None,
+    verbose: int,
+    *,
+    positioned: bool = False,
+) -> None:
     """Logs (and with `verbose`, prints) where `fit` resumes, on process 0. Epochs are numbered
     from 1 and batches counted as done, as the save lines are (`Epoch 2, batch 3: saving ...`)."""
     if not multihost.is_primary():
@@ -141,6 +161,13 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
     elif epochs is not None and record.epoch >= epochs:
         done = _position(record.epoch, record.batch)
         line = f"{start} ({done}): all {counted(epochs, 'epoch')} are done, nothing left to train."
+        logger.info(line)
+    elif record.batch and positioned:
+        line = (
+            f"{start} at epoch {record.epoch + 1}{of}, batch {record.batch}: the input goes on "
+            "from the position saved with the step, reading none of the batches trained before; "
+            "other callbacks (the progress bar, loggers) still see their batch hooks run for them."
+        )
         logger.info(line)
     elif record.batch:
         line = (
@@ -183,9 +210,10 @@ class ResumePoint:
     others (docs/resuming.md).
     """
 
-    def __init__(self, model: keras.Model, epoch: int, batches: int) -> None:
+    def __init__(self, model: keras.Model, epoch: int, batches: int, *, read: bool = True) -> None:
         self.epoch = epoch
         self.batches = batches
+        self.read = read  # False: the input starts past them (`data_position`), nothing to read
         self._metrics = [keras_compat.current_value(v) for v in model.metrics_variables]
         self._put_back: Callable[[], None] | None = None
 
@@ -197,7 +225,7 @@ class ResumePoint:
             variable.assign(value)
         logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
         executions = math.ceil(self.batches / model.steps_per_execution)
-        self._put_back = keras_compat.drop_train_steps(model, executions, logs)
+        self._put_back = keras_compat.drop_train_steps(model, executions, logs, read=self.read)
 
     def dropped(self, epoch: int, batch: int) -> bool:
         """Whether batch `batch` (0-based, as in `on_train_batch_end`) of `epoch` was dropped."""

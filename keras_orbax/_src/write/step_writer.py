@@ -15,6 +15,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat, orbax_compat
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.data_state import DATA_STATE
 from keras_orbax._src.format.step_record import (
     FORMAT_NAME,
     STATE,
@@ -26,8 +27,8 @@ from keras_orbax._src.model import shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import data_state_writer, shard_writer
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer
 from keras_orbax.errors import (
     DeferredVariableError,
     KerasOrbaxError,
@@ -163,8 +164,10 @@ def open_checkpointer(
     context = ocp.Context()
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
-    if format == "fast":  # shard files written by keras-orbax, the step committed by Orbax
-        context.checkpointables_options.registry = _fast_registry(leaf_handler)
+    # The fast format's shard files are written by keras-orbax, the step committed by Orbax; both
+    # formats hold each process's input position (`data_state_writer`).
+    registry = _fast_registry(leaf_handler) if format == "fast" else ocp.handlers.local_registry()
+    context.checkpointables_options.registry = data_state_writer.register(registry)
     if commit_timeout_s is not None:
         context.async_options.timeout_secs = commit_timeout_s
     if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
@@ -206,6 +209,7 @@ def write_step(
     start_later: bool = False,
     checked: tuple[state_keys.KeyedState, dict[str, keras.Variable]] | None = None,
     incremental: bool = True,
+    data_state: dict[str, Any] | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -216,6 +220,7 @@ def write_step(
     `checked`: what `_checked_variables` returned for this very save, if the caller ran it.
     `incremental`: link (or copy on the server) the shard files unchanged since the previous
     committed step (`incremental.plan_for`, decided when the save starts writing).
+    `data_state`: this process's input position (`format/data_state.py`), committed with the step.
     """
     state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
@@ -235,9 +240,12 @@ def write_step(
     def start() -> DurableResponse | None:
         plan = incremental_saves.plan_for(checkpointer.directory, step) if incremental else None
         with incremental_saves.planned(plan):
-            response = checkpointer.save_async(
+            checkpointables = {STATE: state_keys.nest(values)}
+            if data_state is not None:
+                checkpointables[DATA_STATE] = data_state
+            response = checkpointer.save_checkpointables_async(
                 step,
-                state_keys.nest(values),
+                checkpointables,
                 force=True,
                 overwrite=overwrite,
                 metrics=metrics,
