@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.format import data_state
 from keras_orbax.errors import KerasOrbaxWarning
 from tests import _models
 
@@ -273,6 +272,8 @@ def test_another_batch_size_is_not_positioned_and_says_so(tmp_path, mp, reads):
 def test_each_step_holds_the_position_of_each_process(tmp_path, mp, reads):
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=2, max_to_keep=None)
     _mlp().fit(_Batches(reads), epochs=2, verbose=0, callbacks=[checkpoint])
+    from keras_orbax._src.format import data_state
+
     positions = {step: data_state.read_all(tmp_path / str(step)) for step in (2, 4, 6)}
     assert {s: (p[0]["kind"], p[0]["epoch"], p[0]["batch"]) for s, p in positions.items()} == {
         2: ("py_dataset", 0, 2),
