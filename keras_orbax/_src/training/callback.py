@@ -36,7 +36,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     shards while `fit` goes on; a step appears only once fully written, and older steps are
     deleted only after that. A save at the end of epoch `e` (0-based) or after its known last
     batch records `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e,
-    batch=b + 1`, and resuming from it reads and drops those `b + 1` batches of epoch `e`.
+    batch=b + 1`, and the input's position (docs/resuming.md): resuming from it goes on with batch
+    `b + 1` of epoch `e`, reading none before (an input without a position reads and drops them).
     Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
     by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
     of `keep_every`. See docs/callback.md.
