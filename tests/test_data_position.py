@@ -295,3 +295,19 @@ def test_inspect_shows_the_position(tmp_path, mp, reads, capsys):
     assert described["data_position"] == {"0": {"kind": "py_dataset", "epoch": 0, "batch": 3}}
     assert cli.main(["inspect", f"{tmp_path}/3"]) in (0, None)
     assert "input position: process 0: py_dataset, epoch 0, batch 3" in capsys.readouterr().out
+
+
+def test_each_process_resumes_its_own_shard_of_the_data(tmp_path):
+    # 2 processes x 4 devices, each reading its own half of every batch from its own shuffled
+    # PyDataset; stopped at epoch 1, batch 2 (tests/workers/data_position_multiprocess.py).
+    from tests._harness import WORKERS_DIR, run_workers
+
+    results = run_workers(
+        WORKERS_DIR / "data_position_multiprocess.py", 2, 4, {"directory": str(tmp_path)}
+    )
+    for result in results:
+        assert result["process_count"] == 2
+        assert result["restored_step"] == 6
+        assert result["unequal_shards"] == []  # every local shard equals the uninterrupted run's
+        assert result["reads"] == EPOCHS * BATCHES - 6  # none of the 6 trained batches again
+        assert result["positions"] == {"0": ["py_dataset", 1, 2], "1": ["py_dataset", 1, 2]}
