@@ -239,6 +239,42 @@ def test_grain_resumes_exactly_reading_no_trained_batch(tmp_path, mp, reads, kin
     assert read == EPOCHS * BATCHES - 6
 
 
+def _tf_dataset(reads: _Reads) -> Any:
+    import tensorflow as tf
+
+    x, y = _data()
+
+    def count(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        reads.add()
+        return a, b
+
+    # The shuffle's seeds are this op seed and TensorFlow's global seed, which each run's
+    # `keras.utils.set_random_seed` sets: the same pipeline in every run, as a rerun script has.
+    tf.random.set_seed(0)
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=3, reshuffle_each_iteration=False)
+        .batch(BATCH)
+        .map(lambda a, b: tf.numpy_function(count, [a, b], [tf.float32, tf.float32]))
+        .map(lambda a, b: (tf.ensure_shape(a, (BATCH, 16)), tf.ensure_shape(b, (BATCH, 8))))
+    )
+    options = tf.data.Options()  # the counter is state outside the pipeline: not checkpointed
+    options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+    return dataset.with_options(options)
+
+
+def test_tf_data_resumes_exactly_reading_no_trained_batch(tmp_path, mp, reads):
+    pytest.importorskip(
+        "tensorflow", reason="tf.data inputs need TensorFlow, which keras-orbax does not install"
+    )
+    _, read = _resume(
+        tmp_path / "ckpt", lambda: {"x": _tf_dataset(reads)}, reads, stop_after=6, shuffle=False
+    )
+    # tf.data reads ahead of the batches taken (its autotuned prefetch), and its checkpoint holds
+    # what it had read: fewer than the 6 batches left, and none of the 6 trained.
+    assert read <= EPOCHS * BATCHES - 6
+
+
 def test_a_generator_has_no_position_and_is_read_and_dropped(tmp_path, mp, reads):
     x, y = _data()
 

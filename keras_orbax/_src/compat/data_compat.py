@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_orbax._src.compat.versions import Private, attribute, unsupported
+from keras_orbax._src.compat.versions import Private, attribute, set_attribute, unsupported
 
 _ADAPTERS = "keras.src.trainers.data_adapters"
 ArrayDataAdapter: Any = Private(
@@ -134,3 +134,36 @@ def reads_ahead_across_epochs(adapter: Any) -> bool:
     keeps the batches its workers read ahead and yields them first in the next epoch, so an epoch's
     batches depend on how far the workers got, not on the epoch alone."""
     return adapter.enqueuer is not None
+
+
+def tf_batches(adapter: Any, iterator: Iterator[Any]) -> Iterator[Any]:
+    """What Keras's `TFDatasetAdapter.get_jax_iterator()` yields (its conversion of each batch),
+    read from `iterator`, a `tf.data` iterator of the adapter's dataset made (and restored) by the
+    caller: the adapter iterates its `_dataset` when its generator starts, so that is `iterator`
+    until the first batch is read."""
+    original = attribute(adapter, "_dataset")
+    set_attribute(adapter, "_dataset", _Iterated(iterator))
+    try:
+        batches = keras_batches(adapter)
+        first = next(batches)
+    except StopIteration:
+        return
+    finally:
+        set_attribute(adapter, "_dataset", original)
+    yield first
+    yield from batches
+
+
+def tf_dataset(adapter: Any) -> Any:
+    """The `tf.data.Dataset` a `TFDatasetAdapter` reads (distributed by Keras where it does)."""
+    return attribute(adapter, "_dataset")
+
+
+class _Iterated:
+    """An iterable whose iterator is one already made."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator

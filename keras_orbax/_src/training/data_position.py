@@ -11,8 +11,9 @@ What a position holds, per kind of input (`format/data_state.py`):
   began (Keras shuffles the batch indices with `random.shuffle`).
 - grain (`MapDataset`, `IterDataset`, `DataLoader`): the iterator's own `get_state()` after the
   last batch trained, given back with `set_state()`.
-- anything else (a Python generator, tf.data, a torch `DataLoader`): no position; resuming
-  mid-epoch reads and drops the trained batches, with a warning.
+- `tf.data.Dataset`: the iterator's own checkpoint (`tf.train.Checkpoint(iterator=...)`).
+- anything else (a Python generator, a torch `DataLoader`, a `PyDataset` with workers): no
+  position; resuming mid-epoch reads and drops the trained batches, with a warning.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import numpy as np
 from keras_orbax._src.compat import data_compat
 from keras_orbax._src.format import data_state
 from keras_orbax._src.model.matching import counted
+from keras_orbax._src.training import tf_iterator_state
 from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 
 _STATES_KEPT = 8  # grain states kept per epoch: Keras reads at most one batch ahead
+_ITERATED = ("grain", "tf_data")  # kinds whose position is their iterator's own state
 
 
 class DataPosition:
@@ -52,11 +55,13 @@ class DataPosition:
         self._layout = _layout(self.kind, self._adapter)
         self._rng_at_epoch_begin: Any = None
         self._resume: tuple[int, int, dict[str, Any]] | None = None
-        self._grain_start: tuple[int, int, Any] | None = None  # epoch, batch, saved state
+        self._iterator_start: tuple[int, int, Any] | None = None  # epoch, batch, saved state
+        self._iterator: Any = None
+        self._reads = 0
         self._grain_states: dict[int, Any] = {}
         self._put_back = None
-        if self.kind == "grain":
-            self._put_back = data_compat.replace_batches(self._adapter, self._grain_batches)
+        if self.kind in _ITERATED:
+            self._put_back = data_compat.replace_batches(self._adapter, self._iterated_batches)
 
     @classmethod
     def of_fit(cls) -> DataPosition:
@@ -110,9 +115,11 @@ class DataPosition:
             _, batch, saved = self._resume
             self._resume = None
             _set_rng(self.kind, saved.get("rng"))
-            if self.kind == "grain":
+            if self.kind in _ITERATED:
                 iterator = saved.get("iterator")
-                self._grain_start = None if iterator is None else (epoch, batch, _decoded(iterator))
+                self._iterator_start = (
+                    None if iterator is None else (epoch, batch, _decoded(iterator))
+                )
             elif batch:
                 self._position_once(batch)
         self._rng_at_epoch_begin = _get_rng(self.kind, self._layout)
@@ -144,8 +151,10 @@ class DataPosition:
         rng = self._rng_at_epoch_begin if batch else _get_rng(self.kind, self._layout)
         if rng is not None:
             state["rng"] = rng
-        if self.kind == "grain" and batch and batch in self._grain_states:
-            state["iterator"] = _encoded(self._grain_states[batch])
+        if self.kind in _ITERATED and batch:
+            iterator = self._iterator_state(batch)
+            if iterator is not None:
+                state["iterator"] = _encoded(iterator)
         return state
 
     def close(self) -> None:
@@ -154,29 +163,54 @@ class DataPosition:
             self._put_back()
             self._put_back = None
 
-    # -- grain -----------------------------------------------------------------------------------
+    # -- grain and tf.data: the iterator's own state -------------------------------------------
 
-    def _grain_batches(self) -> Iterator[Any]:
-        """The epoch's batches through grain's own iterator, its state noted after each read."""
-        iterator: Any = iter(data_compat.keras_batches(self._adapter))  # grain's: has get_state
-        reads, self._grain_states = 0, {}
-        if self._grain_start is not None:
-            (epoch, reads, saved), self._grain_start = self._grain_start, None
+    def _iterated_batches(self) -> Iterator[Any]:
+        """The epoch's batches through the pipeline's own iterator, whose state is noted (grain:
+        after each read) or kept at hand (tf.data: its checkpoint is written at a save)."""
+        iterator: Any
+        if self.kind == "grain":
+            iterator = batches = iter(data_compat.keras_batches(self._adapter))
+        else:
+            iterator = iter(data_compat.tf_dataset(self._adapter))
+            batches = data_compat.tf_batches(self._adapter, iterator)
+        self._iterator, self._reads, self._grain_states = iterator, 0, {}
+        if self._iterator_start is not None:
+            (epoch, reads, saved), self._iterator_start = self._iterator_start, None
             try:
-                iterator.set_state(saved)
-            except (ValueError, KeyError, TypeError) as error:  # grain's word: another pipeline
-                self.resume_at(None, epoch=epoch, batch=reads, why_not=f"grain refused it: {error}")
+                _restore_iterator(self.kind, iterator, saved)
+                self._reads = reads
+            except Exception as error:  # the pipeline's own check refused it: another pipeline
+                self.resume_at(None, epoch=epoch, batch=reads, why_not=f"it was refused: {error}")
                 for _ in range(reads):  # read and dropped, as for an input without a position
-                    next(iterator, None)
+                    next(batches, None)
+                self._reads = reads
         while True:
             try:
-                batch = next(iterator)
+                batch = next(batches)
             except StopIteration:
                 return
-            reads += 1
-            self._grain_states[reads] = iterator.get_state()
-            self._grain_states.pop(reads - _STATES_KEPT, None)
+            self._reads += 1
+            if self.kind == "grain":
+                self._grain_states[self._reads] = iterator.get_state()
+                self._grain_states.pop(self._reads - _STATES_KEPT, None)
             yield batch
+
+    def _iterator_state(self, batch: int) -> Any:
+        """The iterator's state after `batch` batches of this epoch; None if not known (Keras
+        read ahead of the batches trained)."""
+        if self.kind == "grain":
+            return self._grain_states.get(batch)
+        if self.kind == "tf_data" and self._iterator is not None and self._reads == batch:
+            return tf_iterator_state.save(self._iterator)
+        return None
+
+
+def _restore_iterator(kind: str, iterator: Any, saved: Any) -> None:
+    if kind == "grain":
+        iterator.set_state(saved)
+    else:
+        tf_iterator_state.restore(iterator, saved)
 
 
 def _kind(epoch_iterator: Any) -> tuple[str, str | None]:
@@ -199,9 +233,10 @@ def _kind(epoch_iterator: Any) -> tuple[str, str | None]:
         kind = "py_dataset"
     elif isinstance(adapter, data_compat.GrainDatasetAdapter):
         kind = "grain"
+    elif isinstance(adapter, data_compat.TFDatasetAdapter):
+        kind = "tf_data"
     else:
-        what = "a tf.data.Dataset" if isinstance(adapter, data_compat.TFDatasetAdapter) else None
-        return "generator", f"{what or 'a Python generator'} has no position keras-orbax can save"
+        return "generator", "a Python generator has no position keras-orbax can save"
     if not own_epochs:
         return kind, (
             f"fit(steps_per_epoch={epoch_iterator.steps_per_epoch}) reads across the input's own "
@@ -220,7 +255,7 @@ def _layout(kind: str, adapter: Any) -> dict[str, Any]:
         return layout
     if kind == "py_dataset":
         return data_compat.py_dataset_layout(adapter)
-    if kind == "grain":
+    if kind in _ITERATED:
         return {"batches": adapter.num_batches}
     return {}
 
@@ -237,8 +272,8 @@ def _mismatch(
         return f"its position (epoch {saved.get('epoch')}, batch {saved.get('batch')}) is not the step's"
     if saved.get("layout") != layout:
         return f"the input changed: saved {saved.get('layout')}, now {layout}"
-    if kind == "grain" and batch and saved.get("iterator") is None:
-        return "the step holds no grain iterator state"
+    if kind in _ITERATED and batch and saved.get("iterator") is None:
+        return f"the step holds no {kind} iterator state (Keras read ahead of the batch trained)"
     return None
 
 
