@@ -200,9 +200,11 @@ class ResumePoint:
     """Epoch `epoch` resumes after its first `batches` batches, which were trained already.
 
     `fit` starts at `epoch` (see `keras_compat.set_initial_epoch`). In that epoch, the first `batches`
-    batches are read from the input and dropped, untrained, and the metrics' running values of the
-    checkpoint (which `fit` resets when an epoch begins) are put back: the epoch ends exactly as
-    it would have without the interruption, provided the input yields the same batches again.
+    train steps are dropped, untrained, and the metrics' running values of the checkpoint (which
+    `fit` resets when an epoch begins) are put back: the epoch ends exactly as it would have
+    without the interruption. With `read`, the dropped steps read their batches from the input
+    (which must yield the same batches again); without, the input was put past them already
+    (`data_position.DataPosition`) and they read nothing.
 
     Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
     checkpoint's metric values: Keras builds the `CallbackList` inside `fit` and calls every
