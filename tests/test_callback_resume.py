@@ -426,8 +426,8 @@ def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys):
 
     lines, epochs, batches = fit(2, resume=True)
     assert lines == [
-        f"Resuming from step 3 of '{tmp_path}' at epoch 1/2, batch 3: the first 3 batches of "
-        "that epoch, trained before the checkpoint, are read from the input and dropped; other "
+        f"Resuming from step 3 of '{tmp_path}' at epoch 1/2, batch 3: the input goes on from the "
+        "position saved with the step, reading none of the batches trained before; other "
         "callbacks (the progress bar, loggers) still see their batch hooks run for them.",
         f"Epoch 1: saving step 4 to '{tmp_path}'",
         f"Epoch 2: saving step 8 to '{tmp_path}'",

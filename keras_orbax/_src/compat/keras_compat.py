@@ -319,9 +319,10 @@ def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
 
 
 def drop_train_steps(
-    model: keras.Model, executions: int, logs: dict[str, Any]
+    model: keras.Model, executions: int, logs: dict[str, Any], *, read: bool = True
 ) -> Callable[[], None]:
-    """Makes `fit`'s next `executions` train steps drop the batches they were given.
+    """Makes `fit`'s next `executions` train steps drop the batches they were given (with `read`
+    False: they read none; the input was positioned past them, `training/data_position.py`).
 
     Each dropped step leaves the training state as it is and reports `logs`. Returns a function
     that puts the real train step back early (it is put back by itself after the last drop).
@@ -345,6 +346,8 @@ def drop_train_steps(
         remaining -= 1
         if remaining <= 0:
             put_back()
+        if not read:
+            return logs, state
         next(iterator)  # StopIteration ends the epoch, as in Keras's own step
         for _ in range(model.steps_per_execution - 1):
             if next(iterator, None) is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import data_state
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
@@ -56,6 +57,8 @@ class CheckpointInfo:
         keras_state: What the step's layers store besides their variables (`keras_state/`):
             one line per value (`layers/lookup/vars/idf_weights`: shape, dtype) or asset file
             (`layers/lookup/vocabulary.txt`: bytes), or why it cannot be read.
+        data_position: The input's position saved with the step by `ModelCheckpoint`, per
+            process: the kind of input, the epoch and the batches of it done (empty: none saved).
     """
 
     directory: Path
@@ -67,6 +70,7 @@ class CheckpointInfo:
     kind: str = "keras-orbax"
     disk_bytes: int = 0  # of every step, a file that steps share counted once (as `du` counts)
     keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
+    data_position: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -80,8 +84,14 @@ class CheckpointInfo:
         lines = [
             f"{self.directory}: {where}"
             + (f"epoch {record.epoch}, " if record.epoch is not None else "")
+            + (f"batch {record.batch}, " if record.batch else "")
             + f"{count} {'variable' if count == 1 else 'variables'}, {human_bytes(self.nbytes)}",
         ]
+        for process, position in self.data_position.items():
+            lines.append(
+                f"input position: process {process}: {position['kind']}, epoch "
+                f"{position['epoch']}, batch {position['batch']}"
+            )
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
         else:
@@ -145,6 +155,11 @@ class CheckpointInfo:
             "steps": [dataclasses.asdict(s) for s in self.summaries],
             "step": self.step,
             "epoch": self.record.epoch,
+            "batch": self.record.batch,
+            "data_position": {
+                str(process): {k: position[k] for k in ("kind", "epoch", "batch")}
+                for process, position in self.data_position.items()
+            },
             "nbytes": self.nbytes,
             "disk_bytes": self.disk_bytes,
             "versions": self.record.versions,
@@ -206,6 +221,11 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         kind=source.kind,
         disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
         keras_state=_keras_state(source),
+        data_position=(
+            data_state.read_all(source.location / str(source.step))
+            if source.kind == "keras-orbax" and source.step is not None
+            else {}
+        ),
     )
 
 

@@ -14,7 +14,9 @@ from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.restore.restore import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
+from keras_orbax._src.storage import locations
 from keras_orbax._src.training.callback_args import validate
+from keras_orbax._src.training.data_position import DataPosition
 from keras_orbax._src.training.preemption import PreemptionWatcher
 from keras_orbax._src.training.resume import ResumePoint, resume
 from keras_orbax._src.training.retention import Retention, loggable, metric, number
@@ -34,7 +36,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     shards while `fit` goes on; a step appears only once fully written, and older steps are
     deleted only after that. A save at the end of epoch `e` (0-based) or after its known last
     batch records `epoch=e + 1`, the next epoch to run; a save after batch `b` records `epoch=e,
-    batch=b + 1`, and resuming from it reads and drops those `b + 1` batches of epoch `e`.
+    batch=b + 1`, and the input's position (docs/resuming.md): resuming from it goes on with batch
+    `b + 1` of epoch `e`, reading none before (an input without a position reads and drops them).
     Retention keeps a step if any rule keeps it: the latest `max_to_keep`, the best `keep_best`
     by `monitor` (the logs are stored with each step, so this survives restarts), every multiple
     of `keep_every`. See docs/callback.md.
@@ -171,12 +174,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._step = 0
         self._epoch = 0
         self._last_batch: int | None = None
+        self._data: DataPosition | None = None
 
     # -- fit hooks -------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored = False, None
         self._resume_point = None
+        self._data = DataPosition.of_fit()  # the input of the fit calling this hook
         checkpointer = self._saves.open()
         try:
             self._begin_in_directory(checkpointer)
@@ -219,6 +224,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._set_epoch = False
         if self._resume_point is not None:
             self._resume_point.begin_epoch(self.model, epoch)
+        if self._data is not None:
+            self._data.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
@@ -333,6 +340,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 reason=reason,
                 blocking=blocking,
                 steps_per_epoch=self._param("steps"),
+                data_state=None
+                if self._data is None
+                else self._data.state(epoch=epoch, batch=batch),
             )
         except BaseException:
             self._close(failing=True)
@@ -366,10 +376,18 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             epochs=self._param("epochs"),
             steps_per_epoch=self._param("steps"),
             verbose=self.verbose,
+            position_input=self._position_input,
         )
         if resumed is not None:
             self.restored, self._resume_point = resumed.restored, resumed.point
             self._set_epoch = self._resume_point is not None
+
+    def _position_input(self, step: int, record: Any) -> bool:
+        """Puts the input where step `step` left it (`DataPosition`); whether it could."""
+        if self._data is None:
+            return False
+        step_dir = locations.as_path(self.directory) / str(step)
+        return self._data.resume_from(step_dir, epoch=record.epoch, batch=record.batch or 0)
 
     def _ensure_monitor_op(self) -> None:
         """Settles the monitor's direction, and folds in the best value stored in the directory."""
@@ -430,4 +448,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._resume_point is not None:
             self._resume_point.close()
             self._resume_point = None
+        if self._data is not None:
+            self._data.close()
+            self._data = None
         self._saves.close(failing=failing)

@@ -15,7 +15,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.format.step_record import OPTIMIZER
+from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
 from keras_orbax._src.runtime import multihost
@@ -46,6 +46,7 @@ def resume(
     epochs: int | None,
     steps_per_epoch: int | None = None,
     verbose: int,
+    position_input: Callable[[int, StepRecord], bool] | None = None,
 ) -> Resumed | None:
     """Restores the newest intact step of `directory` into `model` and sets `fit` to start at
     the epoch (and batch) it records; None if the directory holds no step.
@@ -57,6 +58,10 @@ def resume(
     to `<step>.unreadable` (never deleted; no listing of steps, retention included, sees it), with
     a `KerasOrbaxWarning` naming the step, why and where it went: this run writes those steps
     again.
+
+    `position_input(step, record)` puts `fit`'s input at the position the step saved, and says
+    whether it could (`data_position.DataPosition`); if not, the trained batches of a resumed epoch
+    are read and dropped.
 
     Raises:
         CorruptCheckpointError: the directory holds steps, and none of them can be restored
@@ -85,8 +90,15 @@ def resume(
             KerasOrbaxWarning,
             stacklevel=2,
         )
-    _announce(restored, directory, epochs, verbose)
-    point = _resume_point(model, restored, directory, steps_per_epoch)
+    record = restored.record
+    positioned = (
+        position_input is not None
+        and record.epoch is not None
+        and restored.step is not None
+        and position_input(restored.step, record)
+    )
+    _announce(restored, directory, epochs, verbose, positioned=positioned)
+    point = _resume_point(model, restored, directory, steps_per_epoch, positioned=positioned)
     skipped_steps = tuple(s for s, _ in passed_over)
     return Resumed(restored, point, skipped_steps, dict(zip(skipped_steps, moved, strict=True)))
 
@@ -117,9 +129,15 @@ def _restore_newest_intact(
 
 
 def _resume_point(
-    model: keras.Model, restored: RestoreResult, directory: str, steps_per_epoch: int | None
+    model: keras.Model,
+    restored: RestoreResult,
+    directory: str,
+    steps_per_epoch: int | None,
+    *,
+    positioned: bool,
 ) -> ResumePoint | None:
-    """Sets `fit` to start at the epoch `restored` records; its batches to drop, if any."""
+    """Sets `fit` to start at the epoch `restored` records; its batches to drop (and, unless the
+    input was `positioned` past them, to read), if any."""
     record, step = restored.record, restored.step
     if model.optimizer is not None and not any(
         v.role == OPTIMIZER for v in record.variables.values()
@@ -134,7 +152,12 @@ def _resume_point(
     if record.epoch is None:
         return None
     saved_steps = record.extra.get("steps_per_epoch")
-    if record.batch and saved_steps is not None and steps_per_epoch not in (None, saved_steps):
+    if (
+        not positioned
+        and record.batch
+        and saved_steps is not None
+        and steps_per_epoch not in (None, saved_steps)
+    ):
         batches = counted(saved_steps, "batch", "batches")
         dropped = counted(record.batch, "batch", "batches")
         warnings.warn(  # the batches dropped are counted, not recognized
@@ -147,7 +170,7 @@ def _resume_point(
             stacklevel=3,
         )
     keras_compat.set_initial_epoch(model, record.epoch)
-    return ResumePoint(model, record.epoch, record.batch or 0)
+    return ResumePoint(model, record.epoch, record.batch or 0, read=not positioned)
 
 
 def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
@@ -190,7 +213,14 @@ def _set_aside(directory: str, steps: list[int]) -> list[str]:
     return moved
 
 
-def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbose: int) -> None:
+def _announce(
+    restored: RestoreResult,
+    directory: str,
+    epochs: int | None,
+    verbose: int,
+    *,
+    positioned: bool = False,
+) -> None:
     """Logs (and with `verbose`, prints) where `fit` resumes, on process 0. Epochs are numbered
     from 1 and batches counted as done, as the save lines are (`Epoch 2, batch 3: saving ...`)."""
     if not multihost.is_primary():
@@ -207,6 +237,13 @@ def _announce(restored: RestoreResult, directory: str, epochs: int | None, verbo
     elif epochs is not None and record.epoch >= epochs:
         done = _position(record.epoch, record.batch)
         line = f"{start} ({done}): all {counted(epochs, 'epoch')} are done, nothing left to train."
+        logger.info(line)
+    elif record.batch and positioned:
+        line = (
+            f"{start} at epoch {record.epoch + 1}{of}, batch {record.batch}: the input goes on "
+            "from the position saved with the step, reading none of the batches trained before; "
+            "other callbacks (the progress bar, loggers) still see their batch hooks run for them."
+        )
         logger.info(line)
     elif record.batch:
         line = (
@@ -239,9 +276,11 @@ class ResumePoint:
     """Epoch `epoch` resumes after its first `batches` batches, which were trained already.
 
     `fit` starts at `epoch` (see `keras_compat.set_initial_epoch`). In that epoch, the first `batches`
-    batches are read from the input and dropped, untrained, and the metrics' running values of the
-    checkpoint (which `fit` resets when an epoch begins) are put back: the epoch ends exactly as
-    it would have without the interruption, provided the input yields the same batches again.
+    train steps are dropped, untrained, and the metrics' running values of the checkpoint (which
+    `fit` resets when an epoch begins) are put back: the epoch ends exactly as it would have
+    without the interruption. With `read`, the dropped steps read their batches from the input
+    (which must yield the same batches again); without, the input was put past them already
+    (`data_position.DataPosition`) and they read nothing.
 
     Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
     checkpoint's metric values: Keras builds the `CallbackList` inside `fit` and calls every
@@ -249,9 +288,10 @@ class ResumePoint:
     others (docs/resuming.md).
     """
 
-    def __init__(self, model: keras.Model, epoch: int, batches: int) -> None:
+    def __init__(self, model: keras.Model, epoch: int, batches: int, *, read: bool = True) -> None:
         self.epoch = epoch
         self.batches = batches
+        self.read = read  # False: the input starts past them (`data_position`), nothing to read
         self._metrics = [keras_compat.current_value(v) for v in model.metrics_variables]
         self._put_back: Callable[[], None] | None = None
 
@@ -263,7 +303,7 @@ class ResumePoint:
             variable.assign(value)
         logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
         executions = math.ceil(self.batches / model.steps_per_execution)
-        self._put_back = keras_compat.drop_train_steps(model, executions, logs)
+        self._put_back = keras_compat.drop_train_steps(model, executions, logs, read=self.read)
 
     def dropped(self, epoch: int, batch: int) -> bool:
         """Whether batch `batch` (0-based, as in `on_train_batch_end`) of `epoch` was dropped."""

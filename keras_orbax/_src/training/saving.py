@@ -139,10 +139,12 @@ class Saves:
         reason: str,
         blocking: bool,
         steps_per_epoch: int | None = None,
+        data_state: dict[str, Any] | None = None,
     ) -> None:
         """Writes `step`, in the background unless `blocking`; retention deletes older steps
         once it is durable. Waits for the save in progress first. `steps_per_epoch` is recorded
-        for a resume mid-epoch to check that its epochs are the same."""
+        for a resume mid-epoch to check that its epochs are the same; `data_state` is this
+        process's input position, committed with the step."""
         self.wait()
         if self.checkpointer is None:
             raise SaveFailedError(
@@ -170,6 +172,7 @@ class Saves:
                         weights_only=self.weights_only,
                         incremental=self.incremental,
                         rewrite_every=self.rewrite_every,
+                        data_state=data_state,
                         # Orbax's part of the save runs in the background too. Not for compact
                         # arrays (Orbax's own serializer reads the live arrays), nor across
                         # processes (its collectives would interleave with the train step's).

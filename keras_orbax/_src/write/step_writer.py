@@ -15,6 +15,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat, orbax_compat
 from keras_orbax._src.format import own_state, step_dirs
+from keras_orbax._src.format.data_state import DATA_STATE
 from keras_orbax._src.format.step_record import (
     FORMAT_NAME,
     STATE,
@@ -26,8 +27,8 @@ from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage import commit, durable, locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import data_state_writer, shard_writer
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer
 from keras_orbax.errors import (
     DeferredVariableError,
     KerasOrbaxError,
@@ -182,9 +183,10 @@ def open_checkpointer(
     for option, value in _FORMATS[format].items():
         setattr(context.array.saving, option, value)
     # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way every
-    # process's outcome agreed on (`_agree_on_write`) before Orbax commits the step.
+    # process's outcome agreed on (`_agree_on_write`) before Orbax commits the step. Both formats
+    # hold each process's input position (`data_state_writer`).
     array_handler = leaf_handler if format == "fast" else orbax_compat.array_leaf_handler()
-    context.checkpointables_options.registry = _registry(array_handler)
+    context.checkpointables_options.registry = data_state_writer.register(_registry(array_handler))
     if commit_timeout_s is not None:
         context.async_options.timeout_secs = commit_timeout_s
     if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
@@ -244,6 +246,7 @@ def write_step(
     checked: tuple[state_keys.KeyedState, dict[str, keras.Variable]] | None = None,
     incremental: bool = True,
     rewrite_every: int | None = None,
+    data_state: dict[str, Any] | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -255,6 +258,7 @@ def write_step(
     `incremental`: link (or copy on the server) the shard files unchanged since the previous
     committed step (`incremental.plan_for`, decided when the save starts writing), each file into
     at most `rewrite_every` steps.
+    `data_state`: this process's input position (`format/data_state.py`), committed with the step.
     """
     state, variables = checked or _checked_variables(
         model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
@@ -273,6 +277,8 @@ def write_step(
     # Orbax refuses an empty tree: a model without arrays is a step of its `keras_state/` alone.
     arrays = {STATE: state_keys.nest(values)} if values else {}
     checkpointables = arrays | _keras_state(model, state.objects, always=not values)
+    if data_state is not None:
+        checkpointables[DATA_STATE] = data_state
 
     def start() -> DurableResponse | None:
         commit.fault_point("stage")

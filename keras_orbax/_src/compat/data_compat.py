@@ -1,0 +1,169 @@
+"""Private Keras symbols of `fit`'s input pipeline, wrapped for positioning it on resume
+(`training/data_position.py`).
+
+Why private: Keras 3.15 gives a callback no handle on the input `fit` reads, and no way to start an
+epoch after its first batches. `fit` builds a data adapter (one class per input kind) inside an
+`EpochIterator` held in a local variable, and reads every epoch's batches from the adapter's
+`get_jax_iterator()`, called once per epoch (also under a distribution). Replacing that method on the
+adapter instance, for this `fit` only, is the smallest change that positions every kind of input.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_orbax._src.compat.versions import Private, attribute, set_attribute, unsupported
+
+_ADAPTERS = "keras.src.trainers.data_adapters"
+ArrayDataAdapter: Any = Private(
+    "keras", f"{_ADAPTERS}.array_data_adapter", "ArrayDataAdapter"
+).get()
+PyDatasetAdapter: Any = Private(
+    "keras", f"{_ADAPTERS}.py_dataset_adapter", "PyDatasetAdapter"
+).get()
+GrainDatasetAdapter: Any = Private(
+    "keras", f"{_ADAPTERS}.grain_dataset_adapter", "GrainDatasetAdapter"
+).get()
+TFDatasetAdapter: Any = Private(
+    "keras", f"{_ADAPTERS}.tf_dataset_adapter", "TFDatasetAdapter"
+).get()
+# The conversion Keras applies to arrays, so that a positioned epoch yields the very same batches.
+_sliceable: Callable[..., Any] = Private(
+    "keras", f"{_ADAPTERS}.array_slicing", "convert_to_sliceable"
+).get()
+_jax_compatible: Callable[[Iterator[Any]], Iterator[Any]] = Private(
+    "keras", f"{_ADAPTERS}.data_adapter_utils", "get_jax_iterator"
+).get()
+# `fit` keeps its EpochIterator in this local; found from a callback hook it runs.
+_FIT = inspect.unwrap(Private("keras", "keras.src.backend.jax.trainer", "JAXTrainer.fit").get())
+if "epoch_iterator" not in _FIT.__code__.co_varnames:
+    raise unsupported("keras", "keras.src.backend.jax.trainer.JAXTrainer.fit (its epoch_iterator)")
+
+
+def fit_epoch_iterator() -> Any | None:
+    """The `EpochIterator` of the `fit` whose callback hook this is called from (its `data_adapter`
+    and `steps_per_epoch`); None outside `fit`."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is _FIT.__code__:
+                return frame.f_locals.get("epoch_iterator")
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def replace_batches(adapter: Any, batches: Callable[[], Iterator[Any]]) -> Callable[[], None]:
+    """Makes `adapter` yield `batches()` for each epoch `fit` reads; returns what puts it back."""
+    adapter.get_jax_iterator = batches
+
+    def put_back() -> None:
+        adapter.__dict__.pop("get_jax_iterator", None)
+
+    return put_back
+
+
+def keras_batches(adapter: Any) -> Iterator[Any]:
+    """What Keras's own `adapter.get_jax_iterator()` yields (an iterable for grain)."""
+    return type(adapter).get_jax_iterator(adapter)
+
+
+def array_layout(adapter: Any) -> dict[str, Any]:
+    """An array adapter's samples, batch size, batches per epoch and `shuffle` argument."""
+    return {
+        "samples": int(attribute(adapter, "_num_samples")),
+        "batch_size": int(attribute(adapter, "_batch_size")),
+        "batches": int(attribute(adapter, "_size")),
+        "shuffle": attribute(adapter, "_shuffle"),
+    }
+
+
+def array_batches(adapter: Any, start: int) -> Iterator[Any]:
+    """The epoch's batches from `start` on, drawing the epoch's permutation from NumPy's global
+    generator exactly as `ArrayDataAdapter._get_iterator` does (one `permutation(samples)`, or one
+    per batch for `shuffle="batch"`), so the generator is left where Keras would leave it."""
+    layout = array_layout(adapter)
+    samples, size, shuffle = layout["samples"], layout["batch_size"], layout["shuffle"]
+    inputs = _sliceable(attribute(adapter, "_inputs"), target_backend="jax")
+    permutation = np.random.permutation(samples) if shuffle and shuffle != "batch" else None
+    for i in range(layout["batches"]):
+        low, high = i * size, min((i + 1) * size, samples)
+        indices: Any = slice(low, high)
+        if shuffle == "batch":
+            indices = np.random.permutation(high - low) + low
+        elif permutation is not None:
+            indices = permutation[low:high]
+        if i < start:
+            continue
+        yield keras.tree.map_structure(
+            lambda s, at=indices: s.convert_to_jax_compatible(s[at]), inputs, none_is_leaf=False
+        )
+
+
+def py_dataset_layout(adapter: Any) -> dict[str, Any]:
+    """A PyDataset adapter's batches per epoch (None: infinite) and `shuffle` argument."""
+    return {"batches": adapter.py_dataset.num_batches, "shuffle": bool(adapter.shuffle)}
+
+
+def py_dataset_batches(adapter: Any, start: int) -> Iterator[Any]:
+    """The epoch's batches from `start` on, in the order Keras draws (`random.shuffle` of the batch
+    indices from Python's global generator, as `PyDatasetAdapter` does). Not for a dataset with
+    workers (`reads_ahead_across_epochs`)."""
+    return _jax_compatible(_py_dataset_batches(adapter, start))
+
+
+def _py_dataset_batches(adapter: Any, start: int) -> Iterator[Any]:
+    dataset = adapter.py_dataset
+    order = list(range(dataset.num_batches))
+    if adapter.shuffle:
+        random.shuffle(order)
+    standardize = attribute(adapter, "_standardize_batch")
+    for index in order[start:]:
+        yield standardize(dataset[index])
+
+
+def reads_ahead_across_epochs(adapter: Any) -> bool:
+    """Whether a PyDataset adapter reads through Keras's `OrderedEnqueuer` (workers): its `stop()`
+    keeps the batches its workers read ahead and yields them first in the next epoch, so an epoch's
+    batches depend on how far the workers got, not on the epoch alone."""
+    return adapter.enqueuer is not None
+
+
+def tf_batches(adapter: Any, iterator: Iterator[Any]) -> Iterator[Any]:
+    """What Keras's `TFDatasetAdapter.get_jax_iterator()` yields (its conversion of each batch),
+    read from `iterator`, a `tf.data` iterator of the adapter's dataset made (and restored) by the
+    caller: the adapter iterates its `_dataset` when its generator starts, so that is `iterator`
+    until the first batch is read."""
+    original = attribute(adapter, "_dataset")
+    set_attribute(adapter, "_dataset", _Iterated(iterator))
+    try:
+        batches = keras_batches(adapter)
+        first = next(batches)
+    except StopIteration:
+        return
+    finally:
+        set_attribute(adapter, "_dataset", original)
+    yield first
+    yield from batches
+
+
+def tf_dataset(adapter: Any) -> Any:
+    """The `tf.data.Dataset` a `TFDatasetAdapter` reads (distributed by Keras where it does)."""
+    return attribute(adapter, "_dataset")
+
+
+class _Iterated:
+    """An iterable whose iterator is one already made."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.iterator
