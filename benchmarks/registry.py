@@ -308,6 +308,11 @@ BENCHMARKS = [
     _script("gpu_memory", "gpu_memory.py", "per-device peak memory of a restore on accelerators"),
     _script("stress_kill", "stress_kill.py", "many kill-and-resume trials"),
     _script(
+        "resume_position",
+        "resume_position_benchmark.py",
+        "a resumed fit to its first trained batch, against the batches trained before the stop",
+    ),
+    _script(
         "breakdown", "breakdown.py", "where a 256 MiB restore and save spend their time (py-spy)"
     ),
 ]
