@@ -243,6 +243,28 @@ def test_convert_keeps_what_a_step_keeps_besides_the_variables(saved_table):
     np.testing.assert_array_equal(model.predict(X, verbose=0), expected)
 
 
+def test_diff_compares_what_a_step_keeps_besides_the_variables(tmp_path, distribution):
+    distribution(_models.model_parallel((2, 4)))
+    model = table_model(trained=True)
+    keras_orbax.save(model, tmp_path / "a", step=1)
+    table = model.get_layer("table")
+    table.table = table.table[::-1].copy()  # same shape and dtype, other values
+    table.words = ["[UNK]", "a", "b", "d"]  # same size, other bytes
+    keras_orbax.save(model, tmp_path / "b", step=1)
+
+    by_keys = keras_orbax.diff(tmp_path / "a", tmp_path / "b")
+    assert by_keys.identical and not by_keys.keras_state  # shapes, dtypes and sizes agree
+    by_values = keras_orbax.diff(tmp_path / "a", tmp_path / "b", values=True)
+    assert not by_values.identical
+    assert set(by_values.max_abs_diff.values()) == {0.0}  # the variables are the same
+    assert by_values.keras_state == {
+        "keras_state/layers/table/vars/table": "(4,) float32 -> (4,) float32: values differ",
+        "keras_state/layers/table/words.txt": "11 bytes -> 11 bytes: content differs",
+    }
+    assert "! keras_state/layers/table/words.txt" in str(by_values)
+    assert keras_orbax.diff(tmp_path / "a", tmp_path / "a", values=True).identical
+
+
 class _Saved(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.sources.base import batched
+from keras_orbax._src.sources.base import Source, batched
 from keras_orbax._src.sources.resolve import open_source
 
 
@@ -27,6 +28,10 @@ class DiffResult:
         only_a, only_b: Keys in one source only.
         changed: Key -> `"(16, 32) float32 -> (16, 8) float32"` for shape or dtype changes.
         max_abs_diff: Key -> max |a - b| of each common variable of equal shape (with `values`).
+        keras_state: What the layers keep besides their variables (`keras_state/`), by entry
+            (`keras_state/layers/table/vars/table`, `keras_state/layers/table/words.txt`): how it differs.
+        keras_state_unread: Why `keras_state/` was not compared (a side keeps none this can
+            read), or "" if it was.
     """
 
     a: str
@@ -36,6 +41,8 @@ class DiffResult:
     changed: dict[str, str]
     max_abs_diff: dict[str, float]
     compared: int
+    keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
+    keras_state_unread: str = ""
 
     @property
     def identical(self) -> bool:
@@ -43,6 +50,7 @@ class DiffResult:
             self.only_a
             or self.only_b
             or self.changed
+            or self.keras_state
             or any(d != 0 for d in self.max_abs_diff.values())
         )
 
@@ -53,6 +61,9 @@ class DiffResult:
         lines += [f"! {key}  {change}" for key, change in self.changed.items()]
         differing = {k: d for k, d in self.max_abs_diff.items() if d != 0}
         lines += [f"~ {key}  max |a - b| = {d:.9g}" for key, d in differing.items()]
+        lines += [f"! {key}  {change}" for key, change in self.keras_state.items()]
+        if self.keras_state_unread:
+            lines.append(f"keras_state/ not compared: {self.keras_state_unread}")
         verdict = "identical" if self.identical else "differ"
         checked = " and values" if self.max_abs_diff else ""
         lines.append(
@@ -74,7 +85,9 @@ def diff(
     With `values`, each common variable of equal shape is read from both sides (64 MiB of
     variables at a time), and its max absolute difference computed in float64 (NaN against NaN
     and equal infinities count as equal; NaN against a number as `inf`). `on_read(nbytes,
-    total)` follows each variable.
+    total)` follows each variable. What the layers keep besides their variables (`keras_state/`
+    of a step: values their `save_own_variables` stores, files their `save_assets` writes) is
+    compared too, by shape and dtype, and with `values` by content.
 
     Example:
     ```python
@@ -100,6 +113,7 @@ def diff(
                 max_abs[key] = _max_abs_diff(np.asarray(xs.pop(key)), np.asarray(ys.pop(key)))
                 if on_read is not None:
                     on_read(left[key].nbytes + right[key].nbytes, total)
+    own_changes, unread = _own_state_changes(first, second, values=values)
     return DiffResult(
         first.label,
         second.label,
@@ -108,7 +122,37 @@ def diff(
         changed,
         max_abs,
         len(common),
+        own_changes,
+        unread,
     )
+
+
+def _own_state_changes(first: Source, second: Source, *, values: bool) -> tuple[dict, str]:
+    """How the two sources' `keras_state/` differ, by entry; or why they were not compared."""
+    a, b = first.own_state(), second.own_state()
+    if a is None and b is None:
+        return {}, ""
+    if a is None or b is None:
+        return {}, f"{(first if a is None else second).label} keeps none that this reads"
+    changes = {}
+    for name, (x, y) in _paired(a.values, b.values).items():
+        described = [None if v is None else f"{tuple(v.shape)} {v.dtype}" for v in (x, y)]
+        if described[0] != described[1] or (values and not np.array_equal(x, y)):
+            changes[name] = f"{described[0] or 'absent'} -> {described[1] or 'absent'}" + (
+                "" if described[0] != described[1] else ": values differ"
+            )
+    for name, (x, y) in _paired(a.assets, b.assets).items():
+        sizes = [None if v is None else f"{len(v)} bytes" for v in (x, y)]
+        if sizes[0] != sizes[1] or (values and x != y):
+            changes[name] = f"{sizes[0] or 'absent'} -> {sizes[1] or 'absent'}" + (
+                "" if sizes[0] != sizes[1] else ": content differs"
+            )
+    return changes, ""
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """`keras_state/<entry>` -> (a's, b's), None where a side lacks the entry."""
+    return {f"keras_state/{k}": (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys())}
 
 
 def _max_abs_diff(x: np.ndarray, y: np.ndarray) -> float:
