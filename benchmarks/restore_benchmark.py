@@ -198,23 +198,11 @@ def case_orbax_floor(work, artifact: str):
 def case_disk_read(work, threads: int = DISK_READ_THREADS):
     """Reads every file of the checkpoint into a fresh numpy buffer, `threads` files at a time;
     returns (seconds, bytes, directory)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
     root = os.path.join(work, ARTIFACTS["ko"])
     if not os.path.isdir(root):
         root = os.path.join(work, ARTIFACTS["cb"])
-
-    def read(path):
-        buf = np.empty(os.path.getsize(path), np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(buf))  # one read(2) per file; the kernel fills fresh pages
-        return buf
-
     t = bm.clock()
-    with ThreadPoolExecutor(threads) as pool:
-        buffers = list(pool.map(read, list_files(root)))
+    buffers = bm.read_all(root, threads)
     return bm.since(t), sum(b.nbytes for b in buffers), root
 
 
