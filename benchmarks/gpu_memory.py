@@ -146,16 +146,17 @@ def render(result: dict, out_dir: str) -> str:
         f"{p['d2h_s']:.2f} s, write floor {p['write_floor_s']:.2f} s: {p['save_x_floor']:.2f} x "
         f"the floor. `x floor` of a restore: / (read + `device_put`), same process."
     )
-    lines += [
+    runs = result["rounds"][-1]
+    table = [
         "",
         "| case | device | owned GiB | peak GiB | peak / owned |",
         "|---|---|---:|---:|---:|",
     ]
-    for case, run in result["rounds"][-1].items():
+    for case, run in runs.items():
         for d in run["devices"]:
-            peak = "n/a" if d["peak"] is None else f"{d['peak'] / gib:.3f}"
-            ratio = "n/a" if d["peak_x_owned"] is None else f"{d['peak_x_owned']:.2f}"
-            lines.append(
-                f"| `{case}` | {d['id']} {d['kind']} | {d['owned'] / gib:.3f} | {peak} | {ratio} |"
-            )
+            peak = f"{(d['peak'] or 0) / gib:.3f}"
+            table.append(f"| `{case}` | {d['id']} {d['kind']} | {d['owned'] / gib:.3f} | {peak} "
+                         f"| {d['peak_x_owned'] or 0:.2f} |")  # fmt: skip
+    peaks = any(d["peak"] for run in runs.values() for d in run["devices"])
+    lines += table if peaks else ["No device peaks: this backend has no `memory_stats` (CPU)."]
     return "\n".join([*lines, "", r.provenance(result)]) + "\n"

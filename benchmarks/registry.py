@@ -373,7 +373,6 @@ BENCHMARKS = [
         },
         cpu_devices=None,  # the accelerator's devices
         columns=(
-            CPU_S,
             ("peak_x_owned", "device peak / owned, max", ".2f"),
             ("host_peak_gib", "host peak growth GiB", ".2f"),
         ),
