@@ -414,8 +414,26 @@ BENCHMARKS = [
         cpu_devices=1,
         columns=(("stopped_at", "stopped at batch", ".0f"), ("reads", "batches read", ".0f")),
     ),
-    _script(
-        "breakdown", "breakdown.py", "where a 256 MiB restore and save spend their time (py-spy)"
+    _suite(
+        "breakdown",
+        "breakdown",
+        "where a 256 MiB restore and save spend their time, by sampling profiler (py-spy)",
+        {
+            "restore_same_noverify": "same layout, `verify=False`",
+            "restore_same": "same layout, checked (default)",
+            "restore_reshard_noverify": "resharded, `verify=False`",
+            "restore_reshard": "resharded, checked (default)",
+            "save": "sync save",
+        },
+        None,
+        prepare=False,
+        sizes={
+            "small": {"rows": 4096, "cols": 256, "seconds": 2},
+            "full": {"rows": 65536, "cols": 1024, "seconds": 10},
+        },
+        repeats=1,
+        cpu_devices=None,  # the profiled process sets its own
+        render="benchmarks.breakdown:render",
     ),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}
