@@ -253,6 +253,13 @@ BENCHMARKS = [
         },
         env={f"{case}+mmap1M": {"MALLOC_MMAP_THRESHOLD_": "1048576"} for case in _RESTORE},
         requires={"ko_deferred_compact": "compact", "ko_deferred_compact+mmap1M": "compact"},
+        columns=(
+            ("restore_cpu_s", "CPU s", ".2f"),
+            ("e2e_s", "end-to-end s", ".1f"),
+            ("peak_gib", "peak - import GiB", ".2f"),
+            ("x_resident", "x resident", ".2f"),
+            ("ok", "ok", ".0f"),
+        ),
         render="benchmarks.restore_benchmark:render",
     ),
     _suite(

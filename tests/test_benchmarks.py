@@ -21,7 +21,6 @@ SHARED = {
     "registry",
     "render",
     "bench_model",
-    "bench_report",
     "_seed_render",
     "_seed_preset",
     "hook_timer",
