@@ -166,6 +166,6 @@ def render_report(result: dict, out_dir: str) -> str:
     ]  # fmt: skip
     for png, what, chosen, series, xlabel, log in plots if rows else ():
         if render.bars(os.path.join(out_dir, png), [i["label"] for i in chosen], series,
-                       f"{what}, {heading}", xlabel, log=log, line=None if log else 1.0):  # fmt: skip
+                       f"{what}\n{heading}", xlabel, log=log, line=None if log else 1.0):  # fmt: skip
             lines += ["", f"![{what}]({png})"]
     return "\n".join(lines) + "\n"
