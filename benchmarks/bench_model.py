@@ -101,6 +101,17 @@ def build_model(spec: ModelSpec, optimizer=None, build_optimizer: bool = True):
     return model
 
 
+def embedding(rows: int, cols: int, axes: tuple, mesh_shape=(8,), mesh_axes=("model",)):
+    """One Embedding(rows, cols) named "embed", its table laid out `axes` over the mesh (set as
+    the distribution here): the 256 MiB array of the restore and save benchmarks at full size."""
+    import keras
+
+    rules = {"embed/embeddings": axes}
+    keras.distribution.set_distribution(make_distribution(None, mesh_shape, mesh_axes, rules))
+    tokens = keras.Input((4,), dtype="int32")
+    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
+
+
 def independent_dense(layers: int, width: int):
     """`layers` independent Dense(width) layers in one model, built: many small variables (a
     Sequential this deep exceeds Python's recursion limit when it builds). Set the distribution

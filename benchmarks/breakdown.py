@@ -22,15 +22,7 @@ import resource
 import shutil
 import time
 
-
-def embedding(rows: int, cols: int, axes: tuple):
-    import keras
-
-    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((8,), ("model",)))
-    layout_map[".*embeddings"] = axes
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    tokens = keras.Input((4,), dtype="int32")
-    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
+from benchmarks import bench_model as bm
 
 
 def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
@@ -42,12 +34,12 @@ def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
     import keras_orbax
 
     step = os.path.join(work, f"step_{rows}x{cols}")
-    model = embedding(rows, cols, ("model", None))
+    model = bm.embedding(rows, cols, ("model", None))
     model.weights[0].assign(np.random.default_rng(0).random((rows, cols), dtype="float32"))
     if not os.path.exists(step):
         keras_orbax.save(model, step, step=1)
     if mode.startswith("restore_reshard"):
-        model = embedding(rows, cols, (None, "model"))
+        model = bm.embedding(rows, cols, (None, "model"))
     verify = False if mode.endswith("noverify") else None
 
     def once(i: int) -> float:
