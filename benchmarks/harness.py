@@ -45,13 +45,14 @@ class Benchmark:
     `cases` maps each case to what it measures; `floor` is the case the others are divided by
     (None: no floor); `sizes` maps "small" (a smoke run of seconds) and "full" (the figures in
     docs/benchmarks.md) to the parameters `run_case` and `prepare` get. `evict`: the cases that
-    start with the work directory dropped from the page cache (cold reads). `apart`: cases run after every round of the others, not between them (one that
-    frees much fresh memory slows whatever runs next). `requires`: cases run only where the named
-    parameter is set (`--set NAME=VALUE`); `only` (a parameter: "a,b") runs those cases and the
-    floor; `cpu_devices` (a parameter) overrides the field. `columns`: extra figures for the
-    table, (key, header, format). `cpu_devices`: virtual CPU devices of each process (None: the
-    real devices). `script`: a benchmark with its own runner (the seed's own
-    case), run as `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
+    start with the work directory dropped from the page cache (cold reads). `apart`: cases run
+    after every round of the others, not between them (one that frees much fresh memory slows
+    whatever runs next). `requires`: cases run only where the named parameter is set
+    (`--set NAME=VALUE`). Two parameters are the harness's: `only` ("a,b") runs those cases and
+    the floor, `cpu_devices` overrides the field. `columns`: extra figures for the table, (key,
+    header, format). `cpu_devices`: virtual CPU devices of each process (None: the real devices).
+    `script`: a benchmark with its own runner (the seed's own case), run as
+    `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
     for a table of its own (default: `render.table`, one row per case). `env`: variables set in a
     case's process from its start (an allocator's `MALLOC_*`).
     """

@@ -97,8 +97,9 @@ def plots_named(text: str) -> set[str]:
     return {part.split(")")[0] for part in text.split("](")[1:] if ".png" in part.split(")")[0]}
 
 
-def bars(path: str, labels: list[str], series: list, title: str, xlabel: str, *, log=False,
-         line: float | None = None) -> bool:  # fmt: skip
+def bars(
+    path: str, labels: list[str], series: list, title: str, xlabel: str, *, log=False, line=None
+) -> bool:
     """A horizontal bar plot at `path`: one group per label, `series[k]` its bars, each
     (value, color, text). False (and no plot) without matplotlib."""
     try:

@@ -103,8 +103,8 @@ def run_case(case: str, params: dict, work: str) -> dict:
     )
     out: dict = {"command": command, "load_before": os.getloadavg()}
     try:
-        result = harness.measure(bench, size, params.get("rounds"), os.path.join(work, case),
-                                 params={**bench.sizes[size], **override})  # fmt: skip
+        where, sized = os.path.join(work, case), {**bench.sizes[size], **override}
+        result = harness.measure(bench, size, params.get("rounds"), where, params=sized)
         out.update(seconds=result["wall_s"], items=items(case, result), raw=result)
     except (RuntimeError, KeyError, ZeroDivisionError) as e:
         print(f"[{case}] FAILED: {e}", flush=True)
@@ -146,26 +146,40 @@ def render_report(result: dict, out_dir: str) -> str:
         "|---|---|---:|---|---|",
     ]
     for name, c in (kv for r in result["rounds"] for kv in r.items()):
-        ok = (
-            "ok" if "error" not in c else "**failed**: " + c["error"].strip().splitlines()[-1][:160]
-        )
-        lines.append(f"| {name} | `{c['command']}` | {c['seconds']:.0f} | {render.loads(c['load_before'])}"
-                     f" -> {render.loads(c['load_after'])} | {ok.replace('|', '/')} |")  # fmt: skip
+        ok = "ok" if "error" not in c else "**failed**: " + c["error"].strip().splitlines()[-1]
+        loads = f"{render.loads(c['load_before'])} -> {render.loads(c['load_after'])}"
+        ok = ok.replace("|", "/")[:170]  # a table cell
+        lines.append(f"| {name} | `{c['command']}` | {c['seconds']:.0f} | {loads} | {ok} |")
     lines += ["", render.provenance(result)]
     smoke = " (smoke run: not a measurement)" if result["size"] == "small" else ""
     heading = f"{result['date']}, {result['machine']['cpus']} CPU cores{smoke}"
     targeted = [i for i in rows if i["target"] is not None]
+    ratios = [
+        [
+            (
+                i["ratio"] / i["target"],
+                COLORS[i["met"]],
+                f"{i['ratio']:.2f} x (target {target_text(i)})",
+            )
+        ]
+        for i in targeted
+    ]
+    times = [
+        [
+            (i["ours_s"], COLORS[i["met"]], f"{i['names'][0]} {i['ours_s']:.2f} s"),
+            (i["ref_s"], GRAY, f"{i['names'][1]} {i['ref_s']:.2f} s"),
+        ]
+        for i in rows
+    ]
     plots = [
-        ("speed_ratios.png", "Each figure divided by its target", targeted,
-         [[(i["ratio"] / i["target"], COLORS[i["met"]], f"{i['ratio']:.2f} x (target {target_text(i)})")]
-          for i in targeted], "ratio / target (at or left of the dashed line: target met)", False),
-        ("speed_times.png", "Seconds, ours against the reference", rows,
-         [[(i["ours_s"], COLORS[i["met"]], f"{i['names'][0]} {i['ours_s']:.2f} s"),
-           (i["ref_s"], GRAY, f"{i['names'][1]} {i['ref_s']:.2f} s")] for i in rows],
-         "seconds (median), log scale; gray: the reference, blue: no target", True),
+        ("speed_ratios.png", "Each figure divided by its target", targeted, ratios, False,
+         "ratio / target (at or left of the dashed line: target met)"),
+        ("speed_times.png", "Seconds, ours against the reference", rows, times, True,
+         "seconds (median), log scale; gray: the reference, blue: no target"),
     ]  # fmt: skip
-    for png, what, chosen, series, xlabel, log in plots if rows else ():
-        if render.bars(os.path.join(out_dir, png), [i["label"] for i in chosen], series,
-                       f"{what}\n{heading}", xlabel, log=log, line=None if log else 1.0):  # fmt: skip
+    for png, what, chosen, series, log, xlabel in plots if rows else ():
+        title, labels = f"{what}\n{heading}", [i["label"] for i in chosen]
+        path, line = os.path.join(out_dir, png), None if log else 1.0
+        if render.bars(path, labels, series, title, xlabel, log=log, line=line):
             lines += ["", f"![{what}]({png})"]
     return "\n".join(lines) + "\n"
