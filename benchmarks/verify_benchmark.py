@@ -16,16 +16,6 @@ from __future__ import annotations
 from benchmarks import bench_model as bm
 
 
-def _embedding(rows: int, cols: int, axes: tuple):
-    import keras
-
-    keras.distribution.set_distribution(
-        bm.make_distribution(mesh_shape=(8,), axes=("model",), rules={".*embeddings": axes})
-    )
-    tokens = keras.Input((4,), dtype="int32")
-    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
-
-
 def _mlp(layers: int, width: int):
     import keras
 
@@ -44,7 +34,7 @@ def _model(params: dict, restore: bool):
     if params["layout"] == "mlp":
         return _mlp(params["layers"], params["width"])
     axes = (None, "model") if restore and params["layout"] == "reshard" else ("model", None)
-    return _embedding(params["rows"], params["cols"], axes)
+    return bm.embedding(params["rows"], params["cols"], axes)
 
 
 def prepare(params: dict, work: str) -> None:
