@@ -15,7 +15,7 @@ from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 from tests import _faults
 
 
-class _OneFile:
+class _OneFile(commit.ExportSink):
     """A sink of one file whose regions are `a` and `b`; it writes those given."""
 
     whole_directory = False
@@ -98,3 +98,53 @@ def test_a_directory_export_to_a_mount_point_renames_its_files(tmp_path):
         loaded = keras_hub.models.TextClassifier.from_preset(str(mounted))
         for i, weight in enumerate(loaded.weights):
             np.testing.assert_array_equal(np.asarray(weight.value), want[i])
+
+
+def _shard_files(state: Path) -> list[Path]:
+    """The shard files under a step's `state/` (`<array>/c/...` or a packed `<array>/c.0.0`)."""
+    return [
+        path
+        for path in sorted(state.rglob("*"))
+        if path.is_file()
+        and len(parts := path.relative_to(state).parts) >= 2
+        and (parts[1] == "c" or parts[1].startswith("c."))
+    ]
+
+
+def test_a_step_whose_shard_file_disappears_before_the_commit_is_refused(tmp_path):
+    """A shard file gone between its write and the commit: the step's region check (against the
+    files each process was due to write, from the shardings) refuses it, and the previous step is
+    untouched and restores exactly."""
+    import keras
+
+    from keras_orbax._src.format import step_dirs
+
+    root = tmp_path / "ckpt"
+    model = _faults.built_sharded("step.fast")  # kernels split over 8 devices: many shard files
+    try:
+        previous = _faults.fill(model, _faults.PREVIOUS)
+        keras_orbax.save(model, root, step=1)
+        before = _faults.files(root / "1")
+        _faults.fill(model, _faults.NEW)
+        removed = []
+
+        def remove_a_shard_file(stage: str) -> None:
+            if stage == "regions":
+                (state,) = root.glob("2.orbax-checkpoint-tmp*/state*")  # Orbax's temporary names
+                shard = _shard_files(state)[-1]
+                shard.unlink()
+                removed.append(shard.name)
+
+        with (
+            commit.on_stage(remove_a_shard_file),
+            pytest.raises(SaveFailedError, match=r"Not every region.*process 0: wrote \d+ regions"),
+        ):
+            keras_orbax.save(model, root, step=2)
+        assert removed  # the fault was injected where the check runs
+        assert step_dirs.committed_steps(root) == [1]
+        assert _faults.files(root / "1") == before
+        restored = _faults.built_sharded("step.fast")
+        keras_orbax.restore_sharded(restored, root)
+        _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
+    finally:
+        keras.distribution.set_distribution(None)

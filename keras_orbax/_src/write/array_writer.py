@@ -1,7 +1,7 @@
 """`save_arrays`: one committed step from arrays that arrive one at a time (`convert`).
 
 The step is the one `save` writes, by the same writer: Orbax's `training.Checkpointer` from
-`step_writer.open_checkpointer` commits it (temporary directory and rename, or the commit marker in
+`step_sink.open_checkpointer` commits it (temporary directory and rename, or the commit marker in
 object storage; `_METADATA`; `_CHECKPOINT_METADATA` with the keras-orbax record),
 `shard_writer.ArrayFiles` writes each shard file with its checksum and the arrays' metadata files,
 the writer lock is held throughout, and the step is made durable before it is reported committed.
@@ -49,7 +49,7 @@ from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer, step_writer
+from keras_orbax._src.write import shard_writer, step_sink
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
 # Shards still being written when `add` returns: the memory held beyond the array being read.
@@ -239,7 +239,7 @@ def _save_held(
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
     hold = _Hold()
-    checkpointer = step_writer.open_checkpointer(
+    checkpointer = step_sink.open_checkpointer(
         directory, leaf_handler=_HeldOpen, commit_timeout_s=_COMMIT_TIMEOUT_S
     )
     placeholder = jax.numpy.zeros((), np.uint8)  # each leaf: only the keys matter to Orbax
@@ -265,7 +265,7 @@ def _save_held(
         raise
     hold.written.set_result(None)
     with checkpointer:
-        step_writer.DurableResponse(response, checkpointer.directory, step).result()
+        step_sink.DurableResponse(response, checkpointer.directory, step).result()
 
 
 def _directory(hold: _Hold, response: Any) -> Any:
