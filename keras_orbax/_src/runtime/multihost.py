@@ -125,6 +125,7 @@ def gather_outcomes(
     *,
     wait_s: float | None = None,
     fallback: type[KerasOrbaxError] = errors.SaveFailedError,
+    every_report: bool = False,
 ) -> list[Any]:
     """Every process's outcome of its part of a write: its JSON-safe `value` (what it wrote, say),
     by process index, on every process; or, if any failed, the same error on every process.
@@ -134,7 +135,9 @@ def gather_outcomes(
     that are merely slower are waited for up to `wait_s` (the write's own time limit; None: without
     limit). Safe from a background thread: the keys are named by `round_key` (the same on every
     process, e.g. Orbax's operation id, or `next_round` of a collective call), not by the order of
-    this process's collective calls.
+    this process's collective calls. `every_report`: a failure is raised only once every process
+    has reported (or `wait_s` has passed), so every process raises the very same error; else as
+    soon as one is seen, not waiting for a slow process (a step's write can take minutes).
 
     Raises:
         `fallback` (or the failing process's keras-orbax error type) naming each process that
@@ -158,9 +161,9 @@ def gather_outcomes(
             for k, v in client.key_value_dir_get(f"{prefix}/")
         }
         failures = {p: f for p, f in found.items() if not f["ok"]}
-        if failures:
-            raise _mark(_combined(name, failures, fallback)) from error
         missing = [p for p in range(process_count()) if p not in found]
+        if failures and (not every_report or not missing):
+            raise _mark(_combined(name, failures, fallback)) from error
         if not missing:
             _forget_outcomes(client, f"{prefix}/{me}")
             return [found[p].get("value") for p in range(process_count())]

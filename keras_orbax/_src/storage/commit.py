@@ -67,6 +67,8 @@ class Sink(abc.ABC):
 
     destination: Any
     """What the sink writes to: an export's file or directory, a checkpoint's root."""
+    unchanged: str = "the export is abandoned; the previous one is untouched"
+    """What a failure leaves as it was, in the words its error ends with."""
 
     @abc.abstractmethod
     def regions_due(self, process: int) -> Sequence[str]:
@@ -78,7 +80,7 @@ class Sink(abc.ABC):
         Raises:
             SaveFailedError: some process's regions are not those it was due to write.
         """
-        check_regions(reports, self.regions_due, str(self.destination))
+        check_regions(reports, self.regions_due, str(self.destination), self.unchanged)
 
 
 class ExportSink(Sink):
@@ -123,7 +125,12 @@ def digest(keys: Sequence[str]) -> list[Any]:
     return [len(keys), hashlib.sha256(text).hexdigest()]
 
 
-def check_regions(reports: Sequence[Any], due: Callable[[int], Sequence[str]], what: str) -> None:
+def check_regions(
+    reports: Sequence[Any],
+    due: Callable[[int], Sequence[str]],
+    what: str,
+    unchanged: str = "the export is abandoned; the previous one is untouched",
+) -> None:
     """Checks every process's report (`digest` of the regions it wrote) against the regions it was
     due to write, `due(process)`, computed from the arrays' shardings: never a directory listing
     or a file size. Every process runs it on all processes' reports, so all reach the same verdict
@@ -140,7 +147,7 @@ def check_regions(reports: Sequence[Any], due: Callable[[int], Sequence[str]], w
         if list(report) != (expected := digest(list(due(process))))
     ]
     if wrong:
-        raise SaveFailedError(f"Not every region of {what} was written: {wrong}. {_UNCHANGED}.")
+        raise SaveFailedError(f"Not every region of {what} was written: {wrong}; {unchanged}")
 
 
 def write(sink: ExportSink, name: str) -> Path:
@@ -265,6 +272,7 @@ def _gathered(name: str, error: Exception | None, value: Any) -> list[Any]:
         value,
         wait_s=multihost.DEFAULT_TIMEOUT_S,
         fallback=SaveFailedError,
+        every_report=True,
     )
 
 

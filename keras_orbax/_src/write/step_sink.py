@@ -65,6 +65,8 @@ class StepSink(commit.Sink):
     the regions checked are those of the save being agreed on.
     """
 
+    unchanged = "the step is not committed"
+
     def __init__(self, destination: Any, format: SaveFormat = "fast") -> None:
         check_format(format, destination)
         self.destination, self.format = destination, format
@@ -144,6 +146,7 @@ class StepSink(commit.Sink):
             report,
             wait_s=multihost.DEFAULT_TIMEOUT_S,  # every process has ended its writes
             fallback=SaveFailedError,
+            every_report=True,
         )
         self.check(reports)
 
