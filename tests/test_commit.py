@@ -148,3 +148,45 @@ def test_a_step_whose_shard_file_disappears_before_the_commit_is_refused(tmp_pat
         _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
     finally:
         keras.distribution.set_distribution(None)
+
+
+def test_save_and_convert_resolve_the_destination_once_and_list_its_steps_once(
+    tmp_path, monkeypatch
+):
+    """Every part of one `save` or `convert` (writer lock, step-exists check, incremental plan,
+    checkpointer, durability, the error message) asks one `CheckpointRoot`: the destination is
+    turned into a path once and its committed steps listed once (it was 7 and 3 for `save`, 10
+    and 4 for `convert`). Counted by wrapping the two functions that do it."""
+    from collections import Counter
+
+    from keras_orbax._src.format import step_dirs
+    from keras_orbax._src.storage import locations
+    from tests import _models
+
+    dest = tmp_path / "dest"
+    counts: Counter[str] = Counter()
+    as_path, step_dirs_of = locations.as_path, step_dirs._step_dirs
+
+    def counted_as_path(path):
+        resolved = as_path(path)
+        if os.fspath(resolved) == os.fspath(dest):
+            counts["resolved"] += 1
+        return resolved
+
+    def counted_step_dirs(root):
+        if os.fspath(root) == os.fspath(dest):
+            counts["listed"] += 1
+        return step_dirs_of(root)
+
+    model = _models.mlp()
+    _faults.fill(model, _faults.PREVIOUS)
+    keras_orbax.save(model, tmp_path / "src", step=1)
+    keras_orbax.save(model, dest, step=1)  # a previous step: the incremental plan reads it
+    monkeypatch.setattr(locations, "as_path", counted_as_path)
+    monkeypatch.setattr(step_dirs, "_step_dirs", counted_step_dirs)
+    keras_orbax.convert(tmp_path / "src", os.fspath(dest), step=2)  # a string: resolved here
+    assert counts == {"resolved": 1, "listed": 1}
+    counts.clear()
+    keras_orbax.save(model, os.fspath(dest), step=3)
+    assert counts == {"resolved": 1, "listed": 1}
+    assert step_dirs.committed_steps(dest) == [1, 2, 3]

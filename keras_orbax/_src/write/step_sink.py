@@ -34,6 +34,7 @@ from typing import Any, Literal
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.runtime import multihost
@@ -69,7 +70,8 @@ class StepSink(commit.Sink):
 
     def __init__(self, destination: Any, format: SaveFormat = "fast") -> None:
         check_format(format, destination)
-        self.destination, self.format = destination, format
+        self.root = step_dirs.CheckpointRoot.of(destination)
+        self.destination, self.format = self.root.path, format
         self._arrays: list[SavedArray] = []
 
     def open_checkpointer(
@@ -100,7 +102,7 @@ class StepSink(commit.Sink):
         if locations.is_remote(self.destination):  # no atomic rename: a marker file commits
             context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
         return ocp.training.Checkpointer(
-            locations.as_path(self.destination),
+            self.destination,
             context=context,
             preservation_policy=preservation_policy,
         )
@@ -240,7 +242,8 @@ class DurableResponse:
     """
 
     def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
-        self._response, self._step_dir = response, locations.as_path(directory) / str(step)
+        self._response = response
+        self._step_dir = step_dirs.CheckpointRoot.of(directory).step_dir(step)
 
     def result(self) -> None:
         self._response.result()

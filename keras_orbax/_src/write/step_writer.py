@@ -25,7 +25,7 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import commit, locations
+from keras_orbax._src.storage import commit
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer, step_sink
@@ -95,17 +95,19 @@ def save(
     step_sink.check_format(format, directory)
     check_rewrite_every(rewrite_every)
     multihost.same_arguments("save", directory=os.fspath(directory), step=step, format=format)
-    checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
+    root = step_dirs.CheckpointRoot(directory)  # the one path of it, its steps listed once
+    # A committed `step` is refused under the lock, before anything is written: one listing.
+    checked = _checked_variables(model, root, step, overwrite=True, weights_only=False)
     try:
         with (
-            writer_lock(directory, step),  # released once the checkpointer has closed
-            quiet.skipped_merge_notices(directory),
-            step_sink.open_checkpointer(directory, format) as checkpointer,
+            writer_lock(root, step),  # released once the checkpointer has closed
+            quiet.skipped_merge_notices(root),
+            step_sink.open_checkpointer(root, format) as checkpointer,
         ):
-            # Again under the lock (process 0 holds it and decides): a writer that held it may
-            # have committed the step since the check above.
+            # Decided under the lock (process 0 holds it and decides): a writer that held it may
+            # have committed the step since `_checked_variables`.
             multihost.primary_value(
-                f"save/step {step} free", _refuse_committed, directory, step, overwrite
+                f"save/step {step} free", _refuse_committed, root, step, overwrite, True
             )
             write_step(
                 checkpointer,
@@ -116,17 +118,18 @@ def save(
                 checked=checked,
                 incremental=incremental,
                 rewrite_every=rewrite_every,
+                root=root,
             )
     except Exception as error:  # the write failed: a full disk, a read-only directory...
         if isinstance(error, KerasOrbaxError) and not isinstance(error, SaveFailedError):
             raise  # the caller's input (StepExistsError...), or a process that never reported
-        steps = step_dirs.committed_steps(directory)
+        steps = root.steps()  # as listed under the lock: nothing was committed since
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
-            f"Saving step {step} to '{locations.as_path(directory)}' failed: "
+            f"Saving step {step} to '{root}' failed: "
             f"{type(error).__name__}: {error}. Nothing was committed.{intact}"
         ) from error
-    return locations.as_path(directory) / str(step)
+    return root.step_dir(step)
 
 
 def check_rewrite_every(rewrite_every: Any) -> None:
@@ -170,6 +173,7 @@ def write_step(
     incremental: bool = True,
     rewrite_every: int | None = None,
     data_state: dict[str, Any] | None = None,
+    root: step_dirs.CheckpointRoot | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -182,9 +186,11 @@ def write_step(
     committed step (`incremental.plan_for`, decided when the save starts writing), each file into
     at most `rewrite_every` steps.
     `data_state`: this process's input position (`format/data_state.py`), committed with the step.
+    `root`: the checkpointer's root as the caller resolved and listed it (`save`).
     """
+    root = root or step_dirs.CheckpointRoot(checkpointer.directory)
     state, variables = checked or _checked_variables(
-        model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
+        model, root, step, overwrite=overwrite, weights_only=weights_only
     )
     record = StepRecord(
         step=step,
@@ -205,11 +211,7 @@ def write_step(
 
     def start() -> step_sink.DurableResponse | None:
         commit.fault_point("stage")
-        plan = (
-            incremental_saves.plan_for(checkpointer.directory, step, rewrite_every)
-            if incremental
-            else None
-        )
+        plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
         with incremental_saves.planned(plan):
             response = checkpointer.save_checkpointables_async(
                 step,
@@ -219,11 +221,7 @@ def write_step(
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        return (
-            None
-            if response is None
-            else step_sink.DurableResponse(response, checkpointer.directory, step)
-        )
+        return None if response is None else step_sink.DurableResponse(response, root, step)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
@@ -252,7 +250,7 @@ class LaterSave:
 
 def _checked_variables(
     model: keras.Model,
-    directory: Any,
+    root: step_dirs.CheckpointRoot,
     step: int,
     *,
     overwrite: bool,
@@ -278,16 +276,21 @@ def _checked_variables(
             f"Cannot save model '{model.name}': {len(unset)} variables were built under "
             f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
         )
-    _refuse_committed(directory, step, overwrite)
+    _refuse_committed(root, step, overwrite)
     return state, variables
 
 
-def _refuse_committed(directory: Any, step: int, overwrite: bool) -> None:
+def _refuse_committed(
+    root: step_dirs.CheckpointRoot, step: int, overwrite: bool, again: bool = False
+) -> None:
     """Raises StepExistsError if `step` is committed and not to be overwritten. Decisive only
-    under the step's writer lock; before it, only a check that fails early."""
-    if not overwrite and step in step_dirs.committed_steps(directory):
+    under the step's writer lock (`again`: listed afresh there); before it, only a check that
+    fails early."""
+    if overwrite:
+        return
+    if step in (root.listed_again() if again else root.steps()):
         raise StepExistsError(
-            f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass "
+            f"Step {step} is already committed in '{root}'. Pass "
             f"overwrite=True to replace it. Received: step={step}"
         )
 
