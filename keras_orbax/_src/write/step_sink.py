@@ -122,12 +122,12 @@ class StepSink(commit.Sink):
                 due to; the step is not committed.
             ProcessSyncError: a process did not report within `wait_s`.
         """
+        written = shard_writer.take_written(directory)  # taken whatever follows: nothing kept
         commit.fault_point("agree")
         multihost.agree_on_outcome(
             "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
         )
         commit.fault_point("regions")
-        written = shard_writer.take_written(directory)
         if written is not None:  # "fast": keras-orbax's writer knows what each process owns
             self._check_regions(directory, operation_id, *written)
         commit.fault_point("rename")  # Orbax's finalize: its metadata, then the rename
