@@ -28,6 +28,7 @@ with sink.open_checkpointer() as checkpointer:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Literal
 
@@ -161,25 +162,32 @@ class StepSink(commit.Sink):
 
 
 def _due(array: SavedArray, process: int) -> list[str]:
-    devices = array.sharding.devices_indices_map(tuple(array.shape))
-    if array.packed:
+    keys = _due_chunks(
+        array.sharding, tuple(array.shape), tuple(array.chunk), array.packed, process
+    )
+    return [f"{array.name}/{key}" for key in keys]
+
+
+@functools.lru_cache(maxsize=1024)
+def _due_chunks(
+    sharding: Any, shape: tuple[int, ...], chunk: tuple[int, ...], packed: bool, process: int
+) -> tuple[str, ...]:
+    """The chunk keys `process` writes of an array of `shape` and `sharding`: computed once per
+    layout (a model's thousands of arrays have a few)."""
+    devices = sharding.devices_indices_map(shape)
+    if packed:
         holder = next(iter(devices)).process_index
-        coords = (0,) * len(array.shape)
-        return (
-            [f"{array.name}/{chunk_key(coords, ONE_FILE_SEPARATOR)}"] if holder == process else []
-        )
+        return (chunk_key((0,) * len(shape), ONE_FILE_SEPARATOR),) if holder == process else ()
     seen, due = set(), []
     for device, index in devices.items():
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape, strict=True))
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
         if bounds in seen:
             continue
         seen.add(bounds)
         if device.process_index == process:
-            coords = tuple(
-                a // n if n else 0 for (a, _), n in zip(bounds, array.chunk, strict=True)
-            )
-            due.append(f"{array.name}/{chunk_key(coords)}")
-    return due
+            coords = tuple(a // n if n else 0 for (a, _), n in zip(bounds, chunk, strict=True))
+            due.append(chunk_key(coords))
+    return tuple(due)
 
 
 def _still_there(directory: Any, names: list[str]) -> list[str]:
