@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import keras_orbax
 from keras_orbax._src.format import checksum
-from keras_orbax._src.write import shard_files, shard_writer, step_writer
+from keras_orbax._src.write import shard_files, shard_writer, step_sink
 from tests import _models
 
 
@@ -96,11 +96,11 @@ def _slashed(name: str) -> str:
 def _save_both(tmp_path: Path, for_orbax: dict, for_us: dict, blocking: bool) -> tuple[dict, dict]:
     """The files of `state/` as Orbax's own array writer and as keras-orbax's save each tree."""
     orbax_context = ocp.Context()
-    for option, value in step_writer._FORMATS["fast"].items():
+    for option, value in step_sink.FORMATS["fast"].items():
         setattr(orbax_context.array.saving, option, value)
     with ocp.training.Checkpointer(tmp_path / "orbax", context=orbax_context) as checkpointer:
         checkpointer.save_pytree(1, for_orbax)
-    with step_writer.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
+    with step_sink.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
         context = shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext()
         with context:
             response = checkpointer.save_async(1, for_us)

@@ -213,10 +213,11 @@ def _sharding_text(sharding: Any) -> str:
 def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Plan:
     """The plan of a save of `step` to `directory`: compared with the latest committed step before
     it. With `rewrite_every=K`, a file held by K steps already is written again."""
-    earlier = [s for s in step_dirs.committed_steps(directory) if s < step]
+    root = step_dirs.CheckpointRoot.of(directory)  # a caller's root: its listing reused
+    earlier = [s for s in root.steps() if s < step]
     if not earlier:
         return Plan(None, {}, rewrite_every)
-    state = locations.as_path(directory) / str(earlier[-1]) / STATE
+    state = root.step_dir(earlier[-1]) / STATE
     return Plan(os.fspath(state), _recorded(state), rewrite_every)
 
 

@@ -315,6 +315,7 @@ class ArrayFiles:
         if self._store is not None and self._plan is not None:  # what the next save's copies check
             incremental.record_versions(self._root, self._checksums)
         content = shard_files.checksums_json(self._checksums, fingerprinted=self._plan is not None)
+        _written[self._root] = (self._arrays, list(self._checksums))
         if self._store is not None:
             self._store.write(name, content).result()
             return
@@ -378,6 +379,18 @@ class ArrayFiles:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(f"{self._root}/{relative}")
             self._made[relative] = None
+
+
+# The arrays and shard files each `ArrayFiles` wrote, by its directory (a step's `state/`), until
+# the step's commit takes them (`take_written`) to check them against those due.
+_written: dict[str, tuple[list[SavedArray], list[str]]] = {}
+
+
+def take_written(directory: Any) -> tuple[list[SavedArray], list[str]] | None:
+    """What the writer of `directory` (a step's `state/`) wrote: every array it was given (this
+    process's shards of them or none) and the names of this process's shard files; None where
+    keras-orbax's writer did not write it (the compact format: Orbax's tensorstore)."""
+    return _written.pop(os.fspath(locations.as_path(os.fspath(directory))), None)
 
 
 def _parent(relative: str) -> str:
