@@ -31,20 +31,17 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import errno
 import hashlib
 import os
-import shutil
 import signal
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import durable
-from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
+from keras_orbax._src.storage import durable, replace
+from keras_orbax.errors import KerasOrbaxError, SaveFailedError
 
 STAGES = ("stage", "agree", "fsync", "rename", "prune")
 # Test-only: names a stage (`rename`, or `rename@1` for process 1 only) at whose start this
@@ -177,15 +174,15 @@ def write(sink: ExportSink, name: str) -> Path:
         fault_point("fsync")
         _collectively(f"{name}: fsync", _fsync_staged, sink, staging)
         fault_point("rename")
-        _collectively(f"{name}: rename", _rename, sink, staging)
+        _collectively(f"{name}: rename", replace.rename, sink, staging)
         committed = True
         fault_point("prune")
         if primary:
-            _prune(sink, staging)
+            replace.prune(sink, staging)
     finally:
         if primary and not committed:
             with contextlib.suppress(OSError):
-                _remove(staging)
+                replace.remove(staging)
     return sink.destination
 
 
@@ -210,13 +207,9 @@ def check_space(directory: Path, needed: int) -> None:
 def staging_path(sink: ExportSink) -> Path:
     """Where an export is staged: hidden, a name no reader looks for; beside the destination, or,
     where that is a mount point (no rename leaves it), inside it."""
-    if _in_place(sink):
+    if replace.in_place(sink):
         return sink.destination / ".keras_orbax.partial"
     return sink.destination.with_name(f".{sink.destination.name}.partial")
-
-
-def _in_place(sink: ExportSink) -> bool:
-    return sink.whole_directory and os.path.ismount(sink.destination)
 
 
 @contextlib.contextmanager
@@ -284,15 +277,15 @@ def _failed(name: str, error: Exception) -> Exception:
 
 def _prepare(sink: ExportSink, staging: Path) -> None:
     staging.parent.mkdir(parents=True, exist_ok=True)
-    _remove(staging)  # what an earlier, failed attempt left
+    replace.remove(staging)  # what an earlier, failed attempt left
     staging.mkdir()
     sink.prepare(staging)
 
 
 def _stage(sink: ExportSink, staging: Path) -> list[str]:
     written = list(sink.stage(staging))
-    if multihost.is_primary() and sink.whole_directory and not _in_place(sink):
-        _link_kept_files(sink, staging)
+    if multihost.is_primary() and sink.whole_directory and not replace.in_place(sink):
+        replace.link_kept_files(sink, staging)
     return written
 
 
@@ -300,110 +293,3 @@ def _fsync_staged(sink: ExportSink, staging: Path) -> None:
     """Every file and directory the export holds, at any depth, then the directory holding it."""
     durable.fsync_tree(staging)
     durable.fsync_path(staging.parent)
-
-
-def _rename(sink: ExportSink, staging: Path) -> None:
-    """The commit: one atomic exchange for a directory, else each file, configs last."""
-    parent = sink.destination.parent
-    if sink.whole_directory:
-        if _in_place(sink):
-            _rename_each_file(sink, staging)
-        elif not sink.destination.exists():
-            os.rename(staging, sink.destination)
-        elif not _exchange(staging, sink.destination):
-            _rename_each_file(sink, staging)
-    else:
-        order = sink.commit_order()
-        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
-            (parent / order[-1]).unlink(missing_ok=True)
-        for name in order:
-            os.replace(staging / name, parent / name)
-    durable.fsync_path(parent)
-
-
-def _rename_each_file(sink: ExportSink, staging: Path) -> None:
-    """Where the directory cannot be swapped (a mount point, a filesystem without
-    `RENAME_EXCHANGE`): the files one by one, configs last, then the old export's files that this
-    one does not write removed; say so: a kill part-way leaves a directory that mixes both."""
-    warnings.warn(
-        f"{sink.destination} cannot be swapped with its new version atomically (a mount point, "
-        "or no renameat2 RENAME_EXCHANGE); the export's files are renamed one by one, configs "
-        "last.",
-        KerasOrbaxWarning,
-        stacklevel=4,
-    )
-    files = sorted(
-        (p for p in staging.rglob("*") if p.is_file()), key=lambda p: p.name.endswith(".json")
-    )
-    written = {path.relative_to(staging).as_posix() for path in files}
-    for path in files:
-        target = sink.destination / path.relative_to(staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
-    for path in list(sink.destination.rglob("*")):
-        relative = path.relative_to(sink.destination).as_posix()
-        if path.is_file() and relative not in written and sink.is_export_file(relative):
-            path.unlink()
-    durable.fsync_tree(sink.destination)
-
-
-def _prune(sink: ExportSink, staging: Path) -> None:
-    """Removes what the committed export replaced; a failure only warns (the export is
-    committed, and the next export removes what is left)."""
-    try:
-        if not sink.whole_directory:
-            for name in sink.replaced():
-                (sink.destination.parent / name).unlink(missing_ok=True)
-        _remove(staging)  # a directory export: the old directory, swapped in here
-        durable.fsync_path(sink.destination.parent)
-    except OSError as error:
-        warnings.warn(
-            f"{sink.destination} is committed, but removing what it replaced failed: {error}. "
-            f"The next export there removes {staging}.",
-            KerasOrbaxWarning,
-            stacklevel=3,
-        )
-
-
-def _link_kept_files(sink: ExportSink, staging: Path) -> None:
-    """Hard links, into the staged directory, every file of the old one that this export does not
-    write (the user's own files): the exchange keeps them."""
-    if not sink.destination.is_dir():
-        return
-    for path in sorted(sink.destination.rglob("*")):
-        relative = path.relative_to(sink.destination)
-        target = staging / relative
-        if path.is_dir() or target.exists() or sink.is_export_file(relative.as_posix()):
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # a filesystem without hard links: a copy
-            shutil.copy2(path, target)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swaps two paths (Linux `renameat2(RENAME_EXCHANGE)`); False where the platform or
-    filesystem cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if done == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EBUSY):
-        return False
-    raise OSError(code, os.strerror(code), os.fspath(b))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
