@@ -27,7 +27,7 @@ import numpy as np
 
 from keras_orbax._src.format.checksum import crc32c, shard_index
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.format.read_checks import ReadChecks
+from keras_orbax._src.format.read_checks import PIECE_BYTES, ReadChecks, read_in_pieces
 from keras_orbax._src.format.step_record import STATE, VariableRecord
 from keras_orbax._src.storage import locations, mapped
 from keras_orbax._src.storage.byte_runs import (
@@ -175,10 +175,11 @@ class FastArray:
             self._verify_shard(region, mapped)
             return cast(mapped.view(self.dtype).reshape(shape), dtype)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        if not (whole and self._read_whole(region, out)):
-            for block in self.blocks(index):
-                with block.opener() as (fetch, offset):
-                    read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if whole and self._read_whole(region, out):  # checked as it was read
+            return cast(out.view(self.dtype).reshape(shape), dtype)
+        for block in self.blocks(index):
+            with block.opener() as (fetch, offset):
+                read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
         if whole:
             self._verify_shard(region, out)
         return cast(out.view(self.dtype).reshape(shape), dtype)
@@ -241,28 +242,41 @@ class FastArray:
         return data[: self.chunk_bytes]
 
     def _read_whole(self, region: list[tuple[int, int]], out: np.ndarray) -> bool:
-        """Reads a region that is exactly one saved shard, data and index in one `preadv` (one
-        system call where the general path makes three: most of the time of a restore of many
-        small variables). False where that does not apply (object storage, a short read, an
-        index placing the data elsewhere than at the start): then the general path reads."""
+        """Reads a region that is exactly one saved shard, data then index, the data in pieces
+        each checksummed while in the cache (`read_checks.read_in_pieces`), and checks the file
+        with `checks`. False where that does not apply (object storage, a short read, an index
+        placing the data elsewhere than at the start): then the general path reads."""
         if locations.is_remote(self.directory):
             return False
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         path = self.local_file(coords)
+        name = self.file_name(coords) if self.checks is not None else ""
+        algorithm = None if self.checks is None else self.checks.algorithm(name)
         index = bytearray(_INDEX_BYTES)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                got = os.preadv(fd, [out.data, index], 0)
+                if self.chunk_bytes <= PIECE_BYTES:  # one system call: most of a small read
+                    got, crc = os.preadv(fd, [out.data, index], 0), 0
+                    if algorithm is not None:
+                        crc = algorithm.update(0, out.data)
+                else:
+                    got, crc = read_in_pieces(fd, out.data, 0, algorithm)
+                    if got == self.chunk_bytes:
+                        got += os.preadv(fd, [index], got)
             finally:
                 os.close(fd)
         except OSError as error:
             raise unreadable(path, error) from error
         if got != self.chunk_bytes + _INDEX_BYTES:  # short: the general path reads or says why
             return False
-        if index == self._plain_index:  # the index every keras-orbax shard file has (CRC included)
-            return True
-        return self._check_index(path, index, self.chunk_bytes + _INDEX_BYTES) == 0
+        # The index every keras-orbax shard file has (CRC included), or one that says the same.
+        if index != self._plain_index and self._check_index(path, index, got) != 0:
+            return False
+        if self.checks is not None and algorithm is not None:
+            file = functools.partial(self.file, coords)
+            self.checks.compare(name, self.key, file, algorithm.update(crc, index))
+        return True
 
     def _object_sizes(self) -> dict[str, int]:
         """Object name (relative to the array) -> size, for every shard object, in one listing."""
@@ -288,7 +302,9 @@ class FastArray:
         if self.checks is None:
             return fetch, offset
         name, path = self.file_name(coords), self.file(coords)
-        return self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset), offset
+        local = not locations.is_remote(path)
+        fetch = self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset, local)
+        return fetch, offset
 
     def checked_by(self, checks: ReadChecks) -> FastArray:
         """This array, its reads checked by `checks` (`dataclasses.replace` costs more than the
