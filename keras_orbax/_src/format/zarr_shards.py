@@ -255,7 +255,9 @@ class FastArray:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                if self.chunk_bytes <= PIECE_BYTES:  # one system call: most of a small read
+                # One system call where nothing is checked or the file is small (most of the
+                # time of a restore of many small variables is system calls).
+                if algorithm is None or self.chunk_bytes <= PIECE_BYTES:
                     got, crc = os.preadv(fd, [out.data, index], 0), 0
                     if algorithm is not None:
                         crc = algorithm.update(0, out.data)
