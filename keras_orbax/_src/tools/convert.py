@@ -29,7 +29,7 @@ from keras_orbax._src.model import matching
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
-from keras_orbax._src.restore import load_model, restore
+from keras_orbax._src.restore import load_model, notices
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
 from keras_orbax._src.storage import locations
@@ -245,7 +245,7 @@ def _by_model(
     if prepared.problems or prepared.reads is None:
         hint = "Nothing was written: pass the architecture that saved it."
         raise matching.mismatch_error(model, opened.label, prepared.problems, hint=hint)
-    restore.warn_untaken(model, opened, prepared, verb="convert")
+    notices.warn_untaken(model, opened, prepared, verb="convert")
     state, reads = prepared.state, prepared.reads
     variables = {}
     for key in prepared.plan.reads:
