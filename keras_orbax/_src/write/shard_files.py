@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_orbax._src.format import checksum, crc
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.storage import durable
 from keras_orbax._src.write import incremental
 
 
@@ -92,9 +93,11 @@ def put_file(store: Any, name: str, content: bytes) -> None:
     store.write(name, content).result()
 
 
-def write_shard(root: str, shard: Shard) -> tuple[str, dict[str, int]]:
-    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
-    name and checksum entry."""
+def write_shard(
+    root: str, shard: Shard, synced: durable.Synced | None = None
+) -> tuple[str, dict[str, int]]:
+    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it, noting it in
+    `synced`; returns its name and checksum entry."""
     path = f"{root}/{shard.relative}"
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
@@ -108,17 +111,24 @@ def write_shard(root: str, shard: Shard) -> tuple[str, dict[str, int]]:
         crcs = [c.update(value, index) for c, value in zip(crc.RECORDED, crcs, strict=True)]
         _write_all(fd, memoryview(index))
         os.fsync(fd)
+        if synced is not None:
+            synced.add(fd)
     finally:
         os.close(fd)
     return shard.relative, _entry(crcs, len(view) + len(index))
 
 
-def write_file(path: str, content: bytes, sync: bool = True) -> None:
+def write_file(
+    path: str, content: bytes, sync: bool = True, synced: durable.Synced | None = None
+) -> None:
+    """Writes `content` to a new file at `path`; with `sync`, fsyncs it, noting it in `synced`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         _write_all(fd, memoryview(content))
         if sync:
             os.fsync(fd)
+            if synced is not None:
+                synced.add(fd)
     finally:
         os.close(fd)
 

@@ -287,7 +287,8 @@ def write_step(
             if incremental
             else None
         )
-        with incremental_saves.planned(plan):
+        synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
+        with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
             response = checkpointer.save_checkpointables_async(
                 step,
                 checkpointables,
@@ -296,7 +297,9 @@ def write_step(
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        return None if response is None else DurableResponse(response, checkpointer.directory, step)
+        if response is None:
+            return None
+        return DurableResponse(response, checkpointer.directory, step, synced)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
@@ -316,17 +319,25 @@ class DurableResponse:
 
     Hand the checkpointer no preservation policy: Orbax would delete older steps before the commit
     is reported, so before this fsync. `ModelCheckpoint` deletes them once `result()` has returned
-    (`training/retention.py`).
+    (`training/retention.py`). `synced`: the files the writer fsynced already
+    (`shard_writer.noting_fsyncs`), not fsynced again.
     """
 
-    def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
+    def __init__(
+        self,
+        response: ocp.AsyncResponse,
+        directory: Any,
+        step: int,
+        synced: durable.Synced | None = None,
+    ) -> None:
         self._response, self._step_dir = response, locations.as_path(directory) / str(step)
+        self._synced = synced
 
     def result(self) -> None:
         self._response.result()
         commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
-            durable.step_committed(self._step_dir)
+            durable.step_committed(self._step_dir, self._synced)
 
 
 class LaterSave:
