@@ -87,8 +87,9 @@ def _inode(path) -> tuple[int, int]:
 
 
 def test_a_file_the_writer_fsynced_is_fsynced_once(tmp_path, distribution, monkeypatch):
-    """The writer notes each file it fsyncs (`durable.Synced`); the commit passes over those and
-    fsyncs the rest: Orbax's own files and every directory."""
+    """The writer notes each file it fsyncs, and each directory it created (`durable.Synced`);
+    the commit passes over those and fsyncs the rest: Orbax's own files and the directories
+    Orbax writes into."""
     distribution(_models.model_parallel((1, 8)))
     model = _model()
     _models.fill_arange(model, limit=1000)
@@ -100,6 +101,12 @@ def test_a_file_the_writer_fsynced_is_fsynced_once(tmp_path, distribution, monke
     shards = [p for p in entries if p.is_file() and re.fullmatch(r"c(\.\d+)+|\d+", p.name)]
     assert len(shards) > 50
     assert {str(p): counts[_inode(p)] for p in shards} == {str(p): 1 for p in shards}
+    # The directories the writer created and filled below `state/` too; `state/` itself gets
+    # Orbax's `_METADATA` after the writer's fsync, so the commit fsyncs it again.
+    own = [p for p in (tmp_path / "1" / "state").rglob("*") if p.is_dir()]
+    assert len(own) > 25
+    assert {str(p): counts[_inode(p)] for p in own} == {str(p): 1 for p in own}
+    assert counts[_inode(tmp_path / "1" / "state")] == 2
     assert [str(p) for p in entries if counts[_inode(p)] == 0] == []  # the rest, at least once
     orbax_own = tmp_path / "1" / "_CHECKPOINT_METADATA"
     assert counts[_inode(orbax_own)] == 1

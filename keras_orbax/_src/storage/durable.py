@@ -10,12 +10,13 @@ returns (`tests/test_durable.py`: no page of a saved step is left to write back,
 directory entry is fsynced). Retention deletes older steps only after that
 (`tests/test_durability_order.py`): a step to resume from is always on the disk.
 
-A file keras-orbax's writer fsynced already (every shard file, its metadata and checksum files)
-is not fsynced again: the writer notes each in a `Synced` record, and `step_committed` passes
-over a file that is still the very one noted (same inode, size and modification time). On ext4
+A file keras-orbax's writer fsynced already (every shard file, its metadata and checksum files),
+and a directory it created and filled, is not fsynced again: the writer notes each in a `Synced`
+record, and `step_committed` passes over one that is still the very one noted (same inode, size,
+times and link count). On ext4
 without a journal every fsync flushes the disk's cache, so a second fsync of each of a step's
-hundreds of files cost more than writing them (docs/benchmarks.md). The rest (Orbax's files, every
-directory) is fsynced by a pool of threads, files before the directories that hold them.
+hundreds of files cost more than writing them (docs/benchmarks.md). The rest (Orbax's files, the
+directories it writes into) is fsynced by a pool of threads, files before directories.
 
 ```python
 synced = Synced()                       # handed to the writer: `fsync_path(path, synced)`
@@ -40,37 +41,38 @@ _pool_lock = threading.Lock()
 
 
 class Synced:
-    """The files one save's writer fsynced, by identity (device, inode, size, modification time
-    in ns, taken after the fsync): a file still matching it needs no second fsync. Only files: a
-    directory gains entries after the writer's fsync (Orbax's `_METADATA`, the rename).
-    Thread-safe: the writer's threads add to it concurrently."""
+    """The files and directories one save's writer fsynced, by identity (device, inode, size,
+    modification and change times in ns, link count, taken after the fsync): one still matching it
+    needs no second fsync. The writer notes only directories it created and filled itself, none
+    that Orbax writes into after the writer's fsync (`state/` gets `_METADATA`, the step's
+    directory is renamed). Thread-safe: the writer's threads add to it concurrently."""
 
     def __init__(self) -> None:
-        self._files: set[tuple[int, int, int, int]] = set()
+        self._files: set[tuple[int, ...]] = set()
         self._lock = threading.Lock()
 
     def add(self, fd: int) -> None:
-        """Notes the file open as `fd`, fsynced just now."""
+        """Notes the file or directory open as `fd`, fsynced just now."""
         key = _identity(os.fstat(fd))
         with self._lock:
             self._files.add(key)
 
     def holds(self, stat: os.stat_result) -> bool:
-        """Whether the file `stat` describes is one noted, unchanged since."""
+        """Whether the file or directory `stat` describes is one noted, unchanged since."""
         return _identity(stat) in self._files
 
     def __len__(self) -> int:
         return len(self._files)
 
 
-def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+def _identity(stat: os.stat_result) -> tuple[int, ...]:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_nlink
 
 
 def step_committed(step_dir: Path, synced: Synced | None = None) -> None:
     """fsyncs every file and directory of the committed step at `step_dir`, at any depth (Orbax's
     own files lie two levels down too: the compact format's `state/array_metadatas/process_0`),
-    and the directory holding the step; a file in `synced`, unchanged since, is passed over.
+    and the directory holding the step; one in `synced`, unchanged since, is passed over.
 
     Raises:
         OSError: the data could not be written back, or the step is gone (nothing deletes a
@@ -82,7 +84,7 @@ def step_committed(step_dir: Path, synced: Synced | None = None) -> None:
 
 def fsync_tree(root: str | os.PathLike[str], synced: Synced | None = None) -> None:
     """fsyncs every file and directory under `root` (itself included) concurrently, the
-    directories after all the files; a file in `synced`, unchanged since, is passed over.
+    directories after all the files; one in `synced`, unchanged since, is passed over.
 
     Raises:
         OSError: some data could not be written back, or a file vanished.
@@ -95,7 +97,8 @@ def fsync_tree(root: str | os.PathLike[str], synced: Synced | None = None) -> No
             stat = os.lstat(path)
             if not stat_mode.S_ISLNK(stat.st_mode) and not (synced and synced.holds(stat)):
                 files.append(path)
-        directories.append(directory)
+        if not (synced and synced.holds(os.lstat(directory))):
+            directories.append(directory)
     fsync_all(files)
     fsync_all(directories)
 
@@ -142,7 +145,7 @@ def _raise(error: OSError) -> None:
 
 
 def fsync_path(path: str | os.PathLike[str], synced: Synced | None = None) -> None:
-    """fsyncs a file or a directory; a file is noted in `synced`."""
+    """fsyncs a file or a directory, noting it in `synced`."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

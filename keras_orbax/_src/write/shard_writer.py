@@ -327,6 +327,8 @@ class ArrayFiles:
         self._submitted: list[Future[Any]] = []
         self._once = shard_files.Once()
         self._made: dict[str, None] = {}  # directories made (relative), parents first
+        # Those this writer created, below `directory`: nothing but it adds entries to them.
+        self._own: set[str] = set()
         self._arrays: list[SavedArray] = []
         self._checksums: dict[str, dict[str, Any]] = {}
         self._pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
@@ -376,7 +378,14 @@ class ArrayFiles:
         fsyncs = [
             self._submit(durable.fsync_path, path, self._synced) for path in self._once.written
         ]
-        fsyncs += [self._submit(durable.fsync_path, f"{self._root}/{d}") for d in self._made]
+        # A directory this writer created is complete now: noted, it is not fsynced again at the
+        # commit. `directory` itself is not (Orbax writes its tree metadata there).
+        fsyncs += [
+            self._submit(
+                durable.fsync_path, f"{self._root}/{d}", self._synced if d in self._own else None
+            )
+            for d in self._made
+        ]
         for future in fsyncs:
             future.result()
 
@@ -431,6 +440,8 @@ class ArrayFiles:
         if relative not in self._made:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(f"{self._root}/{relative}")
+                if relative:
+                    self._own.add(relative)
             self._made[relative] = None
 
 
