@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import os
 import re
+import signal
+import threading
 
 import keras
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.storage import durable, mapped
+from keras_orbax._src.write import shard_writer
 from tests import _fs_journal, _models
 from tests._page_cache import written_back
 
@@ -129,3 +132,32 @@ def test_a_file_changed_after_its_fsync_is_fsynced_again(tmp_path, monkeypatch):
     assert counts[_inode(changed)] == 1
     assert counts[_inode(other)] == 1
     assert counts[_inode(tmp_path)] == 1
+
+
+def test_a_forked_child_writes_and_fsyncs_with_threads_of_its_own(tmp_path):
+    """The writer's and the fsync pools live as long as the process; a forked child has none of
+    their threads, so it makes pools of its own (`os.register_at_fork`) instead of queueing work
+    that no thread would run. `alarm` only ends a child that hangs."""
+    paths = [tmp_path / f"file_{i}" for i in range(4)]
+    for path in paths:
+        path.write_bytes(b"x")
+    # The parent's pools with every thread started, now idle: a pool with threads to spare would
+    # start one for the child's first task anyway.
+    for pool, workers in (
+        (durable.shared_pool(), durable._WORKERS),
+        (shard_writer._writer_pool(16), 16),
+    ):
+        barrier = threading.Barrier(workers)
+        for future in [pool.submit(barrier.wait) for _ in range(workers)]:
+            future.result()
+    pid = os.fork()
+    if pid == 0:  # the child: any outcome but success is a non-zero exit
+        try:
+            signal.alarm(60)
+            durable.fsync_all(paths)
+            shard_writer._writer_pool(16).submit(int).result()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
