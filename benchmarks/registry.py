@@ -190,7 +190,7 @@ BENCHMARKS = [
             ("floor_s", "floor s (same process)", ".3f"),
             ("disk_gib", "on disk GiB", ".2f"),
         ),
-        targets={"ko": 1.2},
+        targets={"ko": 1.1},
     ),
     _suite(
         "save_many",

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +54,30 @@ _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
 _STAGED: contextvars.ContextVar[Mapping[str, list[Shard]] | None] = contextvars.ContextVar(
     "keras_orbax_staged_shards", default=None
 )
+_SYNCED: contextvars.ContextVar[durable.Synced | None] = contextvars.ContextVar(
+    "keras_orbax_synced", default=None
+)
+# The writer's threads, by count, kept for the process's life: a save's pool of 16-64 threads
+# started and joined at every save was part of its cost (docs/benchmarks.md).
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _writer_pool(workers: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = _pools[workers] = ThreadPoolExecutor(workers, f"keras_orbax_write{workers}")
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's threads are not there, so neither are its pools."""
+    global _pools, _pools_lock
+    _pools, _pools_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 @contextlib.contextmanager
@@ -77,6 +103,17 @@ def stage(values: Mapping[str, Any]) -> dict[str, list[Shard]]:
     for shard in _host_shards(params, copy=True):
         staged[shard.array].append(shard)
     return staged
+
+
+@contextlib.contextmanager
+def noting_fsyncs(synced: durable.Synced) -> Iterator[None]:
+    """Within it, a save notes in `synced` every file it fsyncs (`durable.step_committed` then
+    passes over them)."""
+    token = _SYNCED.set(synced)
+    try:
+        yield
+    finally:
+        _SYNCED.reset(token)
 
 
 @contextlib.contextmanager
@@ -112,12 +149,12 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         else:
             shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
-        plan = incremental.active()
+        plan, synced = incremental.active(), _SYNCED.get()
 
         async def write() -> None:
             await parent.await_creation()
             path = locations.as_path(parent.path)
-            await asyncio.to_thread(write_arrays, path, arrays, shards, plan)
+            await asyncio.to_thread(write_arrays, path, arrays, shards, plan, synced)
 
         return write()
 
@@ -234,14 +271,16 @@ def write_arrays(
     arrays: list[SavedArray],
     shards: list[Shard],
     plan: incremental.Plan | None = None,
+    synced: durable.Synced | None = None,
 ) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
     durably: each file and each directory is fsync-ed (an object is durable once written)
-    before this returns. With `plan`, a shard unchanged since the previous step is linked."""
+    before this returns, each file noted in `synced`. With `plan`, a shard unchanged since the
+    previous step is linked."""
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
     workers = _WORKERS_SMALL if local_small else _WORKERS
-    with ArrayFiles(directory, workers=workers, plan=plan) as files:
+    with ArrayFiles(directory, workers=workers, plan=plan, synced=synced) as files:
         files.add(arrays, shards)
         files.finish()
 
@@ -256,7 +295,10 @@ class ArrayFiles:
     that much beyond the array it is reading (`convert`). Without it, every shard is written
     concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`,
     each shard is fingerprinted and, if unchanged since the previous step, linked to that step's
-    file (in object storage: copied on the server from that step's object; `incremental`).
+    file (in object storage: copied on the server from that step's object; `incremental`). With
+    `synced`, every file it fsyncs is noted there. The threads are the process's
+    (`_writer_pool`); leaving the `with` block cancels this writer's writes not yet started and
+    waits for the others.
 
     ```python
     with ArrayFiles(state_dir, in_flight_bytes=64 << 20) as files:
@@ -273,15 +315,20 @@ class ArrayFiles:
         workers: int = _WORKERS,
         in_flight_bytes: int | None = None,
         plan: incremental.Plan | None = None,
+        synced: durable.Synced | None = None,
     ) -> None:
         self._remote = locations.is_remote(directory)
+        self._synced = synced
         self._plan = plan
         # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
         self._root = os.fspath(directory)
         self._store = locations.kvstore(directory) if self._remote else None
-        self._pool = ThreadPoolExecutor(workers)
+        self._pool = _writer_pool(workers)
+        self._submitted: list[Future[Any]] = []
         self._once = shard_files.Once()
         self._made: dict[str, None] = {}  # directories made (relative), parents first
+        # Those this writer created, below `directory`: nothing but it adds entries to them.
+        self._own: set[str] = set()
         self._arrays: list[SavedArray] = []
         self._checksums: dict[str, dict[str, Any]] = {}
         self._pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
@@ -291,7 +338,14 @@ class ArrayFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for future in self._submitted:
+            future.cancel()
+        concurrent.futures.wait(self._submitted)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future = self._pool.submit(fn, *args)
+        self._submitted.append(future)
+        return future
 
     def add(self, arrays: list[SavedArray], shards: list[Shard]) -> None:
         """Writes the shard files and `zarr.json` of `arrays` (`shards`: this process's)."""
@@ -321,9 +375,20 @@ class ArrayFiles:
             return
         for relative in _ancestors(name):
             self._make_dir(relative)
-        shard_files.write_file(f"{self._root}/{name}", content)
-        written = [*self._once.written, *(f"{self._root}/{relative}" for relative in self._made)]
-        list(self._pool.map(durable.fsync_path, written))
+        shard_files.write_file(f"{self._root}/{name}", content, synced=self._synced)
+        fsyncs = [
+            self._submit(durable.fsync_path, path, self._synced) for path in self._once.written
+        ]
+        # A directory this writer created is complete now: noted, it is not fsynced again at the
+        # commit. `directory` itself is not (Orbax writes its tree metadata there).
+        fsyncs += [
+            self._submit(
+                durable.fsync_path, f"{self._root}/{d}", self._synced if d in self._own else None
+            )
+            for d in self._made
+        ]
+        for future in fsyncs:
+            future.result()
 
     def _collect_oldest(self) -> None:
         futures, nbytes = self._pending.popleft()
@@ -338,10 +403,8 @@ class ArrayFiles:
         writing `files`."""
         if self._store is not None:
             store = self._store
-            started = [self._pool.submit(self._shard_write(shard)) for shard in shards]
-            return started + [
-                self._pool.submit(shard_files.put_file, store, *file) for file in files
-            ]
+            started = [self._submit(self._shard_write(shard)) for shard in shards]
+            return started + [self._submit(shard_files.put_file, store, *file) for file in files]
         # Each file's write by its directory (relative to `directory`, "" for itself); the
         # directories to make are those and every one above them.
         writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
@@ -359,7 +422,7 @@ class ArrayFiles:
         started = []
         for relative in dirs:
             self._make_dir(relative)
-            started += [self._pool.submit(write) for write in writes[relative]]
+            started += [self._submit(write) for write in writes[relative]]
             for path, content in metadata[relative]:
                 self._once.write(path, content)
         return started
@@ -369,7 +432,7 @@ class ArrayFiles:
         if self._store is not None:
             write = functools.partial(shard_files.put_shard, self._store)
         else:
-            write = functools.partial(shard_files.write_shard, self._root)
+            write = functools.partial(shard_files.write_shard, self._root, synced=self._synced)
         if self._plan is None:
             return functools.partial(write, shard)
         return functools.partial(self._plan.write_or_link, self._root, shard, write)
@@ -378,6 +441,8 @@ class ArrayFiles:
         if relative not in self._made:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(f"{self._root}/{relative}")
+                if relative:
+                    self._own.add(relative)
             self._made[relative] = None
 
 

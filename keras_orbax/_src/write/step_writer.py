@@ -25,7 +25,7 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import commit
+from keras_orbax._src.storage import commit, durable
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer, step_sink
@@ -212,7 +212,8 @@ def write_step(
     def start() -> step_sink.DurableResponse | None:
         commit.fault_point("stage")
         plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
-        with incremental_saves.planned(plan):
+        synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
+        with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
             response = checkpointer.save_checkpointables_async(
                 step,
                 checkpointables,
@@ -221,7 +222,9 @@ def write_step(
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        return None if response is None else step_sink.DurableResponse(response, root, step)
+        if response is None:
+            return None
+        return step_sink.DurableResponse(response, root, step, synced)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
