@@ -19,7 +19,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.storage import durable, mapped
-from keras_orbax._src.write import shard_writer
+from keras_orbax._src.write import files_writer
 from tests import _fs_journal, _models
 from tests._page_cache import written_back
 
@@ -145,7 +145,7 @@ def test_a_forked_child_writes_and_fsyncs_with_threads_of_its_own(tmp_path):
     # start one for the child's first task anyway.
     for pool, workers in (
         (durable.shared_pool(), durable._WORKERS),
-        (shard_writer._writer_pool(16), 16),
+        (files_writer._writer_pool(16), 16),
     ):
         barrier = threading.Barrier(workers)
         for future in [pool.submit(barrier.wait) for _ in range(workers)]:
@@ -155,7 +155,7 @@ def test_a_forked_child_writes_and_fsyncs_with_threads_of_its_own(tmp_path):
         try:
             signal.alarm(60)
             durable.fsync_all(paths)
-            shard_writer._writer_pool(16).submit(int).result()
+            files_writer._writer_pool(16).submit(int).result()
             os._exit(0)
         except BaseException:
             os._exit(1)

@@ -3,7 +3,7 @@
 The step is the one `save` writes, by the same writer: Orbax's `training.Checkpointer` from
 `step_sink.open_checkpointer` commits it (temporary directory and rename, or the commit marker in
 object storage; `_METADATA`; `_CHECKPOINT_METADATA` with the keras-orbax record),
-`shard_writer.ArrayFiles` writes each shard file with its checksum and the arrays' metadata files,
+`files_writer.ArrayFiles` writes each shard file with its checksum and the arrays' metadata files,
 the writer lock is held throughout, and the step is made durable before it is reported committed.
 
 Only the way the arrays reach the files differs. `save` gives Orbax the tree of arrays. Here the
@@ -48,8 +48,8 @@ from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import files_writer, shard_writer, step_sink
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer, step_sink
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
 # Shards still being written when `add` returns: the memory held beyond the array being read.
@@ -293,7 +293,7 @@ def _write(
     """Writes each of the caller's arrays into `state_dir`, letting each go once it is written."""
     seen: set[str] = set()
     in_flight = _IN_FLIGHT_BYTES
-    with shard_writer.ArrayFiles(state_dir, in_flight_bytes=in_flight, plan=plan) as files:
+    with files_writer.ArrayFiles(state_dir, in_flight_bytes=in_flight, plan=plan) as files:
         for key, value in caller:
             _check(record, key, value, seen)
             seen.add(key)

@@ -1,7 +1,7 @@
 """The files of the `"fast"` format, one at a time: a shard file (local, or an object), a small
 metadata file, and this process's checksum file.
 
-`shard_writer.ArrayFiles` decides which files a step has and writes them concurrently; these are
+`files_writer.ArrayFiles` decides which files a step has and writes them concurrently; these are
 the single writes it hands to its threads. A local shard file is written once, straight from the
 shard's buffer, checksummed piece by piece while still in cache, and fsync-ed; an object is sent
 in one request (an object is durable once written). Nothing here fsyncs a directory.

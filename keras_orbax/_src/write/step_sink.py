@@ -40,7 +40,7 @@ from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
-from keras_orbax._src.write import data_state_writer, shard_writer
+from keras_orbax._src.write import data_state_writer, files_writer, shard_writer
 from keras_orbax._src.write.shard_metadata import SavedArray
 from keras_orbax.errors import SaveFailedError
 
@@ -123,7 +123,7 @@ class StepSink(commit.Sink):
                 due to; the step is not committed.
             ProcessSyncError: a process did not report within `wait_s`.
         """
-        written = shard_writer.take_written(directory)  # taken whatever follows: nothing kept
+        written = files_writer.take_written(directory)  # taken whatever follows: nothing kept
         commit.fault_point("agree")
         multihost.agree_on_outcome(
             "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
@@ -246,18 +246,25 @@ class DurableResponse:
 
     Hand the checkpointer no preservation policy: Orbax would delete older steps before the commit
     is reported, so before this fsync. `ModelCheckpoint` deletes them once `result()` has returned
-    (`training/retention.py`).
+    (`training/retention.py`). `synced`: the files the writer fsynced already
+    (`shard_writer.noting_fsyncs`), not fsynced again.
     """
 
-    def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
-        self._response = response
+    def __init__(
+        self,
+        response: ocp.AsyncResponse,
+        directory: Any,
+        step: int,
+        synced: durable.Synced | None = None,
+    ) -> None:
+        self._response, self._synced = response, synced
         self._step_dir = step_dirs.CheckpointRoot.of(directory).step_dir(step)
 
     def result(self) -> None:
         self._response.result()
         commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
-            durable.step_committed(self._step_dir)
+            durable.step_committed(self._step_dir, self._synced)
 
 
 def check_format(format: str, directory: str | os.PathLike) -> None:
