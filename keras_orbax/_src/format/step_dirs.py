@@ -70,6 +70,12 @@ class CheckpointRoot:
     def step_dir(self, step: int) -> Any:
         return self.path / str(step)
 
+    def has_committed(self, step: int) -> bool:
+        """Whether `step` is committed, from its own directory (no listing): a check that fails
+        early, before the writer lock is taken (whose file would touch the directory)."""
+        path = self.step_dir(step)
+        return path.is_dir() and _is_complete(path)
+
 
 def _resolved(directory: Any) -> bool:
     """Whether `directory` is already what `locations.as_path` makes of it: an absolute, normal

@@ -96,7 +96,10 @@ def save(
     check_rewrite_every(rewrite_every)
     multihost.same_arguments("save", directory=os.fspath(directory), step=step, format=format)
     root = step_dirs.CheckpointRoot(directory)  # the one path of it, its steps listed once
-    # A committed `step` is refused under the lock, before anything is written: one listing.
+    # A committed `step` is refused before the lock (from its own directory: a refused save leaves
+    # the checkpoint directory as it was, the lock's file included) and, decisively, under it.
+    if not overwrite and root.has_committed(step):
+        raise _step_exists(root, step)
     checked = _checked_variables(model, root, step, overwrite=True, weights_only=False)
     try:
         with (
@@ -292,10 +295,14 @@ def _refuse_committed(
     if overwrite:
         return
     if step in (root.listed_again() if again else root.steps()):
-        raise StepExistsError(
-            f"Step {step} is already committed in '{root}'. Pass "
-            f"overwrite=True to replace it. Received: step={step}"
-        )
+        raise _step_exists(root, step)
+
+
+def _step_exists(root: step_dirs.CheckpointRoot, step: int) -> StepExistsError:
+    return StepExistsError(
+        f"Step {step} is already committed in '{root}'. Pass "
+        f"overwrite=True to replace it. Received: step={step}"
+    )
 
 
 def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
