@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,7 @@ import numpy as np
 THREADS = 8
 # A piece larger than this is split between threads (several threads write one large run).
 _SPLIT_BYTES = 1 << 20
+_RUN_BATCH = 1024  # runs whose offsets one thread computes at a time
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, no wait
 
 Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
@@ -63,6 +66,34 @@ class FileWindows:
         shares = _shares([_as_bytes(data) for data in pieces], self.threads)
         self.map(_write_share, shares)
         return sum(len(view) for share in shares for _, _, view in share)
+
+    def write_box(
+        self,
+        fd: int,
+        offset: int,
+        shape: tuple[int, ...],
+        index: tuple[slice, ...],
+        block: np.ndarray,
+    ) -> None:
+        """Writes `block` (C-contiguous), the elements `index` names of a C-order array of
+        `shape` stored at byte `offset` of `fd`: one `pwrite` per contiguous run of the file.
+
+        Many runs (a shard cut across rows) are dealt to the threads as ranges of run numbers,
+        each thread computing its own runs' offsets: no object per run lives beside the window.
+        """
+        data = memoryview(block.reshape(-1).view(np.uint8)).cast("B")
+        itemsize = block.dtype.itemsize
+        runs = _BoxRuns(shape, index, tuple(block.shape))
+        if runs.count < self.threads:
+            pieces = [
+                (fd, offset + src * itemsize, data[dst * itemsize : (dst + runs.length) * itemsize])
+                for src, dst in zip(*runs.between(0, runs.count), strict=True)
+            ]
+            self.write(pieces)
+            return
+        bounds = [round(i * runs.count / self.threads) for i in range(self.threads + 1)]
+        jobs = [(fd, offset, data, itemsize, runs, a, b) for a, b in itertools.pairwise(bounds)]
+        self.map(_write_runs, jobs)
 
     def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
         """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
@@ -121,6 +152,63 @@ def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
             written = os.pwrite(fd, view, offset)
             view, offset = view[written:], offset + written
         start_writeback(fd, start, length)
+
+
+class _BoxRuns:
+    """The contiguous runs of the file that a box of an array covers: `count` runs of `length`
+    elements; the k-th starts at element `src` of the array and `dst` of the box's block."""
+
+    def __init__(
+        self, shape: tuple[int, ...], index: tuple[slice, ...], block_shape: tuple[int, ...]
+    ) -> None:
+        extent = [s.stop - s.start for s in index]
+        split = len(extent) - 1
+        while split > 0 and extent[split] == shape[split] == block_shape[split]:
+            split -= 1
+        self.outer = tuple(extent[:split])
+        self.count = math.prod(self.outer) if extent else 1
+        self.length = extent[split] * math.prod(shape[split + 1 :]) if extent else 1
+        src_strides = _strides(shape)
+        self.src_base = sum(s.start * stride for s, stride in zip(index, src_strides, strict=True))
+        self.src_strides = src_strides[:split]
+        self.dst_strides = _strides(block_shape)[:split]
+
+    def between(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) element offsets of runs a..b-1."""
+        k = np.arange(a, b, dtype=np.int64)
+        src = np.full(len(k), self.src_base, np.int64)
+        dst = np.zeros(len(k), np.int64)
+        if self.outer:
+            for position, s, d in zip(
+                np.unravel_index(k, self.outer), self.src_strides, self.dst_strides, strict=True
+            ):
+                src += position * s
+                dst += position * d
+        return src, dst
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+
+
+def _write_runs(job: tuple[int, int, memoryview, int, _BoxRuns, int, int]) -> None:
+    """Writes runs a..b-1 of a box (in batches: a few offsets exist at a time), then starts
+    their writeback."""
+    fd, offset, data, itemsize, runs, a, b = job
+    nbytes = runs.length * itemsize
+    for batch in range(a, b, _RUN_BATCH):
+        src, dst = runs.between(batch, min(b, batch + _RUN_BATCH))
+        for at, start in zip(
+            (offset + src * itemsize).tolist(), (dst * itemsize).tolist(), strict=True
+        ):
+            view, position = data[start : start + nbytes], at
+            while view:
+                written = os.pwrite(fd, view, position)
+                view, position = view[written:], position + written
+    if b > a:
+        (first,), _ = runs.between(a, a + 1)
+        (last,), _ = runs.between(b - 1, b)
+        start_writeback(fd, offset + int(first) * itemsize, int(last - first) * itemsize + nbytes)
 
 
 def _load_sync_file_range() -> Callable[..., int] | None:

@@ -264,7 +264,8 @@ class _TensorWriter:
         # Fetched windows: a moved block is copied once on the host, half the window each.
         window = self.window_bytes // 2 if moved and not whole else self.window_bytes
         _record(written_from, tensor.name, array, window, whole)
-        view = tuple(tensor.shape)
+        # the variable's non-1 axes, permuted: the tensor's C order (it may merge some of them)
+        view = tuple(tuple(array.shape[axis] for axis in kept)[p] for p in permutation)
         keys = []
         for region in _own_regions(array, window, whole):
             keys.append(regions.region_key(region.index))
@@ -274,7 +275,7 @@ class _TensorWriter:
             if moved:
                 self._write_moved(fd, offset, view, index, block.transpose(permutation), window)
             else:
-                self.files.write(safetensors_writer.box_pieces(fd, offset, view, index, block))
+                self.files.write_box(fd, offset, view, index, block)
             del block
         return keys
 
@@ -292,7 +293,8 @@ class _TensorWriter:
         itemsize = moved.dtype.itemsize
         for local in regions.windows(moved.shape, itemsize, window):
             part = moved[local]
-            buffer = self._take(part.nbytes).view(moved.dtype).reshape(part.shape)
+            buffer = self._take(part.nbytes, min(window, moved.nbytes))
+            buffer = buffer.view(moved.dtype).reshape(part.shape)
             axis = next((a for a, n in enumerate(part.shape) if n > 1), 0)
             slabs = _slabs(part.shape, axis, self.files.threads)
             self.files.map(functools.partial(_copy_slab, buffer, part), slabs)
@@ -300,12 +302,15 @@ class _TensorWriter:
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
             )
-            self.files.write(safetensors_writer.box_pieces(fd, offset, shape, box, buffer))
+            self.files.write_box(fd, offset, shape, box, buffer)
+            del buffer, part  # the buffer may be replaced by a larger one: never two at a time
 
-    def _take(self, nbytes: int) -> np.ndarray:
+    def _take(self, nbytes: int, wanted: int) -> np.ndarray:
+        """`nbytes` of the buffer; a new one of `wanted` (at least `nbytes`) where it is smaller
+        (the old one goes first: never two on the host)."""
         if self._buffer is None or self._buffer.nbytes < nbytes:
-            self._buffer = None  # the old one goes first: never two on the host
-            self._buffer = np.empty(max(nbytes, 1), np.uint8)
+            self._buffer = None
+            self._buffer = np.empty(max(nbytes, wanted, 1), np.uint8)
         return self._buffer[:nbytes]
 
 

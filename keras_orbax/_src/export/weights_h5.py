@@ -32,7 +32,7 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import saving_compat
-from keras_orbax._src.export import file_windows, regions, safetensors_writer
+from keras_orbax._src.export import file_windows, regions
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
 
@@ -331,9 +331,7 @@ class _Writer:
                 own = regions.own_shards(array)
                 for region in regions.shard_regions(array, own, self.window_bytes, whole):
                     block = np.ascontiguousarray(region.block)
-                    files.write(
-                        safetensors_writer.box_pieces(fd, offset, shape, region.index, block)
-                    )
+                    files.write_box(fd, offset, shape, region.index, block)
                     self.written.append(_staged_name(number, region.index))
                     del block
             files.sync()
