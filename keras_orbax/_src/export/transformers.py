@@ -323,7 +323,35 @@ def _slabs(shape: tuple[int, ...], axis: int, count: int) -> list[regions.Index]
 
 
 def _copy_slab(to: np.ndarray, source: np.ndarray, slab: regions.Index) -> None:
-    np.copyto(to[slab], source[slab])
+    _tiled_copy(to[slab], source[slab])
+
+
+# A transposed copy reads 64 rows of 256 contiguous elements of the source at a time: both the
+# tile's source lines and its destination lines stay in the cache (a plain `copyto` walks the
+# source a whole stride apart per element; figures in docs/benchmarks.md).
+_TILE_STRIDED, _TILE_CONTIGUOUS = 64, 256
+
+
+def _tiled_copy(to: np.ndarray, source: np.ndarray) -> None:
+    """`np.copyto(to, source)` for a C-contiguous `to` and a transposed view `source`, in tiles
+    along `to`'s last axis and the source's innermost one."""
+    if to.ndim < 2 or to.size < _TILE_STRIDED * _TILE_CONTIGUOUS * 4:
+        np.copyto(to, source)
+        return
+    last = to.ndim - 1
+    strides = [
+        abs(st) if n > 1 else np.inf for st, n in zip(source.strides, source.shape, strict=True)
+    ]
+    inner = int(np.argmin(strides))
+    if inner == last:
+        np.copyto(to, source)
+        return
+    steps = [1] * to.ndim
+    steps[last], steps[inner] = _TILE_STRIDED, _TILE_CONTIGUOUS
+    starts = [range(0, n, step) for n, step in zip(to.shape, steps, strict=True)]
+    for corner in itertools.product(*starts):
+        tile = tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
+        np.copyto(to[tile], source[tile])
 
 
 def _record(
