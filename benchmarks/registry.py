@@ -328,14 +328,22 @@ BENCHMARKS = [
         None,
         sizes={
             "small": {
-                "vocabulary": 1024, "layers": 2, "heads": 4, "hidden": 256,
-                "intermediate": 2048, "window_mib": 1,
+                "vocabulary": 1024,
+                "layers": 2,
+                "heads": 4,
+                "hidden": 256,
+                "intermediate": 2048,
+                "window_mib": 1,
             },
             "full": {
-                "vocabulary": 32768, "layers": 2, "heads": 8, "hidden": 2048,
-                "intermediate": 32768, "window_mib": 64,
+                "vocabulary": 32768,
+                "layers": 2,
+                "heads": 8,
+                "hidden": 2048,
+                "intermediate": 32768,
+                "window_mib": 64,
             },
-        },  # fmt: skip
+        },
         columns=(
             CPU_S,
             ("floor_s", "floor s (same process)", ".3f"),

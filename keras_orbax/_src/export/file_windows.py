@@ -81,7 +81,7 @@ class FileWindows:
         Many runs (a shard cut across rows) are dealt to the threads as ranges of run numbers,
         each thread computing its own runs' offsets: no object per run lives beside the window.
         """
-        data = memoryview(block.reshape(-1).view(np.uint8)).cast("B")
+        data = memoryview(block.reshape(-1).view(np.uint8).data).cast("B")
         itemsize = block.dtype.itemsize
         runs = _BoxRuns(shape, index, tuple(block.shape))
         if runs.count < self.threads:
@@ -218,7 +218,7 @@ def _load_sync_file_range() -> Callable[..., int] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _sync_file_range = _load_sync_file_range()

@@ -77,7 +77,7 @@ def windows(shape: tuple[int, ...], itemsize: int, window_bytes: int) -> Iterato
 def on_host(array: jax.Array) -> bool:
     """Whether `array`'s shards are in host memory (CPU devices): there `np.asarray(shard.data)`
     is the shard's own buffer, no copy, and a sink writes each shard whole from it."""
-    return all(device.platform == "cpu" for device in array.sharding.device_set)
+    return all(device.platform == "cpu" for device in array.sharding.device_set)  # type: ignore[attr-defined]
 
 
 def shard_regions(
