@@ -4,8 +4,10 @@ Keras's `save_weights` fetches every variable whole to one host (`H5IOStore.__se
 it to NumPy), which runs a host out of memory on a sharded model too big for it and fails outright
 under `jax.distributed` on arrays that span other processes. Here Keras's own walk still decides
 every group, dataset name and attribute (`keras_compat.save_state`); only each array is written
-differently: its dataset is created with the full shape and dtype, then filled region by region
-from the shards (`regions`).
+differently: its dataset is created with the full shape and dtype, its storage placed in the file
+at once and never filled; once h5py has closed the file, the shards' bytes are written at the
+dataset's offset by several threads (`regions`, `file_windows`). A dataset whose bytes do not lie
+there as NumPy holds them is filled through h5py, region by region.
 
 An h5 file has one writer, process 0. Under `jax.distributed` every other process writes the
 regions that only it holds, window by window, as `.npy` files in a staging directory beside the
