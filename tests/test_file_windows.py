@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.export import file_windows
+from keras_orbax._src.export import file_windows, host_transpose
 from keras_orbax.errors import SaveFailedError
 from tests import _hf_export, _models
 
@@ -148,3 +148,18 @@ def test_a_write_failing_part_way_leaves_the_previous_export(tmp_path, distribut
         signal.signal(signal.SIGXFSZ, handler)
     assert _digests(directory) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    "shape, permutation",
+    [((512, 1024), (1, 0)), ((256, 8, 64), (1, 2, 0)), ((8, 64, 512), (2, 0, 1)), ((5, 3), (1, 0))],
+)
+def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation):
+    """Tiles and slabs cover the buffer once: every element equals NumPy's transpose (odd sizes
+    leave partial tiles at every edge)."""
+    source = np.arange(np.prod(shape), dtype=np.uint16).reshape(shape) * 7 + 3
+    view = source.transpose(permutation)[:, 1:]
+    to = np.zeros(view.shape, view.dtype)
+    with file_windows.FileWindows() as files:
+        host_transpose.copy(to, view, files.map, files.threads)
+    np.testing.assert_array_equal(to, view)

@@ -13,8 +13,6 @@ at once; a failure anywhere fails all and leaves the previous export as it was.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import json
 import os
 import re
@@ -27,7 +25,13 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import hub_compat
-from keras_orbax._src.export import file_windows, hub_tensors, regions, safetensors_writer
+from keras_orbax._src.export import (
+    file_windows,
+    host_transpose,
+    hub_tensors,
+    regions,
+    safetensors_writer,
+)
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.storage import commit, locations
@@ -295,9 +299,7 @@ class _TensorWriter:
             part = moved[local]
             buffer = self._take(part.nbytes, min(window, moved.nbytes))
             buffer = buffer.view(moved.dtype).reshape(part.shape)
-            axis = next((a for a, n in enumerate(part.shape) if n > 1), 0)
-            slabs = _slabs(part.shape, axis, self.files.threads)
-            self.files.map(functools.partial(_copy_slab, buffer, part), slabs)
+            host_transpose.copy(buffer, part, self.files.map, self.files.threads)
             box = tuple(
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
@@ -312,46 +314,6 @@ class _TensorWriter:
             self._buffer = None
             self._buffer = np.empty(max(nbytes, wanted, 1), np.uint8)
         return self._buffer[:nbytes]
-
-
-def _slabs(shape: tuple[int, ...], axis: int, count: int) -> list[regions.Index]:
-    """`shape` cut along `axis` into at most `count` slabs of about equal size."""
-    n = shape[axis] if shape else 1
-    bounds = sorted({round(i * n / count) for i in range(count + 1)})
-    head = tuple(slice(None) for _ in range(axis))
-    return [(*head, slice(a, b)) for a, b in itertools.pairwise(bounds) if b > a]
-
-
-def _copy_slab(to: np.ndarray, source: np.ndarray, slab: regions.Index) -> None:
-    _tiled_copy(to[slab], source[slab])
-
-
-# A transposed copy reads 64 rows of 256 contiguous elements of the source at a time: both the
-# tile's source lines and its destination lines stay in the cache (a plain `copyto` walks the
-# source a whole stride apart per element; figures in docs/benchmarks.md).
-_TILE_STRIDED, _TILE_CONTIGUOUS = 64, 256
-
-
-def _tiled_copy(to: np.ndarray, source: np.ndarray) -> None:
-    """`np.copyto(to, source)` for a C-contiguous `to` and a transposed view `source`, in tiles
-    along `to`'s last axis and the source's innermost one."""
-    if to.ndim < 2 or to.size < _TILE_STRIDED * _TILE_CONTIGUOUS * 4:
-        np.copyto(to, source)
-        return
-    last = to.ndim - 1
-    strides = [
-        abs(st) if n > 1 else np.inf for st, n in zip(source.strides, source.shape, strict=True)
-    ]
-    inner = int(np.argmin(strides))
-    if inner == last:
-        np.copyto(to, source)
-        return
-    steps = [1] * to.ndim
-    steps[last], steps[inner] = _TILE_STRIDED, _TILE_CONTIGUOUS
-    starts = [range(0, n, step) for n, step in zip(to.shape, steps, strict=True)]
-    for corner in itertools.product(*starts):
-        tile = tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
-        np.copyto(to[tile], source[tile])
 
 
 def _record(
