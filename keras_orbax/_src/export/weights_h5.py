@@ -294,8 +294,9 @@ class _Writer:
         array = value.value if isinstance(value, keras.Variable) else value
         number = len(self.datasets)
         # Process 0 writes each shard whole where it is in host memory, a window at a time
-        # otherwise; the others stage windows.
-        whole = self.primary and regions.on_host(array)
+        # otherwise; the others stage windows. Recorded from the sharding alone, the same on
+        # every process: each checks every process's regions (`due`).
+        whole = regions.on_host(array)
         self.datasets.append(
             (
                 str(group.file.filename),
@@ -315,7 +316,8 @@ class _Writer:
                 self.direct.append((number, offset, array))
                 return
         own = regions.own_shards(array)
-        for region in regions.shard_regions(array, own, self.window_bytes, whole):
+        staged_whole = whole and self.primary
+        for region in regions.shard_regions(array, own, self.window_bytes, staged_whole):
             name = _staged_name(number, region.index)
             if dataset is not None:
                 dataset[region.index] = region.block
