@@ -3,8 +3,10 @@
     python -m benchmarks --list                        # every benchmark, its cases and floor
     python -m benchmarks reshard --size small          # a smoke run: seconds, one round
     python -m benchmarks reshard --repeats 5 --set layout=2d
+    python -m benchmarks reshard --set only=other      # those cases (comma-separated) and the floor
+    python -m benchmarks gpu_memory --set cpu_devices=8   # N virtual CPU devices per process
     python -m benchmarks render reshard --write-docs   # the saved result into docs/benchmarks.md
-    python -m benchmarks seed_case -- --config 2b      # a benchmark with its own runner: ARGS after --
+    python -m benchmarks seed_case -- --config 2b      # the seed's own runner: ARGS after --
 
 A run saves its result to benchmarks/_work/results/NAME.json (`--json`) and renders it beside;
 `--write-docs` also replaces NAME's section of docs/benchmarks.md and copies its plots to docs/.
@@ -68,12 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in BY_NAME:
         raise SystemExit(f"unknown benchmark {name!r}; `python -m benchmarks --list` names them")
     bench = BY_NAME[name]
-    if bench.script:  # its own runner; the older ones import their neighbours as top-level modules
-        module = "benchmarks." + bench.script.removesuffix(".py")
-        path = os.pathsep.join([harness.REPO, harness.HERE, os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, PYTHONPATH=path)
-        command = [sys.executable, "-m", module, *extra]
-        return subprocess.run(command, cwd=harness.REPO, env=env, check=False).returncode
+    if bench.script:  # its own runner (the seed's case)
+        command = [sys.executable, "-m", "benchmarks." + bench.script.removesuffix(".py"), *extra]
+        return subprocess.run(command, cwd=harness.REPO, check=False).returncode
     path = args.json or os.path.join(harness.WORK, "results", f"{name}.json")
     if rendering:
         with open(path) as f:

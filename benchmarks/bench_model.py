@@ -101,6 +101,17 @@ def build_model(spec: ModelSpec, optimizer=None, build_optimizer: bool = True):
     return model
 
 
+def embedding(rows: int, cols: int, axes: tuple, mesh_shape=(8,), mesh_axes=("model",)):
+    """One Embedding(rows, cols) named "embed", its table laid out `axes` over the mesh (set as
+    the distribution here): the 256 MiB array of the restore and save benchmarks at full size."""
+    import keras
+
+    rules = {"embed/embeddings": axes}
+    keras.distribution.set_distribution(make_distribution(None, mesh_shape, mesh_axes, rules))
+    tokens = keras.Input((4,), dtype="int32")
+    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
+
+
 def independent_dense(layers: int, width: int):
     """`layers` independent Dense(width) layers in one model, built: many small variables (a
     Sequential this deep exceeds Python's recursion limit when it builds). Set the distribution
@@ -171,6 +182,52 @@ def compare_checksum_values(got: dict, want: dict, rtol: float = 1e-9) -> list[s
         else:
             left.pop(hit)
     return bad
+
+
+def read_all(path: str, threads: int = 8) -> list:
+    """Every file under `path` (or the file `path`) read into fresh numpy buffers by `threads`
+    threads, one read(2) per file: the read floor of a restore. Returns the buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from benchmarks.harness import files_of
+
+    files = [path] if os.path.isfile(path) else files_of(path)
+
+    def read(name: str):
+        buf = np.empty(os.path.getsize(name), np.uint8)
+        with open(name, "rb", buffering=0) as f:
+            f.readinto(memoryview(buf))
+        return buf
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(read, files))
+
+
+def write_all(buffers, directory: str, threads: int = 8) -> None:
+    """Each buffer to its own new file under `directory`, written and fsync-ed by `threads`
+    threads: the durable write floor of a save."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    os.makedirs(directory)
+
+    def write(job) -> None:
+        i, data = job
+        view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+        fd = os.open(os.path.join(directory, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(write, enumerate(buffers)))
 
 
 def clock() -> tuple[float, float]:

@@ -1,9 +1,10 @@
 """Where the 256 MiB restore and a 256 MiB sync save spend their time, by sampling profiler.
 
-One process repeats one operation `--loops` times (after one untimed warm-up) while py-spy samples
-it with native frames (`py-spy record --native --format raw`); `classify` then sorts every sample
-by its innermost recognisable frame into physical costs (read syscalls, copies, CRC, page faults,
-device_put, fsync, Python) and reports each as a share of the samples.
+Each case is one operation, repeated in one process (after one untimed warm-up) while
+py-spy samples it `seconds` with Python frames, then `seconds` with native frames
+(`py-spy record --format raw`); `classify` sorts every sample by its innermost recognisable frame
+into physical costs (read syscalls, copies, CRC, page faults, device_put, fsync, Python), each a
+share of the samples. Needs py-spy (`pip install py-spy`).
 
     restore_same       a (65536, 1024) float32 embedding saved split on axis 0 over 8 devices,
                        restored onto the same layout, page cache warm
@@ -21,17 +22,7 @@ import resource
 import shutil
 import time
 
-from benchmarks.harness import WORK
-
-
-def embedding(rows: int, cols: int, axes: tuple):
-    import keras
-
-    layout_map = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((8,), ("model",)))
-    layout_map[".*embeddings"] = axes
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    tokens = keras.Input((4,), dtype="int32")
-    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
+from benchmarks import bench_model as bm
 
 
 def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
@@ -42,13 +33,13 @@ def run(mode: str, work: str, rows: int = 65536, cols: int = 1024) -> dict:
 
     import keras_orbax
 
-    step = os.path.join(work, "step")
-    model = embedding(rows, cols, ("model", None))
+    step = os.path.join(work, f"step_{rows}x{cols}")
+    model = bm.embedding(rows, cols, ("model", None))
     model.weights[0].assign(np.random.default_rng(0).random((rows, cols), dtype="float32"))
     if not os.path.exists(step):
         keras_orbax.save(model, step, step=1)
     if mode.startswith("restore_reshard"):
-        model = embedding(rows, cols, (None, "model"))
+        model = bm.embedding(rows, cols, (None, "model"))
     verify = False if mode.endswith("noverify") else None
 
     def once(i: int) -> float:
@@ -120,7 +111,7 @@ def name_libc(frames: list[str], base: int, symbols: list[tuple[int, str]]) -> l
     return named
 
 
-def profile(mode: str, work: str, seconds: float, py_spy: str) -> dict:
+def profile(mode: str, work: str, seconds: float, py_spy: str, rows: int, cols: int) -> dict:
     """Runs `mode` in a fresh process; once it is warm, samples it with py-spy for `seconds` with
     Python frames (every thread, idle included: the main thread's samples are the wall time) and
     then `seconds` with native frames (the pool threads' CPU: syscalls, CRC, copies)."""
@@ -136,7 +127,7 @@ def profile(mode: str, work: str, seconds: float, py_spy: str) -> dict:
     code = (
         "import json; from benchmarks import bench_model as bm; bm.set_env(); "
         "from benchmarks import breakdown; "
-        f"print(json.dumps(breakdown.run({mode!r}, {work!r})))"
+        f"print(json.dumps(breakdown.run({mode!r}, {work!r}, {rows}, {cols})))"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     while not os.path.exists(ready):
@@ -239,20 +230,14 @@ def pool_category(frames: list[str]) -> str:
     return label or ("other Python" if python else "other native")
 
 
-MODES = {
-    "restore_same_noverify": "same layout, `verify=False`",
-    "restore_same": "same layout, checked (default)",
-    "restore_reshard_noverify": "resharded, `verify=False`",
-    "restore_reshard": "resharded, checked (default)",
-    "save": "sync save",
-}
-
-
 def markdown(report: dict) -> str:
     """Two tables, one column per mode: the main thread's wall time and the pool threads' work."""
     runs = {r["mode"]: r for r in report["runs"]}
-    modes = [m for m in MODES if m in runs]
-    head = "| | " + " | ".join(MODES[m] for m in modes) + " |"
+    from benchmarks.registry import BY_NAME
+
+    names = BY_NAME["breakdown"].cases
+    modes = [m for m in names if m in runs]
+    head = "| | " + " | ".join(names[m] for m in modes) + " |"
     rule = "|---|" + "---:|" * len(modes)
     lines = [head, rule]
     lines.append(
@@ -267,7 +252,7 @@ def markdown(report: dict) -> str:
     )
     lines.append(
         "| load average (1 min) after | "
-        + " | ".join(f"{runs[m]['loadavg'][0]:.1f}" for m in modes)
+        + " | ".join(f"{runs[m]['loadavg_1m']:.1f}" for m in modes)
         + " |"
     )
     for title, key in (
@@ -293,51 +278,18 @@ def busy(shares: dict[str, float]) -> dict[str, float]:
     return {k: v / total for k, v in shares.items() if k != IDLE}
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import json
+def run_case(case: str, params: dict, work: str) -> dict:
     import shutil as sh
     import sys
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=10, help="of sampling per mode and kind")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
-    p.add_argument("--work", default=os.path.join(WORK, "breakdown"))
-    p.add_argument("--json", default=None, help="default: <work>/breakdown.json")
-    p.add_argument("--report-only", action="store_true", help="re-render --json without running")
-    p.add_argument("--write-docs", action="store_true", help="the table into docs/benchmarks.md")
-    args = p.parse_args(argv)
-    path = args.json or os.path.join(args.work, "breakdown.json")
-    if not args.report_only:
-        py_spy = sh.which("py-spy", path=os.path.dirname(sys.executable)) or sh.which("py-spy")
-        if not py_spy:
-            raise SystemExit("py-spy is needed: pip install py-spy")
-        report: dict = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "runs": []}
-        for mode in args.modes:
-            run_ = profile(mode, args.work, args.seconds, py_spy)
-            report["runs"].append(dict(run_, loadavg=os.getloadavg()))
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-    with open(path) as f:
-        report = json.load(f)
-    for run_ in report["runs"]:  # the categories again, where the profiles are still there
-        raws = [
-            os.path.join(args.work, f"{run_['mode']}.{kind}.raw") for kind in ("python", "native")
-        ]
-        if all(os.path.exists(raw) for raw in raws):
-            run_.update(classify(run_, *raws))
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(report)
-    if args.write_docs:
-        from benchmarks import render
-
-        with open(render.PAGE) as f:
-            page = render.replace_section(f.read(), "breakdown", text)
-        with open(render.PAGE, "w") as f:
-            f.write(page)
-    print(text)
+    py_spy = sh.which("py-spy", path=os.path.dirname(sys.executable)) or sh.which("py-spy")
+    if not py_spy:
+        raise SystemExit("py-spy is needed: pip install py-spy")
+    return profile(case, work, params["seconds"], py_spy, params["rows"], params["cols"])
 
 
-if __name__ == "__main__":
-    main()
+def render(result: dict, out_dir: str) -> str:
+    from benchmarks.render import provenance
+
+    runs = [dict(run, mode=case) for case, run in result["rounds"][0].items()]
+    return markdown({"runs": runs}) + "\n" + provenance(result) + "\n"

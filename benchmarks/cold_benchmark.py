@@ -12,19 +12,9 @@ needed) in a fresh process.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks import bench_model as bm
 from benchmarks.harness import files_of
-
-
-def read_all(directory: str, threads: int = 8) -> int:
-    def read(path: str) -> int:
-        with open(path, "rb", buffering=0) as f:
-            return len(f.read())
-
-    with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(read, files_of(directory)))
 
 
 def touch_fresh(nbytes: int) -> None:
@@ -50,7 +40,7 @@ def prepare(params: dict, work: str) -> None:
 def run_case(case: str, params: dict, work: str) -> dict:
     if case == "read_cold":
         clock = bm.clock()
-        nbytes = read_all(work)
+        nbytes = sum(b.nbytes for b in bm.read_all(work))
         return {"seconds": bm.since(clock)[0], "bytes": nbytes}
     if case == "touch":
         nbytes = sum(os.path.getsize(path) for path in files_of(work))

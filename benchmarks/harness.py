@@ -45,11 +45,13 @@ class Benchmark:
     `cases` maps each case to what it measures; `floor` is the case the others are divided by
     (None: no floor); `sizes` maps "small" (a smoke run of seconds) and "full" (the figures in
     docs/benchmarks.md) to the parameters `run_case` and `prepare` get. `evict`: the cases that
-    start with the work directory dropped from the page cache (cold reads). `apart`: cases run after every round of the others, not between them (one that
-    frees much fresh memory slows whatever runs next). `requires`: cases run only where the named
-    parameter is set (`--set NAME=VALUE`). `columns`: extra figures for the
-    table, (key, header, format). `cpu_devices`: virtual CPU devices of each process (None: the
-    real devices). `script`: a benchmark with its own runner, not yet on this harness, run as
+    start with the work directory dropped from the page cache (cold reads). `apart`: cases run
+    after every round of the others, not between them (one that frees much fresh memory slows
+    whatever runs next). `requires`: cases run only where the named parameter is set
+    (`--set NAME=VALUE`). Two parameters are the harness's: `only` ("a,b") runs those cases and
+    the floor, `cpu_devices` overrides the field. `columns`: extra figures for the table, (key,
+    header, format). `cpu_devices`: virtual CPU devices of each process (None: the real devices).
+    `script`: a benchmark with its own runner (the seed's own case), run as
     `python benchmarks/<script> ARGS`. `render`: `module:function(result, out_dir) -> markdown`
     for a table of its own (default: `render.table`, one row per case). `env`: variables set in a
     case's process from its start (an allocator's `MALLOC_*`).
@@ -119,12 +121,14 @@ def measure(
 ) -> dict:
     """Every case of `bench` at `size` (`params` override its parameters), `repeats` rounds; the
     result as `render` reads it."""
-    params = bench.sizes[size] if params is None else params
+    params = dict(bench.sizes[size] if params is None else params)
+    if "cpu_devices" in params:  # `--set cpu_devices=N`: N virtual CPU devices (0: the real ones)
+        bench = dataclasses.replace(bench, cpu_devices=params.pop("cpu_devices") or None)
     repeats = repeats or (1 if size == "small" else bench.repeats)
     os.makedirs(work, exist_ok=True)
     started, load_before = time.perf_counter(), os.getloadavg()
     prepared = child(bench, bench.prepare, None, params, work) if bench.prepare else {}
-    cases = [c for c in bench.cases if params.get(bench.requires.get(c, ""), True)]
+    cases = selected(bench, params)
     paired = [c for c in cases if c not in bench.apart]
     rounds: list[dict] = [{} for _ in range(repeats)]
     for r, row in enumerate(rounds):
@@ -138,6 +142,7 @@ def measure(
         "size": size,
         "params": params,
         "repeats": repeats,
+        "cpu_devices": bench.cpu_devices,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "load_before": load_before,
@@ -147,6 +152,18 @@ def measure(
         "rounds": rounds,
         "summary": summarize(bench, rounds),
     }
+
+
+def selected(bench: Benchmark, params: dict) -> list[str]:
+    """The cases a run measures: those named by `only` ("a,b" or a list) and the floor, else
+    every case whose `requires` parameter is set."""
+    only = params.get("only")
+    if only:
+        named = set(only.split(",") if isinstance(only, str) else only)
+        if named - set(bench.cases):
+            raise ValueError(f"{bench.name} has no case {sorted(named - set(bench.cases))}")
+        return [c for c in bench.cases if c in named or c == bench.floor]
+    return [c for c in bench.cases if params.get(bench.requires.get(c, ""), True)]
 
 
 def run_one(bench: Benchmark, case: str, params: dict, work: str, log) -> dict:
@@ -186,7 +203,9 @@ def evict(directory: str) -> None:
 
 
 def files_of(directory: str) -> list[str]:
-    return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+    """Every file under `directory`, links left out (their targets are listed where they are)."""
+    paths = (os.path.join(root, name) for root, _, names in os.walk(directory) for name in names)
+    return [p for p in paths if not os.path.islink(p)]
 
 
 def machine() -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks import bench_model as bm
 from benchmarks.harness import files_of
@@ -21,18 +20,6 @@ def _set_distribution() -> None:
     import keras
 
     keras.distribution.set_distribution(bm.make_distribution(rules={r".*kernel": (None, "model")}))
-
-
-def read_all(directory: str) -> int:
-    import numpy as np
-
-    def read(path: str) -> int:
-        buf = np.empty(os.path.getsize(path), np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            return f.readinto(memoryview(buf))
-
-    with ThreadPoolExecutor(8) as pool:
-        return sum(pool.map(read, files_of(directory)))
 
 
 def _sums(model) -> dict[str, float]:
@@ -52,14 +39,14 @@ def prepare(params: dict, work: str) -> None:
     model.save_weights(os.path.join(work, "model.weights.h5"))
     with open(os.path.join(work, "sums.json"), "w") as f:
         json.dump(_sums(model), f)
-    read_all(work)  # page cache warm for every case
+    bm.read_all(work)  # page cache warm for every case
 
 
 def run_case(case: str, params: dict, work: str) -> dict:
     step = os.path.join(work, "ko", "1")
     if case == "read":
         start = bm.clock()
-        nbytes = read_all(step)
+        nbytes = sum(b.nbytes for b in bm.read_all(step))
         wall, cpu = bm.since(start)
         return {"seconds": wall, "cpu_s": cpu, "bytes": nbytes, "files": len(files_of(step))}
     import keras_orbax

@@ -37,6 +37,24 @@ FIRST_SAVE = {
     "layers": 8, "width": 2048, "epochs": 4, "steps": 4, "devices": 8, "mesh": 1,
     "compile_first": 1, "settle": 0.0, "incremental": 1, "tf_site": "", "profile": "",
 }  # fmt: skip
+SPEED_LAYOUTS = ("cols", "rows", "2d", "2d_rows", "h5")
+# speed_report's cases: component -> (benchmark, parameters over its sizes)
+SPEED_COMPONENTS: dict[str, tuple[str, dict]] = {
+    "save": ("save", {}),
+    "save_many": ("save_many", {}),
+    "many_restore": ("many_restore", {}),
+    **{f"reshard_{layout}": ("reshard", {"layout": layout}) for layout in SPEED_LAYOUTS},
+    "cold": ("cold", {}),
+    "callback": ("callback", {}),
+}
+REPLICA = {
+    f"{layout}_{cache}": f"{what}, page cache {cache}: `single_replica_reads=True` / `False`"
+    for layout, what in (
+        ("dp", "`DataParallel`"),
+        ("replicated", 'kernels split over "model", replicated over "batch"'),
+    )
+    for cache in ("warm", "cold")
+}
 RESTORE_CASES = {
     "copied": "restore onto the saved layout, every byte read into fresh memory (the default)",
     "same": "restore onto the saved layout, large shards mapped (`KERAS_ORBAX_MAP_SHARDS=1`)",
@@ -62,6 +80,11 @@ def _script(name: str, script: str, summary: str) -> Benchmark:
     return Benchmark(name, summary, script=script)
 
 
+def _component(name: str) -> str:
+    bench, override = SPEED_COMPONENTS[name]
+    return f"`python -m benchmarks {bench}`" + "".join(f" `{k}={v}`" for k, v in override.items())
+
+
 BENCHMARKS = [
     _suite(
         "reshard",
@@ -79,18 +102,21 @@ BENCHMARKS = [
     _suite(
         "verify",
         "verify_benchmark",
-        "restore with every byte checked against its CRC-32 (the default) against `verify=False`",
+        "restore with every byte checked (the default) against `verify=False` and the read floor",
         {
+            "read_put": "the step's files read into fresh memory, 8 threads, + one `device_put`"
+            " in the target layout",
+            "checked": "`restore_sharded(...)`: every byte read checked against its CRC",
             "unchecked": "`restore_sharded(..., verify=False)`",
-            "checked": "`restore_sharded(...)`: every byte read checked against its CRC-32",
         },
-        "unchecked",
+        "read_put",
         sizes={
             "small": {"rows": 4096, "cols": 256, "layout": "same", "layers": 4, "width": 64},
             "full": {"rows": 65536, "cols": 1024, "layout": "same", "layers": 24, "width": 256},
         },
         repeats=7,
         columns=(CPU_S,),
+        targets={"checked": 1.3, "unchecked": 1.3},
     ),
     _suite(
         "cold",
@@ -164,7 +190,7 @@ BENCHMARKS = [
             ("floor_s", "floor s (same process)", ".3f"),
             ("disk_gib", "on disk GiB", ".2f"),
         ),
-        targets={"ko": 1.2},
+        targets={"ko": 1.1},
     ),
     _suite(
         "save_many",
@@ -230,9 +256,28 @@ BENCHMARKS = [
         },
         env={f"{case}+mmap1M": {"MALLOC_MMAP_THRESHOLD_": "1048576"} for case in _RESTORE},
         requires={"ko_deferred_compact": "compact", "ko_deferred_compact+mmap1M": "compact"},
+        columns=(
+            ("restore_cpu_s", "CPU s", ".2f"),
+            ("e2e_s", "end-to-end s", ".1f"),
+            ("peak_gib", "peak - import GiB", ".2f"),
+            ("x_resident", "x resident", ".2f"),
+            ("ok", "ok", ".0f"),
+        ),
         render="benchmarks.restore_benchmark:render",
     ),
-    _script("speed_report", "speed_report.py", "every speed target in one run"),
+    _suite(
+        "speed_report",
+        "speed_report",
+        "every speed target in one run: the benchmarks below through the harness, each ratio "
+        "beside its target",
+        {name: _component(name) for name in SPEED_COMPONENTS},
+        None,
+        prepare=False,
+        sizes={"small": {"size": "small"}, "full": {"size": "full", "rounds": None}},
+        repeats=1,
+        cpu_devices=None,  # each component's processes set their own
+        render="benchmarks.speed_report:render_report",
+    ),
     _script(
         "seed_case", "seed_case.py", "the seed's own case: a Gemma2 9B preset, load and export"
     ),
@@ -304,16 +349,101 @@ BENCHMARKS = [
             ("restore_s", "restore s", ".3f"),
         ),
     ),
-    _script("replica", "replica_benchmark.py", "single-replica reads over 4 processes"),
-    _script("gpu_memory", "gpu_memory.py", "per-device peak memory of a restore on accelerators"),
-    _script("stress_kill", "stress_kill.py", "many kill-and-resume trials"),
-    _script(
-        "resume_position",
-        "resume_position_benchmark.py",
-        "a resumed fit to its first trained batch, against the batches trained before the stop",
+    _suite(
+        "replica",
+        "replica_benchmark",
+        "single-replica reads over 4 processes x 2 CPU devices against each process reading its own",
+        REPLICA,
+        None,
+        prepare=False,
+        sizes={
+            "small": {"mib": 16, "pairs": 1, "store": "file"},
+            "full": {"mib": 128, "pairs": 3, "store": "file"},
+        },
+        cpu_devices=1,  # the case process saves; its 4 workers set their own
+        columns=(
+            ("read_x_step_on", "read / step, on", ".2f"),
+            ("read_x_step_off", "read / step, off", ".2f"),
+            ("read_max_mib_on", "most read by one process MiB, on", ".1f"),
+        ),
     ),
-    _script(
-        "breakdown", "breakdown.py", "where a 256 MiB restore and save spend their time (py-spy)"
+    _suite(
+        "gpu_memory",
+        "gpu_memory",
+        "per-device peak memory of a restore on accelerators, and its time against read + "
+        "`device_put` (`--set cpu_devices=8` on CPU)",
+        {
+            "ko_deferred": "`deferred_init` build, then `keras_orbax.restore_sharded`",
+            "keras_h5": 'build, then `model.load_weights("model.weights.h5")`',
+        },
+        None,
+        sizes={
+            "small": {"params_gib": 0.05, "layers": 15, "with_optimizer": False},
+            "full": {"params_gib": 4.0, "layers": 15, "with_optimizer": False},
+        },
+        cpu_devices=None,  # the accelerator's devices
+        columns=(
+            ("peak_x_owned", "device peak / owned, max", ".2f"),
+            ("host_peak_gib", "host peak growth GiB", ".2f"),
+        ),
+        render="benchmarks.gpu_memory:render",
+    ),
+    _suite(
+        "stress_kill",
+        "stress_kill",
+        "many kill-and-resume trials of a `ModelCheckpoint` run, per kind of kill (seconds per trial)",
+        {
+            "time": "SIGKILL from outside, 0-3 s into `fit`",
+            "delete": "the trainer killed inside a retention delete",
+            "commit": "the trainer killed just before a commit rename",
+            "write": "the trainer killed at a metadata write",
+        },
+        None,
+        prepare=False,
+        sizes={"small": {"trials": 1, "seed": 0}, "full": {"trials": 15, "seed": 0}},
+        repeats=1,
+        cpu_devices=None,  # the trainer sets its own
+        columns=(("killed", "killed", ".0f"), ("steps_checked", "steps checked", ".0f")),
+    ),
+    _suite(
+        "resume_position",
+        "resume_position_benchmark",
+        "a resumed fit to its first trained batch, against the batches trained before the stop",
+        {
+            "fresh": "a `fit` from scratch to its first trained batch",
+            "early": "resumed after 5 % of the epoch",
+            "middle": "resumed after 50 % of the epoch",
+            "late": "resumed after 95 % of the epoch",
+        },
+        "fresh",
+        prepare=False,
+        sizes={
+            "small": {"batches": 20, "cost_s": 0.02},
+            "full": {"batches": 200, "cost_s": 0.02},
+        },
+        cpu_devices=1,
+        columns=(("stopped_at", "stopped at batch", ".0f"), ("reads", "batches read", ".0f")),
+    ),
+    _suite(
+        "breakdown",
+        "breakdown",
+        "where a 256 MiB restore and save spend their time, by sampling profiler (py-spy)",
+        {
+            "restore_same_noverify": "same layout, `verify=False`",
+            "restore_same": "same layout, checked (default)",
+            "restore_reshard_noverify": "resharded, `verify=False`",
+            "restore_reshard": "resharded, checked (default)",
+            "save": "sync save",
+        },
+        None,
+        prepare=False,
+        sizes={
+            "small": {"rows": 4096, "cols": 256, "seconds": 2},
+            "full": {"rows": 65536, "cols": 1024, "seconds": 10},
+        },
+        repeats=1,
+        cpu_devices=None,  # the profiled process sets its own
+        render="benchmarks.breakdown:render",
     ),
     _suite(
         "export",

@@ -95,3 +95,42 @@ def write(bench: Benchmark, result: dict, out_dir: str, write_docs: bool) -> str
 def plots_named(text: str) -> set[str]:
     """The PNG files a section's markdown shows (`![...](name.png)`)."""
     return {part.split(")")[0] for part in text.split("](")[1:] if ".png" in part.split(")")[0]}
+
+
+def bars(
+    path: str, labels: list[str], series: list, title: str, xlabel: str, *, log=False, line=None
+) -> bool:
+    """A horizontal bar plot at `path`: one group per label, `series[k]` its bars, each
+    (value, color, text). False (and no plot) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print('No plots: they need matplotlib (pip install -e ".[bench]").', flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = max((len(group) for group in series), default=1)
+    fig, ax = plt.subplots(figsize=(9, (0.3 + 0.25 * per) * len(labels) + 1.8))
+    height = 0.8 / per
+    for y, group in enumerate(series):
+        for j, (value, color, text) in enumerate(group):
+            at = y + (j - (per - 1) / 2) * height
+            ax.barh(at, value, height, color=color)
+            ax.text(value, at, f" {text}", va="center", fontsize=7 if per > 1 else 8)
+    if line is not None:
+        ax.axvline(line, color="#8c8c8c", lw=1, ls="--")
+    longest = max((v for group in series for v, _, _ in group), default=1.0)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(right=longest * 20)
+    else:
+        ax.set_xlim(0, max(longest, line or 0) * 1.6)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,36 +1,32 @@
 """Restoring with 4 processes x 2 CPU devices on 127.0.0.1, each replicated region read from storage
-once (`single_replica_reads=True`, sent to the other processes over gloo) or by every process that
-holds it (`False`), in one run (issue 10, item 5).
+once (`single_replica_reads=True`, sent to the other processes over gloo) against every process
+reading what it holds (`False`, the floor, measured by the same processes a moment apart).
 
-The parent saves a model of Dense layers (about `--mib` MiB of float32) from one process, then starts
-4 processes (tests/_harness.py) that restore it under `DataParallel` (every variable on all 8
-devices) and under `ModelParallel` on a (4, 2) mesh with kernels split over "model" only (replicated
-over "batch", which spans the processes), each on and off, warm (page cache) and cold (each array
-file evicted with `posix_fadvise(DONTNEED)` before the restore). Prints, per case, the bytes each
-process read from storage (`RestoreResult.bytes_read`) and their total against the step's size, and
-the median wall time between two barriers around `restore_sharded`.
+A case is a layout and a page cache: `dp_*` restores under `DataParallel` (every variable on all 8
+devices), `replicated_*` under `ModelParallel` on a (4, 2) mesh with kernels split over "model"
+only (replicated over "batch", which spans the processes); `*_cold` evicts each array file
+(`posix_fadvise(DONTNEED)`) before every restore. Each case process saves a model of Dense layers
+(about `mib` MiB of float32) once, then starts the 4 processes (tests/_harness.py), which restore
+once untimed with each setting, then `pairs` times both, alternating; the time is the median wall
+time between two barriers around `restore_sharded` on process 0. Also reported: the bytes the
+processes read from storage (`RestoreResult.bytes_read`) over the step's size, both settings.
 
-With `--store s3` or `--store gcs` the step lives in a bucket of a local server started for the run
-(moto, gcp-storage-emulator: tests/_object_stores.py) and is only measured warm (no page cache there).
-
-Usage: python benchmarks/replica_benchmark.py [--mib 128] [--repeats 3] [--store file|s3|gcs]
+With `--set store=s3` or `gcs` the step lives in a bucket of a local server started by the case
+(moto, gcp-storage-emulator: tests/_object_stores.py); only the warm cases mean anything there
+(`--set only=dp_warm,replicated_warm`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-LAYOUTS = ("dp", "replicated")
+if __name__ == "__main__":  # a worker, started as a script by tests/_harness.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _model(mib: int):
@@ -62,123 +58,76 @@ def worker() -> None:
     from tests._worker_util import init_worker, write_result
 
     ctx = init_worker()
-    import jax
     import keras
     from jax.experimental import multihost_utils
 
     import keras_orbax
 
     keras.utils.set_random_seed(0)
-    directory, mib, repeats = ctx.args["directory"], ctx.args["mib"], ctx.args["repeats"]
-    remote = "://" in directory
-    results = []
-    for layout in LAYOUTS:
-        keras.distribution.set_distribution(_distribution(layout))
-        # "first" compiles; not reported. Nothing to evict in a bucket.
-        for temperature in ("first", "warm") if remote else ("first", "warm", "cold"):
-            for share in (True, False) * (1 if temperature == "first" else repeats):
-                with keras_orbax.deferred_init():
-                    model = _model(mib)
-                if temperature == "cold" and ctx.process_id == 0:
-                    evict(path for path in Path(directory).rglob("*") if path.is_file())
-                multihost_utils.sync_global_devices("before")
-                start = time.perf_counter()
-                result = keras_orbax.restore_sharded(model, directory, single_replica_reads=share)
-                multihost_utils.sync_global_devices("after")
-                seconds = time.perf_counter() - start
-                results.append(
-                    {
-                        "layout": layout,
-                        "temperature": temperature,
-                        "single_replica_reads": share,
-                        "seconds": seconds,
-                        "bytes_read": result.bytes_read,
-                        "bytes_received": result.bytes_received,
-                    }
+    directory, args = ctx.args["directory"], ctx.args
+    keras.distribution.set_distribution(_distribution(args["layout"]))
+    runs: dict[str, list] = {"on": [], "off": []}
+    for i in range(args["pairs"] + 1):  # the first pair compiles: not reported
+        for share in (True, False) if i % 2 else (False, True):
+            with keras_orbax.deferred_init():
+                model = _model(args["mib"])
+            if args["cold"] and ctx.process_id == 0:
+                evict(path for path in Path(directory).rglob("*") if path.is_file())
+            multihost_utils.sync_global_devices("before")
+            start = time.perf_counter()
+            result = keras_orbax.restore_sharded(model, directory, single_replica_reads=share)
+            multihost_utils.sync_global_devices("after")
+            if i:
+                runs["on" if share else "off"].append(
+                    [time.perf_counter() - start, result.bytes_read]
                 )
-                del model
-    write_result({"process": jax.process_index(), "runs": results})
+            del model
+    write_result(runs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--store", choices=("file", "s3", "gcs"), default="file")
-    args = parser.parse_args()
-    os.environ["KERAS_BACKEND"] = "jax"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import keras
-
+@contextlib.contextmanager
+def _step(params: dict, work: str):
+    """Where the step is (`store`), saved from this process; the server's env beside it."""
     import keras_orbax
-    from tests._harness import run_workers
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store, env = None, {}
-        directory: str = str(Path(tmp) / "ckpt")
-        if args.store != "file":
-            from tests import _object_stores
+    store = None
+    directory = os.path.join(work, "ckpt")
+    if params["store"] != "file":
+        from tests import _object_stores
 
-            store = _object_stores.start(args.store, Path(tmp))
-            env = store.env
-            os.environ.update(env)
-            directory = store.new_bucket() + "/ckpt"
-        model = _model(args.mib)
-        keras_orbax.save(model, directory, step=1)
-        step_bytes = sum(int(v.value.nbytes) for v in model.variables)
-        del model
-        keras.backend.clear_session()
-        workdir = Path(tmp) / "w"
-        workdir.mkdir()
-        reports = run_workers(
-            __file__,
-            4,
-            2,
-            {"directory": directory, "mib": args.mib, "repeats": args.repeats},
-            timeout=3600,
-            workdir=workdir,
-            env=env,
+        store = _object_stores.start(params["store"], Path(work))
+        os.environ.update(store.env)
+        directory = store.new_bucket() + "/ckpt"
+    model = _model(params["mib"])
+    keras_orbax.save(model, directory, step=1, overwrite=True)
+    try:
+        yield (
+            directory,
+            sum(int(v.value.nbytes) for v in model.variables),
+            store.env if store else {},
         )
+    finally:
         if store is not None:
             _object_stores.stop(store)
-    print(f"storage: {args.store}")
-    _print(reports, step_bytes)
 
 
-def _print(reports: list[dict], step_bytes: int) -> None:
-    print(f"step: {step_bytes / 2**20:.1f} MiB; 4 processes x 2 CPU devices on 127.0.0.1")
-    print(
-        f"{'layout':<11}{'cache':<6}{'single':<8}{'MiB read per process':<30}"
-        f"{'total/step':>11}{'median s':>10}"
-    )
-    cases: dict[tuple, list] = {}
-    for report in reports:
-        for run in report["runs"]:
-            key = (run["layout"], run["temperature"], run["single_replica_reads"])
-            cases.setdefault(key, []).append((report["process"], run))
-    summary = {}
-    for (layout, temperature, share), runs in cases.items():
-        if temperature == "first":
-            continue
-        per_process = {p: run["bytes_read"] for p, run in runs}  # the same on every repeat
-        seconds = [run["seconds"] for p, run in runs if p == 0]
-        total = sum(per_process.values())
-        read = " ".join(f"{per_process[p] / 2**20:6.1f}" for p in sorted(per_process))
-        median = statistics.median(seconds)
-        print(
-            f"{layout:<11}{temperature:<6}{share!s:<8}{read:<30}"
-            f"{total / step_bytes:>10.2f}x{median:>10.3f}"
-        )
-        summary[f"{layout}/{temperature}/{'on' if share else 'off'}"] = {
-            "bytes_read_per_process": [per_process[p] for p in sorted(per_process)],
-            "total_over_step": total / step_bytes,
-            "median_seconds": median,
-        }
-    print(json.dumps(summary))
+def run_case(case: str, params: dict, work: str) -> dict:
+    from tests._harness import run_workers
+
+    layout, temperature = case.rsplit("_", 1)
+    with _step(params, work) as (directory, step_bytes, env):
+        args = dict(params, directory=directory, layout=layout, cold=temperature == "cold")
+        workdir = os.path.join(work, f"w_{case}_{params['_round']}")
+        os.makedirs(workdir, exist_ok=True)
+        reports = run_workers(__file__, 4, 2, args, timeout=3600, workdir=workdir, env=env)
+    out = {"step_mib": step_bytes / 2**20}
+    for share, key in (("on", "seconds"), ("off", "floor_s")):
+        out[key] = statistics.median(s for s, _ in reports[0][share])
+        per_process = [r[share][-1][1] for r in reports]
+        out[f"read_x_step_{share}"] = sum(per_process) / step_bytes
+        out[f"read_max_mib_{share}"] = max(per_process) / 2**20
+    return out
 
 
 if __name__ == "__main__":
-    if "KERAS_ORBAX_TEST_COORDINATOR" in os.environ:
-        worker()
-    else:
-        main()
+    worker()

@@ -31,22 +31,8 @@ LAYOUTS = {
 }
 
 
-def _model(rows: int, cols: int):
-    import keras
-
-    tokens = keras.Input((4,), dtype="int32")
-    return keras.Model(tokens, keras.layers.Embedding(rows, cols, name="embed")(tokens))
-
-
-def _set_distribution(layout: str, axes: tuple) -> None:
-    import keras
-
-    mesh_shape, mesh_axes = LAYOUTS[layout][:2]
-    keras.distribution.set_distribution(
-        bm.make_distribution(
-            mesh_shape=mesh_shape, axes=mesh_axes, rules={"embed/embeddings": axes}
-        )
-    )
+def _model(params: dict, axes: tuple):
+    return bm.embedding(params["rows"], params["cols"], axes, *LAYOUTS[params["layout"]][:2])
 
 
 def _path(params: dict, work: str) -> str:
@@ -58,12 +44,10 @@ def prepare(params: dict, work: str) -> None:
 
     import keras_orbax
 
-    rows, cols, layout = params["rows"], params["cols"], params["layout"]
-    _set_distribution(layout, LAYOUTS[layout][2])
-    model = _model(rows, cols)
-    values = np.random.default_rng(0).standard_normal((rows, cols), dtype="float32")
+    model = _model(params, LAYOUTS[params["layout"]][2])
+    values = np.random.default_rng(0).standard_normal(model.layers[1].embeddings.shape, "float32")
     model.layers[1].embeddings.assign(values)
-    if layout == "h5":
+    if params["layout"] == "h5":
         model.save_weights(_path(params, work))
     else:
         keras_orbax.save(model, work, step=1, overwrite=True)
@@ -72,12 +56,10 @@ def prepare(params: dict, work: str) -> None:
 def run_case(case: str, params: dict, work: str) -> dict:
     import keras_orbax
 
-    layout = params["layout"]
     os.environ["KERAS_ORBAX_MAP_SHARDS"] = "1" if case == "same" else "0"
-    saved, other = LAYOUTS[layout][2:]
-    _set_distribution(layout, other if case == "other" else saved)
+    saved, other = LAYOUTS[params["layout"]][2:]
     with keras_orbax.deferred_init():
-        model = _model(params["rows"], params["cols"])
+        model = _model(params, other if case == "other" else saved)
     before, clock = bm.rss_bytes(), bm.clock()
     result = keras_orbax.restore_sharded(model, _path(params, work))
     seconds, cpu = bm.since(clock)

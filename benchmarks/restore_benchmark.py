@@ -28,7 +28,8 @@ glibc, and "mmap1M" = MALLOC_MMAP_THRESHOLD_=1048576 in the measured process: th
   keras_orbax_cb   build, then `model.load_weights(<keras.callbacks.OrbaxCheckpoint dir>)`
   orbax_floor      no Keras model: `orbax.checkpoint.experimental.v1.load` of the OrbaxCheckpoint
                    callback's checkpoint (Orbax's default format: zarr3 + zstd + OCDBT) into
-                   `jax.ShapeDtypeStruct` targets carrying the saved shardings (= the model's)
+                   `jax.ShapeDtypeStruct` targets carrying the saved shardings (= the model's):
+                   the floor
   orbax_floor_fast the same plain Orbax load, of the keras-orbax "fast" checkpoint's files
   disk_read        read the bytes of the keras-orbax "fast" checkpoint (or, without keras_orbax,
                    the callback's) into fresh numpy buffers, 4 x cores files in flight, page cache
@@ -63,16 +64,6 @@ import time
 
 from benchmarks import bench_model as bm
 
-CASES = [
-    "ko_deferred",
-    "ko_built",
-    "keras_h5",
-    "keras_orbax_cb",
-    "orbax_floor",
-    "orbax_floor_fast",
-    "disk_read",
-]
-ALLOCATORS = {"default": {}, "mmap1M": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
 ARTIFACTS = {"h5": "model.weights.h5", "cb": "orbax_cb", "ko": "ko_fast", "compact": "ko_compact"}
 CHECKPOINTABLE = {"cb": "pytree", "ko": "state"}  # the Orbax checkpointable holding the arrays
 # reads in flight for disk_read: as many as keras-orbax's reader uses
@@ -198,23 +189,11 @@ def case_orbax_floor(work, artifact: str):
 def case_disk_read(work, threads: int = DISK_READ_THREADS):
     """Reads every file of the checkpoint into a fresh numpy buffer, `threads` files at a time;
     returns (seconds, bytes, directory)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
     root = os.path.join(work, ARTIFACTS["ko"])
     if not os.path.isdir(root):
         root = os.path.join(work, ARTIFACTS["cb"])
-
-    def read(path):
-        buf = np.empty(os.path.getsize(path), np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(buf))  # one read(2) per file; the kernel fills fresh pages
-        return buf
-
     t = bm.clock()
-    with ThreadPoolExecutor(threads) as pool:
-        buffers = list(pool.map(read, list_files(root)))
+    buffers = bm.read_all(root, threads)
     return bm.since(t), sum(b.nbytes for b in buffers), root
 
 
@@ -323,51 +302,43 @@ def prepare(params: dict, work: str) -> dict:
 META_KEYS = ("n_params", "n_state_variables", "resident_bytes", "logical_bytes", "artifacts")
 
 
-NOTES = {
-    "orbax_floor": FLOOR_NOTES["cb"],
-    "orbax_floor_fast": FLOOR_NOTES["ko"],
-    "disk_read": f"{DISK_READ_THREADS} threads read every file of {ARTIFACTS['ko']}",
-}
-
-
 def render(result: dict, out_dir: str) -> str:
-    """bench_report's table and plot (one row per case and allocator) from a harness result."""
-    from benchmarks import bench_report
-    from benchmarks.render import provenance
+    """One row per case and allocator, each time / orbax_floor's with the same allocator (same
+    round), and a plot of both ratios."""
+    import statistics
 
-    rows = []
+    from benchmarks import render as r
+    from benchmarks.registry import BY_NAME
+
+    meta, spec, gib = result["prepared"]["meta"], result["prepared"]["spec"], 2**30
     for name, row in result["summary"].items():
-        case, _, allocator = name.partition("+")
-        rows.append(
-            {
-                "case": case,
-                "allocator": allocator or "default",
-                "n": row["n"],
-                "restore_s": row["seconds"],
-                "restore_s_min": row["seconds_min"],
-                "restore_cpu_s": row["restore_cpu_s"],
-                "e2e_s": row["e2e_s"],
-                "rss_import_gib": row["rss_import"] / 2**30,
-                "peak_minus_import_gib": row["peak_minus_import"] / 2**30,
-                "peak_x_resident": row["peak_minus_import"] / row["resident_bytes"],
-                "ok": row["ok"] == 1,
-                "loadavg_1m": row["loadavg_1m"],
-                "note": FLOOR_NOTES.get(
-                    {"orbax_floor": "cb", "orbax_floor_fast": "ko"}.get(case, "")
-                ),
-            }
+        row.update(
+            peak_gib=row["peak_minus_import"] / gib,
+            x_resident=row["peak_minus_import"] / row["resident_bytes"],
         )
-    floors = {r["allocator"]: r for r in rows if r["case"] == "orbax_floor"}
-    for r in rows:
-        if floor := floors.get(r["allocator"]):
-            r["restore_x_floor"] = r["restore_s"] / floor["restore_s"]
-            r["e2e_x_floor"] = r["e2e_s"] / floor["e2e_s"]
-    results = dict(result["prepared"], machine=result["machine"], summary=rows)
-    results["cases"] = list(dict.fromkeys(r["case"] for r in rows))
-    text = bench_report.render_main(results) + "\n"
-    try:
-        bench_report.plot_main(results, os.path.join(out_dir, "restore_benchmark.png"))
-        text += "![restore](restore_benchmark.png)\n\n"
-    except ImportError:
-        print('No plot: it needs matplotlib (pip install -e ".[bench]").', flush=True)
-    return f"{text}{provenance(result)}\n"
+        floor = "orbax_floor" + name.partition("+")[1] + name.partition("+")[2]
+        pairs = [
+            x[name]["seconds"] / x[floor]["seconds"]
+            for x in result["rounds"]
+            if name in x and floor in x
+        ]
+        row["x_floor"] = statistics.median(pairs) if pairs and name != floor else None
+    disk = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in meta["artifacts"].items())
+    lines = [
+        f"Model: {meta['n_params'] / 1e6:.0f} M float32 parameters, width {spec['width']}, {spec['layers']} "
+        f"Dense blocks, Adam; {meta['n_state_variables']} variables with the optimizer's, "
+        f"{meta['logical_bytes'] / gib:.2f} GiB of state, **{meta['resident_bytes'] / gib:.2f} GiB resident** "
+        f"on 8 CPU devices (replicas counted). On disk: {disk}. `x floor`: / `orbax_floor` with the same "
+        "allocator; `x resident`: peak RSS growth / the bytes the arrays occupy on all devices, replicas "
+        "counted (on CPU, devices holding the same shard can share one host buffer: it can fall below 1).",
+        "", *r.table(BY_NAME["restore"], result), "",
+        f"- `orbax_floor`: {FLOOR_NOTES['cb']}", f"- `orbax_floor_fast`: {FLOOR_NOTES['ko']}", "",
+    ]  # fmt: skip
+    colors = {"": "#4f81bd", "mmap1M": "#c0504d"}
+    for png, key, what in (("restore_time.png", "x_floor", "restore time / orbax_floor"),
+                           ("restore_peak.png", "x_resident", "peak RSS growth / resident")):  # fmt: skip
+        rows = [(k, v) for k, v in result["summary"].items() if v.get(key)]
+        series = [[(v[key], colors[k.partition("+")[2]], f"{v[key]:.2f}")] for k, v in rows]
+        if r.bars(os.path.join(out_dir, png), [k for k, _ in rows], series, what, f"{what} (blue: glibc default, red: mmap1M)", line=1.0):  # fmt: skip
+            lines += [f"![{what}]({png})", ""]
+    return "\n".join([*lines, r.provenance(result)]) + "\n"

@@ -51,27 +51,8 @@ def build(layers: int, width: int, many: bool):
 
 def save_floor(variables, directory: str) -> None:
     """Each distinct shard's bytes to its own file, written and fsync-ed by 8 threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    os.makedirs(directory)
-    shards = [s for v in variables for s in v.value.addressable_shards if s.replica_id == 0]
-
-    def write(job):
-        i, shard = job
-        data = np.ascontiguousarray(np.asarray(shard.data))
-        fd = os.open(os.path.join(directory, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            view, done = memoryview(data.reshape(-1).view(np.uint8).data), 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(FLOOR_THREADS) as pool:
-        list(pool.map(write, enumerate(shards)))
+    shards = [s.data for v in variables for s in v.value.addressable_shards if s.replica_id == 0]
+    bm.write_all(shards, directory, FLOOR_THREADS)
 
 
 def save_case(case: str, model, variables, directory: str) -> None:

@@ -1,74 +1,51 @@
-"""Kill-anywhere stress: many SIGKILLs of a training run with `keras_orbax.ModelCheckpoint`.
+"""Kill-anywhere stress: many SIGKILLs of a training run with `keras_orbax.ModelCheckpoint`
+(about 10 s per trial on 2 cores).
 
-Run by hand from the repository root (about 10 s per trial on 2 cores):
-
-    python benchmarks/stress_kill.py --trials 60 --seed 0 --out /tmp/stress_kill
-
-Each trial runs `tests/workers/kill_train.py` on the same checkpoint directory: async or sync
-saves, fast or compact format, killed at a random moment (SIGKILL from outside, 0-3 s into
-`fit`), inside a retention delete, just before a commit rename, or at a metadata write (the
-trainer SIGKILLs itself just before the n-th such event). Every run first restores every
-committed step the previous one left and compares it with a checksum ledger written before each
-save; then resumes (`resume=True`) and checks the restored state against the ledger too. Prints a
-JSON summary and every problem; exits 1 if there is any.
+A case is one kind of kill; it runs `trials` trials of `tests/workers/kill_train.py` on one
+checkpoint directory: async or sync saves, fast or compact format (random, seeded by `seed` and
+the round), each killed at a random moment (`time`: SIGKILL from outside, 0-3 s into `fit`), inside
+a retention delete (`delete`), just before a commit rename (`commit`) or at a metadata write
+(`write`) (the trainer SIGKILLs itself just before the n-th such event), then one run to its end.
+Every run first restores every committed step the previous one left and compares it with a
+checksum ledger written before each save; then resumes (`resume=True`) and checks the restored
+state against the ledger too. A case with any problem fails the run and names them (the trials'
+logs and `report.json` stay in its work directory).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
-import sys
+import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import _kill
 
-
-def plan(rng: random.Random) -> tuple[str, str, str]:
-    mode = rng.choice(["async", "sync"])
-    fmt = rng.choice(["fast", "fast", "compact"])
-    kind = rng.choice(["time", "time", "delete", "commit", "write"])
-    if kind == "time":
-        return mode, fmt, f"time:{rng.uniform(0, 3):.3f}"
-    return mode, fmt, f"{kind}:{rng.randint(1, {'delete': 40, 'commit': 6, 'write': 12}[kind])}"
+LIMITS = {"delete": 40, "commit": 6, "write": 12}  # the n-th event of each kind a run reaches
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/keras_orbax_stress_kill"))
-    options = parser.parse_args()
-    shutil.rmtree(options.out, ignore_errors=True)
-    options.out.mkdir(parents=True)
-    rng = random.Random(options.seed)
-    trials = []
-    for i in range(options.trials):
-        mode, fmt, kill = plan(rng) if i < options.trials - 1 else ("async", "fast", "none")
-        trial = _kill.run_trial(options.out, _kill.Trial(i, mode, fmt, kill))
-        trials.append(trial)
-        previous = trial.result.get("previous", {})
-        print(
-            f"trial {i:3d} {mode:5s} {fmt:7s} kill {kill:12s} -> rc {trial.returncode}, "
-            f"found steps {previous.get('steps')} {sorted(set(previous.get('checked', {}).values()))}"
-            f", resumed {trial.result.get('resumed')}",
-            flush=True,
+def run_case(case: str, params: dict, work: str) -> dict:
+    out = Path(work) / f"{case}_{params['_round']}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    rng = random.Random(f"{params['seed']}-{case}-{params['_round']}")
+    trials, start = [], time.perf_counter()
+    for i in range(params["trials"] + 1):
+        mode, fmt = rng.choice(["async", "sync"]), rng.choice(["fast", "fast", "compact"])
+        kill = (
+            f"time:{rng.uniform(0, 3):.3f}"
+            if case == "time"
+            else f"{case}:{rng.randint(1, LIMITS.get(case, 1))}"
         )
-    found = _kill.problems(trials, options.out)
-    by_kind: dict[str, dict[str, int]] = {}
-    for trial in trials:
-        kind = trial.kill.split(":")[0]
-        counts = by_kind.setdefault(kind, {"trials": 0, "killed": 0})
-        counts["trials"] += 1
-        counts["killed"] += trial.killed
-    report = {"summary": _kill.summary(trials), "by_kind": by_kind, "problems": found}
-    (options.out / "report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return 1 if found else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        trial = _kill.Trial(i, mode, fmt, kill if i < params["trials"] else "none")
+        trials.append(_kill.run_trial(out, trial))
+        previous = trials[-1].result.get("previous", {})
+        print(f"{case} trial {i:3d} {mode:5s} {fmt:7s} kill {trial.kill:12s} -> rc "
+              f"{trial.returncode}, found steps {previous.get('steps')}", flush=True)  # fmt: skip
+    found = _kill.problems(trials, out)
+    report = {"summary": _kill.summary(trials), "problems": found}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    if found:
+        raise SystemExit(f"{case}: {len(found)} problems:\n" + "\n".join(found))
+    return {"seconds": (time.perf_counter() - start) / len(trials), **report["summary"]}

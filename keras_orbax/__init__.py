@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from keras_orbax._src.model.deferred import deferred_init
     from keras_orbax._src.restore.load_model import load_model
     from keras_orbax._src.restore.preset import from_preset
-    from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
+    from keras_orbax._src.restore.restore import restore_sharded
+    from keras_orbax._src.restore.result import RestoreResult
     from keras_orbax._src.tools.convert import convert
     from keras_orbax._src.tools.diff import DiffResult, diff
     from keras_orbax._src.tools.inspect_checkpoint import CheckpointInfo, inspect
@@ -72,7 +73,7 @@ _LAZY = {
     "CheckpointInfo": "keras_orbax._src.tools.inspect_checkpoint",
     "DiffResult": "keras_orbax._src.tools.diff",
     "ModelCheckpoint": "keras_orbax._src.training.callback",
-    "RestoreResult": "keras_orbax._src.restore.restore",
+    "RestoreResult": "keras_orbax._src.restore.result",
     "VerifyResult": "keras_orbax._src.tools.verify_step",
     "convert": "keras_orbax._src.tools.convert",
     "deferred_init": "keras_orbax._src.model.deferred",

@@ -24,11 +24,12 @@ import numpy as np
 
 SINKS = ("weights.h5", "weights.json", "preset", "transformers")
 STAGES = ("stage", "agree", "fsync", "rename", "prune")
-# `save`'s steps: writing the shards ("stage"), every process's outcome agreed on ("agree", before
-# Orbax's commit barrier), Orbax's finalize and rename ("rename"), the renamed step made durable
-# ("fsync"; after Orbax's rename). No "prune": `save` removes nothing.
+# `save`'s steps (`write.step_sink`): writing the shards ("stage"), every process's outcome agreed
+# on ("agree", before Orbax's commit barrier), each process's shard files checked against those it
+# was due to write ("regions"), Orbax's finalize and rename ("rename"), the renamed step made
+# durable ("fsync"; after Orbax's rename). No "prune": `save` removes nothing.
 STEP_SINKS = ("step.fast", "step.compact")
-STEP_STAGES = ("stage", "agree", "rename", "fsync")
+STEP_STAGES = ("stage", "agree", "regions", "rename", "fsync")
 PREVIOUS, NEW = 0, 1  # the seeds of the previous export's values and of the failing one's
 
 

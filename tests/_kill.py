@@ -1,7 +1,8 @@
 """Kill-anywhere trials: runs `workers/kill_train.py` again and again on one checkpoint directory,
 SIGKILLing it at chosen or random moments; each run first checks what the previous one left.
 
-Used by `tests/test_kill.py` (a few trials in CI) and `benchmarks/stress_kill.py` (many, by hand).
+Used by `tests/test_kill.py` (a few trials in CI) and `python -m benchmarks stress_kill` (many,
+by hand).
 """
 
 from __future__ import annotations

@@ -21,8 +21,6 @@ SHARED = {
     "registry",
     "render",
     "bench_model",
-    "bench_report",
-    "speed_render",
     "_seed_render",
     "_seed_preset",
     "hook_timer",
@@ -51,6 +49,8 @@ def test_list_names_every_benchmark_and_every_script_is_registered():
         for b in BENCHMARKS
     }
     assert _benchmark_modules() <= registered, _benchmark_modules() - registered
+    # Every benchmark is on the harness but the seed's own case.
+    assert [b.name for b in BENCHMARKS if b.script] == ["seed_case"]
     for b in BENCHMARKS:
         assert b.script or (b.floor is None or b.floor in b.cases), b.name
         assert b.script or {"small", "full"} <= set(b.sizes), b.name
@@ -84,6 +84,26 @@ def test_a_benchmark_runs_through_the_harness_and_renders_a_table(tmp_path):
     assert [row.split("|")[1].strip() for row in rows] == ["`read_cold`", "`touch`"]
     assert rows[0].split("|")[5].strip() == "floor"
     assert (tmp_path / "out" / "tiny.md").read_text() == text
+
+
+def test_only_runs_the_cases_named_and_the_floor(tmp_path):
+    # `ko_cold` needs a saved step, absent here: run, it would fail the benchmark.
+    (tmp_path / "shard").write_bytes(os.urandom(64 * 1024))
+    bench = harness.Benchmark(
+        "tiny",
+        "one small file read and as much fresh memory touched",
+        cases={"read_cold": "read", "ko_cold": "restore", "touch": "fresh memory"},
+        floor="read_cold",
+        run_case="benchmarks.cold_benchmark:run_case",
+        sizes={"small": {"params_gib": 0}},
+        cpu_devices=None,
+    )
+    params = {"params_gib": 0, "only": "touch"}
+    result = harness.measure(bench, "small", 1, str(tmp_path), params=params, log=lambda _: None)
+
+    assert list(result["rounds"][0]) == ["read_cold", "touch"]
+    assert list(result["summary"]) == ["read_cold", "touch"]
+    assert "x_floor" in result["summary"]["touch"]
 
 
 def test_render_replaces_only_its_own_section():

@@ -15,7 +15,7 @@ from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 from tests import _faults
 
 
-class _OneFile:
+class _OneFile(commit.ExportSink):
     """A sink of one file whose regions are `a` and `b`; it writes those given."""
 
     whole_directory = False
@@ -98,3 +98,95 @@ def test_a_directory_export_to_a_mount_point_renames_its_files(tmp_path):
         loaded = keras_hub.models.TextClassifier.from_preset(str(mounted))
         for i, weight in enumerate(loaded.weights):
             np.testing.assert_array_equal(np.asarray(weight.value), want[i])
+
+
+def _shard_files(state: Path) -> list[Path]:
+    """The shard files under a step's `state/` (`<array>/c/...` or a packed `<array>/c.0.0`)."""
+    return [
+        path
+        for path in sorted(state.rglob("*"))
+        if path.is_file()
+        and len(parts := path.relative_to(state).parts) >= 2
+        and (parts[1] == "c" or parts[1].startswith("c."))
+    ]
+
+
+def test_a_step_whose_shard_file_disappears_before_the_commit_is_refused(tmp_path):
+    """A shard file gone between its write and the commit: the step's region check (against the
+    files each process was due to write, from the shardings) refuses it, and the previous step is
+    untouched and restores exactly."""
+    import keras
+
+    from keras_orbax._src.format import step_dirs
+
+    root = tmp_path / "ckpt"
+    model = _faults.built_sharded("step.fast")  # kernels split over 8 devices: many shard files
+    try:
+        previous = _faults.fill(model, _faults.PREVIOUS)
+        keras_orbax.save(model, root, step=1)
+        before = _faults.files(root / "1")
+        _faults.fill(model, _faults.NEW)
+        removed = []
+
+        def remove_a_shard_file(stage: str) -> None:
+            if stage == "regions":
+                (state,) = root.glob("2.orbax-checkpoint-tmp*/state*")  # Orbax's temporary names
+                shard = _shard_files(state)[-1]
+                shard.unlink()
+                removed.append(shard.name)
+
+        with (
+            commit.on_stage(remove_a_shard_file),
+            pytest.raises(SaveFailedError, match=r"Not every region.*process 0: wrote \d+ regions"),
+        ):
+            keras_orbax.save(model, root, step=2)
+        assert removed  # the fault was injected where the check runs
+        assert step_dirs.committed_steps(root) == [1]
+        assert _faults.files(root / "1") == before
+        restored = _faults.built_sharded("step.fast")
+        keras_orbax.restore_sharded(restored, root)
+        _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_save_and_convert_resolve_the_destination_once_and_list_its_steps_once(
+    tmp_path, monkeypatch
+):
+    """Every part of one `save` or `convert` (writer lock, step-exists check, incremental plan,
+    checkpointer, durability, the error message) asks one `CheckpointRoot`: the destination is
+    turned into a path once and its committed steps listed once (it was 7 and 3 for `save`, 10
+    and 4 for `convert`). Counted by wrapping the two functions that do it."""
+    from collections import Counter
+
+    from keras_orbax._src.format import step_dirs
+    from keras_orbax._src.storage import locations
+    from tests import _models
+
+    dest = tmp_path / "dest"
+    counts: Counter[str] = Counter()
+    as_path, step_dirs_of = locations.as_path, step_dirs._step_dirs
+
+    def counted_as_path(path):
+        resolved = as_path(path)
+        if os.fspath(resolved) == os.fspath(dest):
+            counts["resolved"] += 1
+        return resolved
+
+    def counted_step_dirs(root):
+        if os.fspath(root) == os.fspath(dest):
+            counts["listed"] += 1
+        return step_dirs_of(root)
+
+    model = _models.mlp()
+    _faults.fill(model, _faults.PREVIOUS)
+    keras_orbax.save(model, tmp_path / "src", step=1)
+    keras_orbax.save(model, dest, step=1)  # a previous step: the incremental plan reads it
+    monkeypatch.setattr(locations, "as_path", counted_as_path)
+    monkeypatch.setattr(step_dirs, "_step_dirs", counted_step_dirs)
+    keras_orbax.convert(tmp_path / "src", os.fspath(dest), step=2)  # a string: resolved here
+    assert counts == {"resolved": 1, "listed": 1}
+    counts.clear()
+    keras_orbax.save(model, os.fspath(dest), step=3)
+    assert counts == {"resolved": 1, "listed": 1}
+    assert step_dirs.committed_steps(dest) == [1, 2, 3]

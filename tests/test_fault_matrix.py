@@ -192,10 +192,12 @@ def test_two_processes(tmp_path, models):
         "weights.h5": ext4_root,
         "transformers": tmp_path / "tmpfs",
         "step.fast": tmp_path / "s",
+        "step.regions": tmp_path / "sr",
+        "step.finalize": tmp_path / "sf",
         "preset": tmp_path / "p",
     }
-    roots["preset"].mkdir()
-    roots["step.fast"].mkdir()
+    for sink in ("preset", "step.fast", "step.regions", "step.finalize"):
+        roots[sink].mkdir()
     (tmp_path / "w").mkdir()
     cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
     env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "20"}
@@ -217,8 +219,11 @@ def test_two_processes(tmp_path, models):
             assert mine.startswith("SaveFailedError") and " of 2 processes:" in mine, (sink, mine)
         hf = next(c for c in first if c["sink"] == "transformers")
         assert _faults.files(roots["transformers"]) == hf["before"]
-    assert [c["sink"] for c in second] == ["weights.h5", "transformers", "step.fast"]
-    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the fourth
+    steps = ["step.fast", "step.regions", "step.finalize"]
+    assert [c["sink"] for c in second] == ["weights.h5", "transformers", *steps]
+    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the sixth
+    _check_step_fault(roots["step.regions"], first, second, "step.regions")
+    _check_step_fault(roots["step.finalize"], first, second, "step.finalize")
     preset = next(c for c in first if c["sink"] == "preset")
     assert preset["error"].startswith("ProcessSyncError"), preset
     assert "Processes [1] did not reach" in preset["error"], preset
@@ -249,6 +254,41 @@ def _check_step_on_two_processes(root, first, second):
         assert "File too large" in error, error
     assert step_dirs.committed_steps(root / "ckpt") == [1]
     assert _faults.files(root / "ckpt" / "1") == mine["before"]
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    saved, restored = _models.mlp(width=WIDE), _models.mlp(width=WIDE)
+    previous = _faults.fill(saved, _faults.PREVIOUS)
+    keras_orbax.restore_sharded(restored, root / "ckpt")
+    _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
+
+
+def _check_step_fault(root, first, second, sink):
+    """Process 1 removed one of its shard files at the step's region check ("step.regions"): both
+    raise the same `SaveFailedError` naming process 1's missing region. Or it failed at Orbax's
+    finalize, after the agreement ("step.finalize"): process 0 raises `SaveFailedError` too, once
+    Orbax's barrier gives up, within `KERAS_ORBAX_SYNC_TIMEOUT_S` (20 s here) of the agreement,
+    not Orbax's 20 minutes. Either way step 2 is not committed, and step 1 is byte for byte as
+    before and restores exactly."""
+    (mine,) = [c for c in first if c["sink"] == sink]
+    (theirs,) = [c for c in second if c["sink"] == sink]
+    for error in (mine["error"], theirs["error"]):
+        assert error.startswith("SaveFailedError"), (sink, error)
+    if sink == "step.regions":
+        assert mine["error"] == theirs["error"]
+        assert "Not every region" in mine["error"] and "process 1: wrote" in mine["error"]
+    else:
+        # Process 0's wait is bounded by the launch's own timeout (600 s), under Orbax's 1200 s.
+        assert "injected at Orbax's finalize" in theirs["error"], theirs
+    _check_previous_step(root, mine["before"])
+
+
+def _check_previous_step(root, before):
+    import keras_orbax
+    from keras_orbax._src.format import step_dirs
+    from tests import _models
+    from tests.workers.fault_multi import WIDE
+
+    assert step_dirs.committed_steps(root / "ckpt") == [1]
+    assert _faults.files(root / "ckpt" / "1") == before
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     saved, restored = _models.mlp(width=WIDE), _models.mlp(width=WIDE)
     previous = _faults.fill(saved, _faults.PREVIOUS)

@@ -2,7 +2,7 @@
 
 Checked in a fresh Python process (this one has serialized Keras objects and opened checkpointers
 already): an import hook records where Keras looks for TensorFlow (its first serialization does, and
-imports it where installed: seconds), a wrapper around `step_writer.open_checkpointer` records where
+imports it where installed: seconds), a wrapper around `step_sink.open_checkpointer` records where
 an Orbax Checkpointer is built, each with the callback hook running at the time and the thread. No
 timings are asserted (benchmarks/first_save.py has the figures).
 """
@@ -25,7 +25,7 @@ import keras
 import numpy as np
 
 import keras_orbax
-from keras_orbax._src.write import step_writer
+from keras_orbax._src.write import step_sink
 
 hook = ["before fit"]
 events = []
@@ -39,7 +39,7 @@ class LookForTensorFlow:  # finds nothing: the import goes on as it would
 
 
 sys.meta_path.insert(0, LookForTensorFlow())
-real_open = step_writer.open_checkpointer
+real_open = step_sink.open_checkpointer
 
 
 def recording_open(*args, **kwargs):
@@ -47,7 +47,7 @@ def recording_open(*args, **kwargs):
     return real_open(*args, **kwargs)
 
 
-step_writer.open_checkpointer = recording_open
+step_sink.open_checkpointer = recording_open
 
 
 class Hooked(keras_orbax.ModelCheckpoint):

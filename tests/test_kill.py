@@ -1,5 +1,6 @@
 """SIGKILL during training with `ModelCheckpoint`: nothing committed is lost, nothing partial is
-picked, the next run goes on. Two kills and a final run; `benchmarks/stress_kill.py` runs many."""
+picked, the next run goes on. Two kills and a final run; `python -m benchmarks stress_kill` runs
+many."""
 
 from __future__ import annotations
 

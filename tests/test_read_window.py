@@ -4,7 +4,10 @@ short runs (scattered by numpy) by one thread per core."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
+import warnings
 
 import jax
 import keras
@@ -137,3 +140,41 @@ def test_reading_ahead_stops_when_placing_fails(tmp_path, monkeypatch, distribut
     readers = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     assert caught.value.__traceback__ is not None  # still held here
     assert readers == [], readers
+
+
+def _read_all(reader: _CountingReader, n: int) -> int:
+    target = jax.ShapeDtypeStruct((n, 1 << 18), np.float32)
+    request = sharded_read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
+    units = [read_ahead.Unit([(request, reader, (slice(i, i + 1), slice(None)))]) for i in range(n)]
+    return sum(1 for _ in read_ahead.read_ahead(units, workers=4, window=4 << 20))
+
+
+def test_read_threads_are_kept_between_restores_and_a_forked_child_starts_its_own():
+    """The reading threads outlive a restore (starting them each time cost a quarter of a 256 MiB
+    restore); a child forked after has none of its parent's (their threads are not in it, and a
+    pool that thinks it has idle threads would never run a read) and reads with new ones."""
+    assert _read_all(_CountingReader(), 8) == 8
+    parent_pools = dict(read_ahead._POOLS)
+    assert parent_pools
+    assert _read_all(_CountingReader(), 8) == 8
+    assert parent_pools == read_ahead._POOLS  # the same pools, not new ones
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fork with JAX's threads: unused here
+        pid = os.fork()
+    if pid == 0:  # the child: only numpy and the read pools
+        code = 3
+        try:
+            fresh = not read_ahead._POOLS
+            code = 0 if fresh and _read_all(_CountingReader(), 16) == 16 else 1
+        finally:
+            os._exit(code)
+    for _ in range(1200):  # a child stuck on its parent's pools would never end: not a timing
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's read never ran")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -5,12 +5,17 @@ and without claiming to have been verified."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import warnings
 
 import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax._src.format import checksum, crc, read_checks
+from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 from tests import _models
 
@@ -83,8 +88,9 @@ def _read_bytes() -> int:
         return int(next(line for line in io if line.startswith("rchar:")).split()[1])
 
 
-def _embedding(distribution, axes: tuple):
-    """A (2048, 256) float32 embedding (2 MiB) built under a layout splitting it on `axes`."""
+def _embedding(distribution, axes: tuple, rows: int = 2048):
+    """A (rows, 256) float32 embedding (2 MiB by default) built under a layout splitting it on
+    `axes`."""
     import keras
 
     mesh = keras.distribution.DeviceMesh((8,), ("model",))
@@ -92,7 +98,7 @@ def _embedding(distribution, axes: tuple):
     layout_map[".*embeddings"] = axes
     distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     tokens = keras.Input((4,), dtype="int32")
-    return keras.Model(tokens, keras.layers.Embedding(2048, 256, name="embed")(tokens))
+    return keras.Model(tokens, keras.layers.Embedding(rows, 256, name="embed")(tokens))
 
 
 @pytest.mark.parametrize("saved_axes", [("model", None), (None, "model")], ids=["rows", "cols"])
@@ -130,3 +136,76 @@ def test_convert_checks_the_step_it_reads(saved):
     with pytest.raises(CorruptCheckpointError, match=rf"{KERNEL}: .*c\.0\.0: checksum"):
         keras_orbax.convert(saved, saved.parent / "converted", step=1)
     assert not (saved.parent / "converted" / "1").exists()
+
+
+PIECE = 1 << 20
+SHARD_ROWS = 3584  # x 256 float32: 3.5 MiB a shard file, read in 4 pieces, the last one half
+
+
+@pytest.fixture
+def large_shards(tmp_path, distribution):
+    """A (8 x SHARD_ROWS, 256) float32 embedding saved split on its rows: 8 files of 3.5 MiB."""
+    model = _embedding(distribution, ("model", None), rows=8 * SHARD_ROWS)
+    values = np.random.default_rng(1).random((8 * SHARD_ROWS, 256)).astype("float32")
+    model.weights[0].assign(values)
+    keras_orbax.save(model, tmp_path, step=1)
+    (array,) = [p.parent for p in (tmp_path / "1/state").glob("*/zarr.json")]
+    return values, array
+
+
+def test_a_shard_read_whole_is_checksummed_piece_by_piece_as_it_is_read(large_shards):
+    """A region that is one saved shard is checksummed 1 MiB at a time, each piece right after it
+    is read (still in the cache), the short last piece too, then the index: not in a second pass
+    over the whole buffer."""
+    values, array = large_shards
+    state = array.parent
+    sizes: list[int] = []
+
+    def counting(algorithm: crc.Crc) -> crc.Crc:
+        def update(value: int, data) -> int:
+            sizes.append(memoryview(data).nbytes)
+            return algorithm.update(value, data)
+
+        return dataclasses.replace(algorithm, update=update)
+
+    recorded = {n: (counting(a), v) for n, (a, v) in checksum.recorded_checksums(state).items()}
+    fast = FastArray("embed", array, values.shape, (SHARD_ROWS, 256), np.dtype("float32"))
+    checks = read_checks.ReadChecks(recorded)
+    region = fast.checked_by(checks).read(
+        (slice(SHARD_ROWS, 2 * SHARD_ROWS), slice(None)), np.dtype("float32")
+    )
+    np.testing.assert_array_equal(region, values[SHARD_ROWS : 2 * SHARD_ROWS])
+    assert sizes == [PIECE, PIECE, PIECE, PIECE // 2, checksum.INDEX_BYTES]
+    checks.finish()  # checked whole: nothing left to read back
+
+
+@pytest.mark.parametrize(
+    "at", [2 * PIECE + 4096, 3 * PIECE + PIECE // 2 - 8], ids=["piece_2", "partial_last_piece"]
+)
+def test_a_changed_byte_in_any_piece_of_a_shard_is_caught_naming_the_file(
+    large_shards, distribution, at
+):
+    _, array = large_shards
+    damaged = array / "c/5/0"
+    _flip(damaged, at=at)
+    fresh = _embedding(distribution, ("model", None), rows=8 * SHARD_ROWS)
+    before = np.asarray(fresh.weights[0].value)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(damaged)) + ": checksum 0x"):
+        keras_orbax.restore_sharded(fresh, array.parent.parent.parent)
+    np.testing.assert_array_equal(np.asarray(fresh.weights[0].value), before)
+
+
+def test_read_in_pieces_gives_the_crc_of_every_byte_and_stops_at_the_end(tmp_path):
+    data = np.random.default_rng(2).integers(0, 256, 2 * PIECE + 12345, dtype=np.uint8)
+    path = tmp_path / "data"
+    path.write_bytes(data.tobytes())
+    algorithm = crc.CRC32C or crc.CRC32
+    out = bytearray(len(data) + 100)  # longer than the file: a short read says how much it got
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got, value = read_checks.read_in_pieces(fd, memoryview(out), 0, algorithm)
+    finally:
+        os.close(fd)
+    assert got == len(data)
+    assert value == algorithm.of(data.tobytes())
+    assert bytes(out[:got]) == data.tobytes()

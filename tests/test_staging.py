@@ -129,13 +129,13 @@ def test_each_background_save_holds_its_own_epoch_while_training_goes_on(tmp_pat
 def test_a_save_started_later_writes_the_state_as_it_was_staged(tmp_path, mp):
     """`ModelCheckpoint`'s background save: the shards are copied, the train step then donates
     (here: deletes) every buffer, and only afterwards does Orbax's part of the save run."""
-    from keras_orbax._src.write import step_writer
+    from keras_orbax._src.write import step_sink, step_writer
 
     model = _models.compile_adam(_models.mlp(width=32))
     model.optimizer.build(model.trainable_variables)
     _models.fill_arange(model)
     want = _models.values(model.variables + model.optimizer.variables)
-    with step_writer.open_checkpointer(tmp_path, "fast") as checkpointer:
+    with step_sink.open_checkpointer(tmp_path, "fast") as checkpointer:
         later = step_writer.write_step(
             checkpointer, model, step=1, blocking=False, start_later=True
         )

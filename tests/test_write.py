@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import keras_orbax
-from keras_orbax._src.format import checksum
-from keras_orbax._src.write import shard_files, shard_writer, step_writer
+from keras_orbax._src.format import checksum, crc
+from keras_orbax._src.write import shard_files, shard_writer, step_sink
 from tests import _models
 
 
@@ -96,11 +96,11 @@ def _slashed(name: str) -> str:
 def _save_both(tmp_path: Path, for_orbax: dict, for_us: dict, blocking: bool) -> tuple[dict, dict]:
     """The files of `state/` as Orbax's own array writer and as keras-orbax's save each tree."""
     orbax_context = ocp.Context()
-    for option, value in step_writer._FORMATS["fast"].items():
+    for option, value in step_sink.FORMATS["fast"].items():
         setattr(orbax_context.array.saving, option, value)
     with ocp.training.Checkpointer(tmp_path / "orbax", context=orbax_context) as checkpointer:
         checkpointer.save_pytree(1, for_orbax)
-    with step_writer.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
+    with step_sink.open_checkpointer(tmp_path / "ours", "fast") as checkpointer:
         context = shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext()
         with context:
             response = checkpointer.save_async(1, for_us)
@@ -238,3 +238,21 @@ def test_a_step_committed_while_waiting_for_the_lock_is_step_exists(
     got, want = _models.values(restored.variables), _models.values(other.variables)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_the_recorded_crcs_are_those_of_the_bytes_on_disk(tmp_path, distribution):
+    """Every CRC the writer computes while writing (each piece before it is handed to the kernel)
+    is that of the file as it lies on disk once the save returns."""
+    distribution(_models.model_parallel((2, 4)))
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(8)])
+    model.compile(optimizer="adam", loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    _models.fill_arange(model, limit=1000)
+    keras_orbax.save(model, tmp_path, step=1)
+    state = tmp_path / "1" / "state"
+    recorded = json.loads((state / checksum.CHECKSUMS_DIR / "process_0.json").read_text())["files"]
+    assert len(recorded) > 8
+    for name, entry in recorded.items():
+        for algorithm in crc.RECORDED:
+            got = checksum.file_crc(str(state / name), algorithm)
+            assert got == (entry["bytes"], entry[algorithm.key]), (name, algorithm.key)

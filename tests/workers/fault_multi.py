@@ -8,6 +8,11 @@ earlier one of the same sink, each with a real fault that process 1 injects
   (RLIMIT_FSIZE) that its shard files exceed: its writes fail with EFBIG, on process 1 alone (a
   fault of the shared filesystem would fail process 0's writes too, and so never show process 0
   waiting for process 1); process 0 must raise too, without waiting in Orbax's commit barrier;
+- "step.regions" (`keras_orbax.save`), where process 1 removes one of its own shard files at the
+  start of the step's region check ("regions"): both processes must refuse the step;
+- "step.finalize", where process 1 fails at the start of Orbax's finalize ("rename"), after every
+  process agreed: process 0 must give up waiting in Orbax's commit barrier within
+  `KERAS_ORBAX_SYNC_TIMEOUT_S`, not Orbax's 20 minutes;
 - "preset", where process 1 SIGKILLs itself at the start of "agree" (`KERAS_ORBAX_TEST_KILL_AT`):
   process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
 
@@ -17,10 +22,12 @@ args: {"cases": [{"sink", "root"}, ...]}. Each process writes, after each case, 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
 import signal
+import time
 from pathlib import Path
 
 import keras
@@ -88,6 +95,61 @@ def _step_case(root: Path, process_id: int, log: Path) -> dict:
     return {"sink": "step.fast", "error": error, "before": before}
 
 
+def _remove_own_shard_file(ckpt: Path) -> None:
+    """Removes the first shard file this process (1) wrote into the step being saved, as its own
+    checksum file lists them (written before the region check)."""
+    (state,) = ckpt.glob("2.orbax-checkpoint-tmp*/state*")
+    listed = json.loads((state / "keras_orbax_checksums" / "process_1.json").read_text())
+    (state / sorted(listed["files"])[0]).unlink()
+
+
+def _fail_finalize() -> None:
+    raise OSError(errno.EIO, "injected at Orbax's finalize")
+
+
+_STEP_FAULTS = {  # sink -> (stage, what process 1 does there, given the checkpoint)
+    "step.regions": ("regions", _remove_own_shard_file),
+    "step.finalize": ("rename", lambda ckpt: _fail_finalize()),
+}
+
+
+def _step_fault_case(sink: str, root: Path, process_id: int) -> dict:
+    """Step 1 saved; then step 2, with process 1's fault at `_STEP_FAULTS[sink]`."""
+    keras.utils.set_random_seed(0)
+    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp(width=WIDE)
+    _faults.fill(model, _faults.PREVIOUS)
+    keras_orbax.save(model, root / "ckpt", step=1)
+    before = _faults.files(root / "ckpt" / "1") if process_id == 0 else None
+    _faults.fill(model, _faults.NEW)
+    stage, fault = _STEP_FAULTS[sink]
+    hook = _faults.fault_at(stage, lambda: fault(root / "ckpt"))
+    error = ""
+    try:
+        if process_id == 1:
+            with commit.on_stage(hook):
+                keras_orbax.save(model, root / "ckpt", step=2)
+        else:
+            keras_orbax.save(model, root / "ckpt", step=2)
+    except Exception as failed:
+        error = f"{type(failed).__name__}: {failed}"
+    return {"sink": sink, "error": error, "before": before}
+
+
+def _wait_for_peer(workdir: Path, process_id: int, done: int) -> None:
+    """Until the other process has finished as many cases: a process that failed early must not
+    wait in the next case's first collective call while the other still waits out its timeout."""
+    other = workdir / f"cases_{1 - process_id}.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if len(json.loads(other.read_text())) >= done:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+
+
 def main() -> None:
     ctx = init_worker()
     done = []
@@ -96,9 +158,13 @@ def main() -> None:
         if case["sink"] == "step.fast":
             log = ctx.workdir / f"worker_{ctx.process_id}.log"
             done.append(_step_case(root, ctx.process_id, log))
+        elif case["sink"] in _STEP_FAULTS:
+            done.append(_step_fault_case(case["sink"], root, ctx.process_id))
         else:
             done.append(_case(case["sink"], root, ctx.process_id))
         (ctx.workdir / f"cases_{ctx.process_id}.json").write_text(json.dumps(done))
+        if case["sink"] in _STEP_FAULTS:
+            _wait_for_peer(ctx.workdir, ctx.process_id, len(done))
     write_result({"cases": done})
     exit_now()  # process 1 is dead: skip jax's shutdown barrier
 

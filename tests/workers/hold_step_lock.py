@@ -20,7 +20,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras  # noqa: E402
 
 from keras_orbax._src.storage.writer_lock import writer_lock  # noqa: E402
-from keras_orbax._src.write import step_writer  # noqa: E402
+from keras_orbax._src.write import step_sink, step_writer  # noqa: E402
 from tests import _models  # noqa: E402
 from tests._beacons import wait_for_go  # noqa: E402
 
@@ -37,6 +37,6 @@ with writer_lock(args["directory"], args["step"]):
             signal.pause()
     wait_for_go(args["go"])
     # What `keras_orbax.save` does once it holds the lock.
-    with step_writer.open_checkpointer(args["directory"]) as checkpointer:
+    with step_sink.open_checkpointer(args["directory"]) as checkpointer:
         step_writer.write_step(checkpointer, model, step=args["step"])
 sys.stdout.flush()

@@ -129,13 +129,16 @@ def epath_forget_tensorflow() -> None:
         is_tf_installed.cache_clear()
 
 
-# `before_commit(operation_id, error, wait_s)`: called once this process's writes of a pytree
-# have ended (`error` None if they succeeded), before Orbax's commit barrier; raises to abandon.
-BeforeCommit = Callable[[str, "BaseException | None", "float | None"], None]
+# `before_commit(directory, operation_id, error, wait_s)`: called once this process's writes of
+# a pytree into `directory` have ended (`error` None if they succeeded), before Orbax's commit
+# barrier; raises to abandon.
+BeforeCommit = Callable[[Any, str, "BaseException | None", "float | None"], None]
 
 
 def pytree_handler_with_array_writer(
-    leaf_handler: type, before_commit: BeforeCommit | None = None
+    leaf_handler: type,
+    before_commit: BeforeCommit | None = None,
+    after_agreement_s: float | None = None,
 ) -> type:
     """Orbax's `PyTreeHandler`, saving every `jax.Array` leaf with `leaf_handler` instead of Orbax's,
     and calling `before_commit` between this process's writes and Orbax's commit barrier.
@@ -154,6 +157,14 @@ def pytree_handler_with_array_writer(
     the whole write (20 minutes by default). The override waits for the futures itself, hands the
     outcome to `before_commit` (keras-orbax's own agreement, which raises on every process if any
     failed), and only then runs Orbax's barrier and finalize, with no futures left to wait for.
+
+    `after_agreement_s` (keras-orbax's `KERAS_ORBAX_SYNC_TIMEOUT_S`) bounds what follows the
+    agreement: Orbax's two barriers and its finalize. Orbax measures both barriers' limits from the
+    start of the write (`timeout_secs - (now - start_time)`, its private `_get_remaining_timeout`),
+    so a process that fails after agreeing (its metadata write, a kill) would leave the others in
+    the barrier for what remains of `timeout_secs` (20 minutes by default). Lowering `timeout_secs`
+    itself would also cut short slow but healthy writes, so the override hands Orbax a start time
+    moved back instead: the same limit, measured from the agreement, at most `after_agreement_s`.
     """
     import jax
     from orbax.checkpoint.experimental.v1.handlers import PyTreeHandler
@@ -188,10 +199,16 @@ def pytree_handler_with_array_writer(
                 except Exception as failed:  # handed to `before_commit`, which raises it
                     error = failed
                 left = None if timeout_s is None else timeout_s - (time.time() - start_time)
-                await asyncio.to_thread(before_commit, operation_id, error, left)
+                path = directory.path
+                await asyncio.to_thread(before_commit, path, operation_id, error, left)
                 if error is not None:  # `before_commit` must not let a failed write commit
                     raise error
                 commit_futures = []
+                now = time.time()
+                remaining = None if timeout_s is None else timeout_s - (now - start_time)
+                if after_agreement_s is not None and remaining is not None and remaining > 0:
+                    bound = max(1.0, min(remaining, after_agreement_s))
+                    start_time = now - (timeout_s - bound)
             await super()._background_save(
                 directory,
                 commit_futures=commit_futures,

@@ -74,7 +74,7 @@ def save_to_preset(
     return commit.write(sink, f"save_to_preset {destination}")
 
 
-class PresetSink:
+class PresetSink(commit.ExportSink):
     """A keras-hub preset, as keras-hub's `KerasPresetSaver.save_backbone` and `save_task` write
     it: task weights (only the task's own layers), the backbone's weights (one file, or an index
     and parts where it is larger than `max_shard_size` GB), the configs and the preprocessor's

@@ -105,7 +105,7 @@ def export_to_transformers(
     return commit.write(sink, f"export_to_transformers({directory})")
 
 
-class TransformersSink:
+class TransformersSink(commit.ExportSink):
     """A Hugging Face directory: `config.json`, the safetensors files (laid out before any byte is
     written, each process writing its own regions at their offsets) and, for a `CausalLM`, the
     tokenizer's and other configs. Staged whole and swapped with the old directory at once

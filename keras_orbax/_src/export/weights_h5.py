@@ -190,7 +190,7 @@ class H5File:
         return [*[p.name for p in parts_of(index)], *([self.name] if index.exists() else [])]
 
 
-class H5Sink:
+class H5Sink(commit.ExportSink):
     """`save_weights`'s sink: one `.weights.h5`, renamed into place in one step; or a
     `.weights.json` and its parts, the old index removed first so that no index ever names a part
     of another export (a kill part-way leaves no index: nothing loads, nothing mixes)."""

@@ -1,6 +1,8 @@
 """Checking the fast format's shard files against their recorded CRC (CRC-32C where google-crc32c
 is installed and the step records it, else CRC-32: `crc.strongest`) over the bytes a restore
-reads, as it reads them (`restore_sharded`'s `verify`), not in a second pass.
+reads, as it reads them (`restore_sharded`'s `verify`), not in a second pass: each piece of
+`PIECE_BYTES` is checksummed right after it is read, while it is still in the cache
+(`read_in_pieces`; a second pass over a 32 MiB shard reads it back from memory).
 
 A region that is one whole shard file is checked by the thread that read it (`whole`). A region
 that cuts a file (a restore onto another layout) reads it in pieces, often shared among regions
@@ -15,6 +17,7 @@ unchecked: each process reads only the bytes its devices need.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +28,37 @@ from keras_orbax._src.format.crc import Crc
 # Smaller pieces are runs of a cut row: a CRC call and an entry each would cost more than reading
 # the file again (`finish`).
 _PIECE_MIN_BYTES = 4 << 10
+PIECE_BYTES = 1 << 20  # read, then checksummed while in the cache (L2 holds it; 8 MiB would not)
+
+
+def read_in_pieces(fd: int, out: memoryview, offset: int, algorithm: Crc | None) -> tuple[int, int]:
+    """Reads `out` from byte `offset` of the file `fd`, `PIECE_BYTES` at a time, each piece's CRC
+    (`algorithm`; None: none) computed right after it is read; (bytes read, CRC of them). Fewer
+    bytes than `out` holds: the file ended.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    crc, done, size = 0, 0, len(out)
+    while done < size:
+        piece = out[done : done + PIECE_BYTES]
+        n = os.preadv(fd, [piece], offset + done)
+        if n == 0:
+            break
+        if algorithm is not None:
+            crc = algorithm.update(crc, piece[:n])
+        done += n
+    return done, crc
+
+
+def _pieces(view: memoryview) -> list[tuple[int, memoryview]]:
+    """`view` in pieces of `PIECE_BYTES`, a short tail joined to the piece before it (a piece
+    under `_PIECE_MIN_BYTES` is not checksummed alone: its file would be read back)."""
+    starts = list(range(0, len(view), PIECE_BYTES)) or [0]
+    if len(starts) > 1 and len(view) - starts[-1] < _PIECE_MIN_BYTES:
+        starts.pop()
+    ends = [*starts[1:], len(view)]
+    return [(a, view[a:b]) for a, b in zip(starts, ends, strict=True)]
 
 
 class _File:
@@ -86,30 +120,70 @@ class ReadChecks:
         Raises:
             CorruptCheckpointError: naming the array and the file.
         """
+        algorithm = self.algorithm(name)
+        if algorithm is not None:
+            self.compare(name, key, file, algorithm.of(*parts))
+
+    def algorithm(self, name: str) -> Crc | None:
+        """The CRC recorded for the file `name` (None: none is, nothing to compute)."""
         recorded = self.recorded.get(name)
-        if recorded is not None:
-            algorithm, value = recorded
-            crc = algorithm.of(*parts)
-            if crc != value:
-                raise checksum.mismatch(key, file(), crc, value, algorithm)
-            self._whole.add(name)  # a set's `add` is atomic: no lock
+        return None if recorded is None else recorded[0]
+
+    def compare(self, name: str, key: str, file: Callable[[], Any], crc: int) -> None:
+        """Checks `crc`, computed over every byte of the file `name` as it was read (by
+        `algorithm(name)`), against the recorded one: the file is then checked whole.
+
+        Raises:
+            CorruptCheckpointError: naming the array and the file.
+        """
+        algorithm, value = self.recorded[name]
+        if crc != value:
+            raise checksum.mismatch(key, file(), crc, value, algorithm)
+        self._whole.add(name)  # a set's `add` is atomic: no lock
 
     def fetching(
-        self, name: str, key: str, path: Any, data_bytes: int, fetch: Callable, data_offset: int
+        self,
+        name: str,
+        key: str,
+        path: Any,
+        data_bytes: int,
+        fetch: Callable,
+        data_offset: int,
+        local: bool = True,
     ) -> Callable:
         """`fetch` (a `byte_runs.Fetch`) of the file `name` (of array `key`, at `path`, holding
-        `data_bytes` of data at `data_offset`), noting each piece of data it reads."""
+        `data_bytes` of data at `data_offset`), noting each piece of data it reads. A `local`
+        file is fetched `PIECE_BYTES` at a time, each piece noted while still in the cache; in
+        object storage every request of a call stays in flight together."""
         if name not in self.recorded:
             return fetch
         algorithm = self.recorded[name][0]
         with self._lock:
             file = self._files.setdefault(name, _File(key, path, data_bytes, algorithm))
 
-        def checked(requests: list[tuple[memoryview, int]]) -> None:
-            fetch(requests)
+        def note(requests: list[tuple[memoryview, int]]) -> None:
             for view, offset in requests:
                 if data_offset <= offset and offset + len(view) <= data_offset + data_bytes:
                     self._piece(file, offset - data_offset, view)
+
+        def checked(requests: list[tuple[memoryview, int]]) -> None:
+            if not local:
+                fetch(requests)
+                note(requests)
+                return
+            batch: list[tuple[memoryview, int]] = []
+            nbytes = 0
+            for view, offset in requests:
+                for start, piece in _pieces(view):
+                    batch.append((piece, offset + start))
+                    nbytes += len(piece)
+                    if nbytes >= PIECE_BYTES:
+                        fetch(batch)
+                        note(batch)
+                        batch, nbytes = [], 0
+            if batch:
+                fetch(batch)
+                note(batch)
 
         return checked
 

@@ -21,6 +21,64 @@ from keras_orbax.errors import (
 )
 
 
+class CheckpointRoot:
+    """A checkpoint root, turned into a path once (`locations.as_path`), whose committed steps are
+    listed once per operation: every part of one `save` or `convert` (the writer lock, the
+    step-exists check, the incremental plan, the checkpointer, the error naming the intact step)
+    asks it, instead of turning the location into a path and listing the steps again each.
+
+    ```python
+    root = CheckpointRoot("~/ckpt")
+    root.path          # PosixPath('/home/me/ckpt')
+    root.steps()       # listed now, then kept
+    root.listed_again()  # under the writer lock: another writer may have committed since
+    ```
+    """
+
+    def __init__(self, directory: str | os.PathLike | CheckpointRoot) -> None:
+        if isinstance(directory, CheckpointRoot):
+            self.path: Any = directory.path
+        elif _resolved(directory):  # what `as_path` returns (Orbax's `checkpointer.directory`)
+            self.path = directory
+        else:
+            self.path = locations.as_path(directory)
+        self._steps: list[int] | None = None
+
+    @classmethod
+    def of(cls, directory: str | os.PathLike | CheckpointRoot) -> CheckpointRoot:
+        """`directory` itself if it is a `CheckpointRoot` (its listing kept), else a new one."""
+        return directory if isinstance(directory, CheckpointRoot) else cls(directory)
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending: listed on the first call, then kept."""
+        if self._steps is None:
+            self._steps = _committed(self.path)
+        return list(self._steps)
+
+    def listed_again(self) -> list[int]:
+        """The committed steps listed afresh (and kept): where the answer decides, under the
+        step's writer lock."""
+        self._steps = None
+        return self.steps()
+
+    def step_dir(self, step: int) -> Any:
+        return self.path / str(step)
+
+
+def _resolved(directory: Any) -> bool:
+    """Whether `directory` is already what `locations.as_path` makes of it: an absolute, normal
+    `pathlib.Path`, or an object-store path object."""
+    if isinstance(directory, Path):
+        return directory.is_absolute() and os.path.normpath(directory) == os.fspath(directory)
+    return not isinstance(directory, str) and locations.is_remote(directory)
+
+
 def committed_steps(directory: str | os.PathLike) -> list[int]:
     """The committed steps under `directory`, ascending; `[]` if there are none.
 
@@ -29,7 +87,10 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     either: the process died between the rename and the metadata write, or while retention was
     deleting the step (Orbax deletes in place); neither can be restored.
     """
-    root = locations.as_path(directory)
+    return _committed(locations.as_path(directory))
+
+
+def _committed(root: Any) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(step for step, path in _step_dirs(root) if _is_complete(path))

@@ -15,20 +15,29 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from keras_orbax._src.format.checksum import crc32c, shard_index
+from keras_orbax._src.format.checksum import shard_index
 from keras_orbax._src.format.dtypes import np_dtype
-from keras_orbax._src.format.read_checks import ReadChecks
+from keras_orbax._src.format.read_checks import PIECE_BYTES, ReadChecks, read_in_pieces
 from keras_orbax._src.format.step_record import STATE, VariableRecord
+from keras_orbax._src.format.zarr_layout import (
+    INDEX_BYTES,
+    ONE_FILE_KEYS,
+    ONE_FILE_SEPARATOR,
+    chunk_key,
+    data_offset,
+    fast_codec,
+    plain_layout,
+    refuse_missing_spec,
+    refuse_unparsable_spec,
+)
 from keras_orbax._src.storage import locations, mapped
 from keras_orbax._src.storage.byte_runs import (
     Block,
@@ -43,18 +52,8 @@ from keras_orbax._src.storage.byte_runs import (
 )
 from keras_orbax.errors import CorruptCheckpointError
 
-_INDEX_BYTES = 16 + 4  # the zarr shard index: one (offset, nbytes) uint64 pair, then a crc32c
-_MISSING = 2**64 - 1
-_RAW = {"name": "bytes", "configuration": {"endian": "little"}}
-# Chunk keys c/0/1 (Orbax's), or c.0.1: the one file of a small array (no directories under it).
-ONE_FILE_SEPARATOR = "."
-ONE_FILE_KEYS = {"name": "default", "configuration": {"separator": ONE_FILE_SEPARATOR}}
-_KEY_ENCODINGS = ({"name": "default"}, ONE_FILE_KEYS)
-
-
-def chunk_key(coords: tuple[int, ...], separator: str = "/") -> str:
-    """The file of chunk `coords` under its array's directory: `c/0/1`, or `c.0.1`."""
-    return separator.join(["c", *map(str, coords)])
+# What write/ takes from here (the layout is zarr_layout's).
+__all__ = ["ONE_FILE_KEYS", "ONE_FILE_SEPARATOR", "FastArray", "chunk_key", "fast_codec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +88,12 @@ class FastArray:
         """`open` of the array in `directory`, given the contents of its `zarr.json` (None: there
         is none)."""
         if spec is None:
-            _refuse_missing_spec(directory, record)
+            refuse_missing_spec(directory, record)
             return None
         raw = spec.tobytes() if isinstance(spec, np.ndarray) else spec
-        layout = _plain_layout(raw, np_dtype(record.dtype).itemsize == 1)
+        layout = plain_layout(raw, np_dtype(record.dtype).itemsize == 1)
         if layout is None:
-            _refuse_unparsable_spec(directory, record, raw)
+            refuse_unparsable_spec(directory, record, raw)
             return None  # another layout: Orbax reads it, or says what is wrong
         if layout[:2] != (record.dtype, record.shape):
             return None
@@ -141,9 +140,9 @@ class FastArray:
             except (FileNotFoundError, KeyError):
                 problems.append(f"  {self.key}: missing file {path}")
                 continue
-            if size != self.chunk_bytes + _INDEX_BYTES:
+            if size != self.chunk_bytes + INDEX_BYTES:
                 problems.append(
-                    f"  {self.key}: {path} has {size} bytes, expected {self.chunk_bytes + _INDEX_BYTES}"
+                    f"  {self.key}: {path} has {size} bytes, expected {self.chunk_bytes + INDEX_BYTES}"
                 )
         if problems:
             raise CorruptCheckpointError(
@@ -175,10 +174,11 @@ class FastArray:
             self._verify_shard(region, mapped)
             return cast(mapped.view(self.dtype).reshape(shape), dtype)
         out = aligned_empty(math.prod(shape) * self.dtype.itemsize)
-        if not (whole and self._read_whole(region, out)):
-            for block in self.blocks(index):
-                with block.opener() as (fetch, offset):
-                    read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
+        if whole and self._read_whole(region, out):  # checked as it was read
+            return cast(out.view(self.dtype).reshape(shape), dtype)
+        for block in self.blocks(index):
+            with block.opener() as (fetch, offset):
+                read_box(fetch, offset, block.shape, block.box(region), out, shape, self.dtype)
         if whole:
             self._verify_shard(region, out)
         return cast(out.view(self.dtype).reshape(shape), dtype)
@@ -209,7 +209,7 @@ class FastArray:
         """The array from the bytes of its one file (`chunk_shape == shape`) if they are its data
         followed by the shard index every keras-orbax file has, else None."""
         n = self.chunk_bytes
-        if data.size != n + _INDEX_BYTES or data[n:].tobytes() != self._plain_index:
+        if data.size != n + INDEX_BYTES or data[n:].tobytes() != self._plain_index:
             return None
         return data[:n].view(self.dtype).reshape(self.shape)
 
@@ -235,34 +235,49 @@ class FastArray:
         ):
             return None
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
-        data = mapped.map_file(self.local_file(coords), self.chunk_bytes + _INDEX_BYTES)
+        data = mapped.map_file(self.local_file(coords), self.chunk_bytes + INDEX_BYTES)
         if data is None or data[self.chunk_bytes :].tobytes() != self._plain_index:
             return None  # reading it says what is wrong, if anything
         return data[: self.chunk_bytes]
 
     def _read_whole(self, region: list[tuple[int, int]], out: np.ndarray) -> bool:
-        """Reads a region that is exactly one saved shard, data and index in one `preadv` (one
-        system call where the general path makes three: most of the time of a restore of many
-        small variables). False where that does not apply (object storage, a short read, an
-        index placing the data elsewhere than at the start): then the general path reads."""
+        """Reads a region that is exactly one saved shard, data then index, the data in pieces
+        each checksummed while in the cache (`read_checks.read_in_pieces`), and checks the file
+        with `checks`. False where that does not apply (object storage, a short read, an index
+        placing the data elsewhere than at the start): then the general path reads."""
         if locations.is_remote(self.directory):
             return False
         coords = tuple(lo // n for (lo, _), n in zip(region, self.chunk_shape, strict=True))
         path = self.local_file(coords)
-        index = bytearray(_INDEX_BYTES)
+        name = self.file_name(coords) if self.checks is not None else ""
+        algorithm = None if self.checks is None else self.checks.algorithm(name)
+        index = bytearray(INDEX_BYTES)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                got = os.preadv(fd, [out.data, index], 0)
+                # One system call where nothing is checked or the file is small (most of the
+                # time of a restore of many small variables is system calls).
+                if algorithm is None or self.chunk_bytes <= PIECE_BYTES:
+                    got, crc = os.preadv(fd, [out.data, index], 0), 0
+                    if algorithm is not None:
+                        crc = algorithm.update(0, out.data)
+                else:
+                    got, crc = read_in_pieces(fd, out.data, 0, algorithm)
+                    if got == self.chunk_bytes:
+                        got += os.preadv(fd, [index], got)
             finally:
                 os.close(fd)
         except OSError as error:
             raise unreadable(path, error) from error
-        if got != self.chunk_bytes + _INDEX_BYTES:  # short: the general path reads or says why
+        if got != self.chunk_bytes + INDEX_BYTES:  # short: the general path reads or says why
             return False
-        if index == self._plain_index:  # the index every keras-orbax shard file has (CRC included)
-            return True
-        return self._check_index(path, index, self.chunk_bytes + _INDEX_BYTES) == 0
+        # The index every keras-orbax shard file has (CRC included), or one that says the same.
+        if index != self._plain_index and self._check_index(path, index, got) != 0:
+            return False
+        if self.checks is not None and algorithm is not None:
+            file = functools.partial(self.file, coords)
+            self.checks.compare(name, self.key, file, algorithm.update(crc, index))
+        return True
 
     def _object_sizes(self) -> dict[str, int]:
         """Object name (relative to the array) -> size, for every shard object, in one listing."""
@@ -288,7 +303,9 @@ class FastArray:
         if self.checks is None:
             return fetch, offset
         name, path = self.file_name(coords), self.file(coords)
-        return self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset), offset
+        local = not locations.is_remote(path)
+        fetch = self.checks.fetching(name, self.key, path, self.chunk_bytes, fetch, offset, local)
+        return fetch, offset
 
     def checked_by(self, checks: ReadChecks) -> FastArray:
         """This array, its reads checked by `checks` (`dataclasses.replace` costs more than the
@@ -303,52 +320,17 @@ class FastArray:
             checks,
         )
 
-    def _data_offset(self, path: Any, fetch: Fetch, size: int | None) -> int:
-        """Checks the shard index of `path`; returns where it says the data is."""
-        index = bytearray(_INDEX_BYTES)
-        fetch([(memoryview(index), self.chunk_bytes)])
-        return self._check_index(
-            path, index, self.chunk_bytes + _INDEX_BYTES if size is None else size
-        )
-
     def _check_index(self, path: Any, index: bytearray, end: int) -> int:
         """Checks a shard index read from `path` (`end`: the file's size); returns the data's offset."""
-        offset, stored = struct.unpack("<QQ", index[:16])
-        (crc,) = struct.unpack("<I", index[16:])
-        if offset == _MISSING or stored != self.chunk_bytes or offset + stored > end:
-            raise CorruptCheckpointError(
-                f"{self.key}: shard file {path} has no data or a bad index."
-            )
-        if crc != crc32c(bytes(index[:16])):  # a damaged index could shift the data silently
-            raise CorruptCheckpointError(
-                f"{self.key}: the shard index of {path} fails its CRC-32C check."
-            )
-        return offset
+        return data_offset(self.key, path, index, self.chunk_bytes, end)
 
-
-def _refuse_missing_spec(directory: Any, record: VariableRecord) -> None:
-    """An array directory of the fast format without its `zarr.json` is damage, said naming the
-    file (Orbax would fail with a page of tensorstore spec). A compact step has no such directory:
-    its arrays are in OCDBT files, which Orbax reads."""
-    if not locations.is_remote(directory) and os.path.isdir(directory):
-        raise CorruptCheckpointError(
-            f"{record.key}: its array metadata file {directory}/zarr.json is missing. The step is "
-            "damaged: restore another step."
+    def _data_offset(self, path: Any, fetch: Fetch, size: int | None) -> int:
+        """Checks the shard index of `path`; returns where it says the data is."""
+        index = bytearray(INDEX_BYTES)
+        fetch([(memoryview(index), self.chunk_bytes)])
+        return self._check_index(
+            path, index, self.chunk_bytes + INDEX_BYTES if size is None else size
         )
-
-
-def _refuse_unparsable_spec(directory: Any, record: VariableRecord, raw: bytes) -> None:
-    """A `zarr.json` that is not a JSON object is damage, said naming the file."""
-    try:
-        if isinstance(json.loads(raw), dict):
-            return
-        problem = "not a JSON object"
-    except ValueError as error:  # UnicodeDecodeError too
-        problem = f"not valid JSON ({error})"
-    raise CorruptCheckpointError(
-        f"{record.key}: its array metadata file {directory}/zarr.json is damaged: {problem}. "
-        "The step is damaged: restore another step."
-    )
 
 
 def _read_small(directory: Any, name: str) -> bytes:
@@ -358,47 +340,6 @@ def _read_small(directory: Any, name: str) -> bytes:
         return (directory / name).read_bytes()
     with open(f"{os.fspath(directory)}/{name}", "rb") as f:
         return f.read()
-
-
-def fast_codec(chunk: tuple[int, ...], one_byte_dtype: bool) -> dict[str, Any]:
-    """The one codec of a fast-format array's `zarr.json`: a shard per chunk, uncompressed, its
-    index checksummed (what tensorstore writes for Orbax's fast options, and all this reader reads
-    directly). Tensorstore leaves out the byte order of one-byte dtypes (int8, uint8, bool)."""
-    return {
-        "name": "sharding_indexed",
-        "configuration": {
-            "chunk_shape": list(chunk),
-            "codecs": [{"name": "bytes"} if one_byte_dtype else _RAW],
-            "index_codecs": [_RAW, {"name": "crc32c"}],
-        },
-    }
-
-
-@functools.lru_cache(maxsize=256)
-def _plain_layout(
-    raw: bytes, one_byte_dtype: bool
-) -> tuple[str, tuple[int, ...], tuple[int, ...], str] | None:
-    """(data type, shape, chunk shape, chunk key separator) of a `zarr.json` of the fast format; None
-    for anything else. Cached by content: the arrays of a model share a few layouts (5000 arrays:
-    parsing each took a fifth of the time to plan their reads)."""
-    try:
-        spec = json.loads(raw)
-        chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
-        shape = tuple(spec["shape"])
-    except (ValueError, TypeError, KeyError):
-        return None
-    fits = (
-        spec.get("zarr_format") == 3
-        and spec.get("codecs") == [fast_codec(chunk, one_byte_dtype)]
-        and spec.get("chunk_key_encoding") in _KEY_ENCODINGS
-        and isinstance(spec.get("data_type"), str)
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-        and _chunks_divide(chunk, shape)
-    )
-    if not fits:
-        return None
-    separator = spec["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
-    return spec["data_type"], shape, chunk, separator
 
 
 def _fetch_ranges(store: Any, key: str, path: Any, requests: list[tuple[memoryview, int]]) -> None:
@@ -416,11 +357,3 @@ def _fetch_ranges(store: Any, key: str, path: Any, requests: list[tuple[memoryvi
         if len(result.value) != len(view):
             raise CorruptCheckpointError(f"{path} is truncated.")
         view[:] = result.value
-
-
-def _chunks_divide(chunk: tuple, shape: tuple[int, ...]) -> bool:
-    """`chunk` (from an untrusted zarr.json) is one positive int per dimension, each dividing it."""
-    return len(chunk) == len(shape) and all(
-        isinstance(c, int) and not isinstance(c, bool) and c > 0 and n % c == 0
-        for n, c in zip(shape, chunk, strict=True)
-    )

@@ -19,8 +19,9 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,7 +78,7 @@ class Unit:
             for _, a, _ in self.tasks
         )
 
-    def start(self, pool: ThreadPoolExecutor, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
+    def start(self, pool: _Submitted, files: SmallFiles) -> Callable[[], list[np.ndarray]]:
         """Submits the reads to `pool`, or has `files` read small arrays' files (then the regions
         are cut on the calling thread); returns what waits for the regions, in the order of
         `tasks`."""
@@ -173,22 +174,22 @@ def read_ahead(
     time it comes back from C++), which cost more than the reads themselves with thousands of
     small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
 
-    A caller that may stop early (an error) closes it (`contextlib.closing`): its pools shut down
-    then, not whenever the generator is freed.
+    The threads are the process's (`_pool`), kept between restores. A caller that may stop early
+    (an error) closes it (`contextlib.closing`): the reads it started are then cancelled or waited
+    for, not left writing whenever the generator is freed.
     """
     sizes = [unit.size for unit in units]
     files = SmallFiles()
-    with (
-        ThreadPoolExecutor(workers) as pool,
-        ThreadPoolExecutor(min(workers, _SMALL_WORKERS)) as small_pool,
-        ThreadPoolExecutor(min(workers, _cores())) as cpu_pool,
-    ):
+    pool = _Submitted(_pool("read", workers))
+    small_pool = _Submitted(_pool("small", min(workers, _SMALL_WORKERS)))
+    cpu_pool = _Submitted(_pool("cpu", min(workers, _cores())))
 
-        def pool_for(unit: Unit) -> ThreadPoolExecutor:
-            if unit.is_small:
-                return small_pool
-            return cpu_pool if unit.is_cpu_bound else pool
+    def pool_for(unit: Unit) -> _Submitted:
+        if unit.is_small:
+            return small_pool
+        return cpu_pool if unit.is_cpu_bound else pool
 
+    try:
         following = 0
         while following < len(units):
             wave: list[tuple[Unit, Callable[[], list[np.ndarray]]]] = []
@@ -199,8 +200,61 @@ def read_ahead(
                 nbytes += sizes[following]
                 following += 1
             read = [regions() for _, regions in wave]
+            for submitted in (pool, small_pool, cpu_pool):
+                submitted.futures.clear()  # done: the regions are held by `read` alone
             for (unit, _), regions in zip(wave, read, strict=True):
                 yield from zip(unit.tasks, regions, strict=True)
+    finally:  # stopped early: no read of this restore goes on writing after it returns
+        for submitted in (pool, small_pool, cpu_pool):
+            submitted.settle()
+
+
+class _Submitted:
+    """What one `read_ahead` submits to a shared pool, so that it can wait for its own reads."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self.futures: list[Future] = []
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future = self.pool.submit(fn, *args)
+        self.futures.append(future)
+        return future
+
+    def settle(self) -> None:
+        """Cancels what has not started, waits for what has."""
+        for future in self.futures:
+            future.cancel()
+        wait(self.futures)
+        self.futures.clear()
+
+
+# Thread pools kept for the life of the process: starting 8 to 18 threads for every restore cost
+# a quarter of a 256 MiB restore (docs/benchmarks.md, "Restore read path"). Keyed by what they
+# read and their size; a forked child starts with none (its parent's threads are not in it).
+_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(kind: str, workers: int) -> ThreadPoolExecutor:
+    """The process's pool of `workers` threads for reads of `kind`, started on first use."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get((kind, workers))
+        if pool is None:
+            pool = ThreadPoolExecutor(workers, thread_name_prefix=f"keras_orbax_{kind}")
+            _POOLS[kind, workers] = pool
+        return pool
+
+
+def _forget_pools() -> None:
+    """In a forked child: the parent's pools have no threads here, and their locks may be held."""
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _cores() -> int:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import inspect
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -14,95 +11,21 @@ import keras
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format.own_state import OwnState
-from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.model import deferred, keras_walk, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
-from keras_orbax._src.model.state_keys import METRIC, OPTIMIZER
+from keras_orbax._src.model.state_keys import OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
+from keras_orbax._src.restore import notices
 from keras_orbax._src.restore.checked_reads import checked_reads, unverified_keys
 from keras_orbax._src.restore.replicated import replicated_message
+from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.storage import locations
-from keras_orbax.errors import (
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    KerasOrbaxWarning,
-)
+from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError
 
-
-@dataclasses.dataclass(frozen=True)
-class RestoreResult:
-    """What `restore_sharded` did.
-
-    Attributes:
-        step: The step restored (None for a Keras weights file).
-        epoch: The epoch recorded with the step, if any.
-        restored: Keys of the variables restored from the checkpoint.
-        initialized: Keys of deferred variables the checkpoint lacked, initialized (strict=False).
-        skipped: Keys that were not restored: model variables the checkpoint lacks or holds with
-            another shape or dtype (kept as they were), and checkpoint entries the model lacks.
-        bytes_read: Bytes of array data this process read from storage.
-        record: The checkpoint's full keras-orbax record.
-        bytes_received: Bytes of array data this process's devices received from other processes
-            instead of reading them (`single_replica_reads`); with `bytes_read`, every distinct
-            region its devices hold, once.
-        paths: The Keras path of each key above: the model variable's, or for a checkpoint
-            entry the model lacks, the path it was saved under. `restored_paths`,
-            `initialized_paths` and `skipped_paths` list the keys above by these paths.
-        unverified: Keys of the variables restored without a check of their bytes against a
-            recorded checksum: all of them with `verify=False` or from a source that records
-            none (Keras and Hugging Face files, Keras's `OrbaxCheckpoint` steps), a compact
-            step's; none where every byte read was checked.
-    """
-
-    step: int | None
-    epoch: int | None
-    restored: tuple[str, ...]
-    initialized: tuple[str, ...]
-    skipped: tuple[str, ...]
-    bytes_read: int
-    record: StepRecord = dataclasses.field(repr=False)
-    bytes_received: int = 0
-    paths: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    unverified: tuple[str, ...] = ()
-
-    @property
-    def num_variables(self) -> int:
-        return len(self.restored)
-
-    @property
-    def restored_paths(self) -> tuple[str, ...]:
-        """`restored` by Keras path (`dense/kernel`, `adam/iteration`)."""
-        return tuple(self.paths.get(k, k) for k in self.restored)
-
-    @property
-    def initialized_paths(self) -> tuple[str, ...]:
-        """`initialized` by Keras path."""
-        return tuple(self.paths.get(k, k) for k in self.initialized)
-
-    @property
-    def skipped_paths(self) -> tuple[str, ...]:
-        """`skipped` by Keras path."""
-        return tuple(self.paths.get(k, k) for k in self.skipped)
-
-    def __repr__(self) -> str:
-        """The restored variables counted, the others named by Keras path."""
-        return (
-            f"RestoreResult(step={self.step}, epoch={self.epoch}, "
-            f"restored={counted(len(self.restored), 'variable')}, "
-            f"initialized=[{self._named(self.initialized)}], "
-            f"skipped=[{self._named(self.skipped)}], bytes_read={self.bytes_read}, "
-            f"bytes_received={self.bytes_received})"
-        )
-
-    def _named(self, keys: Sequence[str]) -> str:
-        """Each key by its Keras path; by both where two keys share a path (two sub-layers of a
-        subclassed model named alike)."""
-        shared = collections.Counter(self.paths.values())
-        named = [(k, self.paths.get(k, k)) for k in keys]
-        return listed([f"{p} ({k})" if shared[p] > 1 else p for k, p in named])
+__all__ = ["RestoreResult", "restore_sharded", "restore_source"]
 
 
 @gc_pause.paused()
@@ -224,7 +147,7 @@ def _replay_keras_loaders(
             "the restore has it again."
         ) from error
     if replayed.lacking:
-        _warn(
+        notices.warn(
             f"'{source.label}' lacks what {counted(len(replayed.lacking), 'layer')} of model "
             f"'{model.name}' store besides their variables ("
             + "; ".join(f"{group}: {listed(keys)}" for group, keys in replayed.lacking.items())
@@ -256,7 +179,7 @@ def restore_source(
     # Small files, checked against their checksums before any array is read.
     own = multihost.run_collectively("restore_sharded/keras_state", source.own_state)
     if _on_one_device(plan):
-        _warn(
+        notices.warn(
             f"No keras.distribution is set: model '{model.name}' is restored onto one device of "
             f"the {len(jax.devices())} there are, which must hold all of it. Set a distribution "
             "before building and restoring the model: ModelParallel with a LayoutMap to shard "
@@ -265,7 +188,7 @@ def restore_source(
     paths = {k: v.path for k, v in prepared.state.variables.items()}
     replicated = replicated_message(list(plan.reads.values()), paths, model.name)
     if replicated is not None:
-        _warn(replicated)
+        notices.warn(replicated)
     arrays, bytes_read = multihost.run_collectively(
         "restore_sharded/read",
         _read_checked,
@@ -287,9 +210,9 @@ def restore_source(
     _replay_keras_loaders(model, source, own, variables, previous, prepared.state.aliases)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
-    warn_untaken(model, source, prepared)
+    notices.warn_untaken(model, source, prepared)
     if not strict and warn_lenient:
-        _warn_lenient(model, source, prepared, paths)
+        notices.warn_lenient(model, source, prepared, paths)
     return RestoreResult(
         step=source.step,
         epoch=prepared.record.epoch,
@@ -323,7 +246,7 @@ def _prepare(
     reads = replicas.share(prepared.reads) if share else prepared.reads
     reads, unverified, said = checked_reads(source, reads, verify)
     if said is not None:
-        _warn(said)
+        notices.warn(said)
     return dataclasses.replace(prepared, reads=reads, unverified=unverified)
 
 
@@ -382,20 +305,6 @@ def _attach_optimizer(
     return variables
 
 
-def _warn(message: str) -> None:
-    """A `KerasOrbaxWarning` attributed to the first caller outside keras-orbax and Keras (the
-    user's call of `restore_sharded`, `load_model` or `from_preset`, or of `fit` for a resuming
-    `ModelCheckpoint`), so Python shows it once per call site."""
-    frame, level = inspect.currentframe(), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in (
-        "keras_orbax",
-        "keras",  # `fit` runs a resuming ModelCheckpoint's restore
-        "contextlib",  # `gc_pause.paused()` decorates `restore_sharded`
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, KerasOrbaxWarning, stacklevel=level)
-
-
 def _on_one_device(plan: matching.Plan) -> bool:
     """Whether, without a distribution, every variable read goes to one device of several: the
     model must then fit in that device's memory."""
@@ -403,59 +312,3 @@ def _on_one_device(plan: matching.Plan) -> bool:
         return False
     targets = [request.target.sharding for request in plan.reads.values()]
     return bool(targets) and all(len(sharding.device_set) == 1 for sharding in targets)
-
-
-def warn_untaken(
-    model: keras.Model, source: Source, prepared: Prepared, *, verb: str = "restore_sharded"
-) -> None:
-    """Says so where the checkpoint's optimizer state is dropped because the model has no
-    optimizer (an uncompiled model): compiling it afterwards starts training from fresh slots.
-    `verb` is what drops it (`convert` writes what the model takes)."""
-    if any(role == OPTIMIZER for role in prepared.state.roles.values()):
-        return
-    roles = {key: prepared.record.variables[key].role for key in prepared.plan.unexpected}
-    optimizer = sum(role == OPTIMIZER for role in roles.values())
-    if not optimizer:
-        return
-    metrics = sum(role == METRIC for role in roles.values())
-    also = f" and {counted(metrics, 'metric variable')}" if metrics else ""
-    compiled = source.model_config is not None and source.model_config.get("compile_config")
-    were = "was" if optimizer + metrics == 1 else "were"
-    if verb == "restore_sharded":
-        done, why = "restored", "To resume training from them"
-        config = ", or use keras_orbax.load_model, which compiles the model from its saved config"
-    else:
-        done, why = "written", "To keep them"
-        config = ", or convert without a model: the one its saved config describes is compiled"
-    _warn(
-        f"Model '{model.name}' has no optimizer, so {counted(optimizer, 'optimizer variable')}"
-        f"{also} of '{source.label}' {were} not {done}. {why}, compile the model with its "
-        f"optimizer before {verb}{config if compiled else ''}."
-    )
-
-
-def _warn_lenient(
-    model: keras.Model, source: Source, prepared: Prepared, paths: Mapping[str, str]
-) -> None:
-    """Names the variables `strict=False` left as they were (or initialized, deferred ones)."""
-    roles = prepared.state.roles
-    kept = [key for key in prepared.plan.lenient if key in roles]
-    weights = [paths[key] for key in kept if roles[key] != OPTIMIZER]
-    slots = sum(roles[key] == OPTIMIZER for key in kept)
-    optimizer = f"optimizer state ({counted(slots, 'variable')})"
-    if weights:
-        keep = (
-            "It keeps its initial value" if len(weights) == 1 else "They keep their initial values"
-        )
-        also = f", and so does its {optimizer}, restored whole or not at all" if slots else ""
-        _warn(
-            f"restore_sharded(strict=False) did not restore {counted(len(weights), 'variable')} "
-            f"of model '{model.name}' that '{source.label}' lacks or holds with another shape or "
-            f"dtype: {listed(weights)}. {keep}{also}."
-        )
-    elif slots:
-        _warn(
-            f"restore_sharded(strict=False) did not restore the {optimizer} of model "
-            f"'{model.name}': '{source.label}' holds it for other variables, shapes or dtypes, and "
-            "it is restored whole or not at all. It keeps its initial values."
-        )

@@ -113,12 +113,31 @@ def agree_on_outcome(
     wait_s: float | None = None,
     fallback: type[KerasOrbaxError] = errors.SaveFailedError,
 ) -> None:
-    """`agree` for a write whose processes may finish far apart: a failure is raised on every
-    process as soon as it has ended its own part, while processes that are merely slower are
-    waited for up to `wait_s` (the write's own time limit; None: without limit).
+    """`gather_outcomes` without a value: returns only if every process's part succeeded."""
+    gather_outcomes(name, round_key, error, wait_s=wait_s, fallback=fallback)
 
-    Safe from a background thread: the keys are named by `round_key` (the same on every process,
-    e.g. Orbax's operation id), not by the order of this process's collective calls.
+
+def gather_outcomes(
+    name: str,
+    round_key: str,
+    error: BaseException | None,
+    value: Any = None,
+    *,
+    wait_s: float | None = None,
+    fallback: type[KerasOrbaxError] = errors.SaveFailedError,
+    every_report: bool = False,
+) -> list[Any]:
+    """Every process's outcome of its part of a write: its JSON-safe `value` (what it wrote, say),
+    by process index, on every process; or, if any failed, the same error on every process.
+
+    The one wait on the others that every writer's commit goes through (a step's, an export's).
+    A failure is raised on every process as soon as it has ended its own part, while processes
+    that are merely slower are waited for up to `wait_s` (the write's own time limit; None: without
+    limit). Safe from a background thread: the keys are named by `round_key` (the same on every
+    process, e.g. Orbax's operation id, or `next_round` of a collective call), not by the order of
+    this process's collective calls. `every_report`: a failure is raised only once every process
+    has reported (or `wait_s` has passed), so every process raises the very same error; else as
+    soon as one is seen, not waiting for a slow process (a step's write can take minutes).
 
     Raises:
         `fallback` (or the failing process's keras-orbax error type) naming each process that
@@ -128,32 +147,40 @@ def agree_on_outcome(
     if process_count() == 1:
         if error is not None:
             raise error
-        return
+        return [value]
     client = orbax_compat.distributed_client()
     prefix = f"keras_orbax/outcome/{round_key}"
     me = jax.process_index()
-    client.key_value_set(f"{prefix}/{me}", json.dumps(_outcome(error)))
+    mine = _outcome(error) if error is not None else {"ok": True, "value": value}
+    client.key_value_set(f"{prefix}/{me}", json.dumps(mine))
     _outcome_keys.append(f"{prefix}/{me}")
     deadline = None if wait_s is None else time.monotonic() + wait_s
     while True:
         found = {
-            int(key.rsplit("/", 1)[1]): json.loads(value)
-            for key, value in client.key_value_dir_get(f"{prefix}/")
+            int(k.rsplit("/", 1)[1]): json.loads(v)
+            for k, v in client.key_value_dir_get(f"{prefix}/")
         }
         failures = {p: f for p, f in found.items() if not f["ok"]}
-        if failures:
-            raise _mark(_combined(name, failures, fallback)) from error
         missing = [p for p in range(process_count()) if p not in found]
+        if failures and (not every_report or not missing):
+            raise _mark(_combined(name, failures, fallback)) from error
         if not missing:
             _forget_outcomes(client, f"{prefix}/{me}")
-            return
+            return [found[p].get("value") for p in range(process_count())]
         if deadline is not None and time.monotonic() > deadline:
-            raise ProcessSyncError(
-                f"Processes {missing} did not report the outcome of '{name}' within "
-                f"{wait_s:.0f} s (this is process {me}). They may have crashed or be stuck; "
-                "nothing was committed."
+            raise _mark(
+                ProcessSyncError(
+                    f"Processes {missing} did not reach '{name}' within {wait_s:.0f} s (this is "
+                    f"process {me}). They may have crashed or be stuck; nothing was committed."
+                )
             )
         time.sleep(_POLL_S)
+
+
+def next_round(name: str) -> str:
+    """A `gather_outcomes` round key for a call every process makes in the same order (the main
+    thread's collective calls)."""
+    return f"{name}/{next(_calls)}"
 
 
 _POLL_S = 0.05

@@ -153,12 +153,16 @@ def check_destination(destination: str | os.PathLike, kind: SourceKind) -> None:
     Raises:
         ValueError: `destination` holds another kind of saved state.
     """
-    path = locations.as_path(os.fspath(destination))
+    if isinstance(destination, step_dirs.CheckpointRoot):
+        path = destination.path
+    else:
+        path = locations.as_path(os.fspath(destination))
     if locations.is_remote(path) or not path.is_dir():
         return
     here = _weights_kind(path)
     held = [here] if here is not None else []
-    if step_dirs.committed_steps(path):
+    # Listed only where steps would be another kind than the one written.
+    if kind != "keras-orbax" and step_dirs.committed_steps(path):
         held.append("keras-orbax")
     others = [k for k in held if k != kind]
     if others:

@@ -42,6 +42,8 @@ class ArrayReader(Protocol):
 
 _ALIGN = 64  # the CPU backend adopts a numpy buffer without a copy only at this alignment
 _OWN_MAPPING_BYTES = 1 << 20
+HUGE_BYTES = 2 << 20  # a huge page of x86-64 and arm64 (4 KiB base pages): `aligned_empty`
+_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _SMALL_RUN_BYTES = 1 << 16  # shorter runs are read as rows, then scattered (also `_coalesce`)
 _SPAN_BYTES = 1 << 20  # the temporary buffer for such rows (1 MiB: faster and smaller than 4)
 _REQUESTS_AT_ONCE = 256  # ranged requests in flight for one box (object storage)
@@ -221,18 +223,39 @@ def unreadable(path: Any, error: OSError) -> CorruptCheckpointError:
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 buffer whose data starts on a 64-byte boundary.
+    """An uninitialized uint8 buffer whose data starts on a 64-byte boundary (the CPU backend
+    adopts it as a device's memory without a copy).
 
     A large buffer is its own anonymous memory mapping: page-aligned, and given back to the OS the
     moment it is freed (glibc keeps large freed blocks resident once its mmap threshold has grown,
-    which inflates peak memory and slows the next allocations).
+    which inflates peak memory and slows the next allocations). One of `HUGE_BYTES` or more starts
+    on a huge-page boundary and is advised `MADV_HUGEPAGE`: where the kernel gives them (THP
+    `madvise` or `always`), each 2 MiB is one page fault instead of 512, and filling fresh memory
+    costs little more than the copy (docs/benchmarks.md, "Restore read path").
     """
+    if nbytes >= HUGE_BYTES:
+        return _huge_mapping(nbytes)
     if nbytes >= _OWN_MAPPING_BYTES:
         mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return np.frombuffer(mapping, dtype=np.uint8)
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
     return raw[start : start + nbytes]
+
+
+def _huge_mapping(nbytes: int) -> np.ndarray:
+    """`nbytes` of a private anonymous mapping, from a huge-page boundary, advised huge pages.
+
+    The mapping is one huge page longer than asked (address space only: the unused part is never
+    touched, so never backed) so that the buffer can start on a boundary where the kernel does
+    not align the mapping itself (before Linux 6.7)."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(mapping, dtype=np.uint8)
+    start = (-whole.ctypes.data) % HUGE_BYTES
+    if _HUGEPAGE is not None:
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, as before
+            mapping.madvise(_HUGEPAGE, start, nbytes // mmap.PAGESIZE * mmap.PAGESIZE)
+    return whole[start : start + nbytes]
 
 
 def cast(data: np.ndarray, dtype: np.dtype) -> np.ndarray:

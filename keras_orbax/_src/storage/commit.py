@@ -1,14 +1,17 @@
-"""One commit protocol for every export: staged, agreed, checked, fsynced, renamed, then pruned.
+"""One commit protocol for every writer: staged, agreed, checked, fsynced, renamed, then pruned.
 
-A `Sink` writes one format (a `.weights.h5`, a keras-hub preset, a Hugging Face directory); `write`
-runs it through the stages every export goes through, so that no sink can forget one:
+A `Sink` writes one format. An `ExportSink` (a `.weights.h5`, a keras-hub preset, a Hugging Face
+directory) is run by `write` through the stages every export goes through, so that no sink can
+forget one; a step (`write.step_sink.StepSink`) goes through the same stages inside Orbax's save,
+with the same outcome gathering (`multihost.gather_outcomes`) and region check (`check_regions`):
 
 1. **stage**: process 0 prepares a hidden staging directory beside the destination
    (`.<name>.partial`), then every process writes its regions there (nothing is visible under a
    name a reader looks for); process 0 also writes the configs there.
-2. **agree**: every process reports its outcome; all raise if any failed. Process 0 then checks
-   the regions each process reported against those it was due to write (`Sink.regions_due`),
-   never a directory listing or a file size, and assembles what others staged.
+2. **agree**: every process reports its outcome and the regions it wrote; all raise if any
+   failed. Every process then checks every process's regions against those it was due to write
+   (`Sink.regions_due`, `check_regions`), never a directory listing or a file size, so all reach
+   the same verdict; process 0 assembles what others staged.
 3. **fsync**: every file and directory of the staged export, at any depth.
 4. **rename**: a directory export is swapped with the old one in one atomic `renameat2` exchange
    (the old one's other files linked in first); a file export is renamed file by file, its index
@@ -26,21 +29,19 @@ write(weights_h5.H5Sink(model, Path("/out/m.weights.h5")))
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import ctypes
 import errno
 import hashlib
 import os
-import shutil
 import signal
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import durable
-from keras_orbax.errors import KerasOrbaxError, KerasOrbaxWarning, SaveFailedError
+from keras_orbax._src.storage import durable, replace
+from keras_orbax.errors import KerasOrbaxError, SaveFailedError
 
 STAGES = ("stage", "agree", "fsync", "rename", "prune")
 # Test-only: names a stage (`rename`, or `rename@1` for process 1 only) at whose start this
@@ -49,9 +50,39 @@ KILL_AT_ENV = "KERAS_ORBAX_TEST_KILL_AT"
 _hooks: list[Callable[[str], None]] = []
 
 
-class Sink(Protocol):
-    """A place a model state is written to in one format: a `.weights.h5`, a preset, an HF
-    directory. `write` calls its methods in this order; only `stage` runs on every process."""
+class Sink(abc.ABC):
+    """A place a model's state is committed to, in one format: the mirror of `sources.base.Source`
+    (a new format is a new sink, nothing else).
+
+    Every sink goes through the same protocol, whoever drives it (`write` for an export, Orbax's
+    save for a step, `write.step_sink.StepSink`): stage under partial names; every process
+    reports its outcome (`multihost.gather_outcomes`) and the regions it wrote, which every
+    process checks against those each was due to write (`check_regions`: never a listing or a
+    size); fsync every file and directory; rename in a fixed order, configs last; only then remove
+    what it replaces. A failure anywhere is a `SaveFailedError` on every process.
+    """
+
+    destination: Any
+    """What the sink writes to: an export's file or directory, a checkpoint's root."""
+    unchanged: str = "the export is abandoned; the previous one is untouched"
+    """What a failure leaves as it was, in the words its error ends with."""
+
+    @abc.abstractmethod
+    def regions_due(self, process: int) -> Sequence[str]:
+        """The keys of the regions `process` must have written (known once it has staged)."""
+
+    def check(self, reports: Sequence[Any]) -> None:
+        """`check_regions` of every process's report against `regions_due`.
+
+        Raises:
+            SaveFailedError: some process's regions are not those it was due to write.
+        """
+        check_regions(reports, self.regions_due, str(self.destination), self.unchanged)
+
+
+class ExportSink(Sink):
+    """An export: a `.weights.h5`, a preset, an HF directory. `write` calls its methods in this
+    order; only `stage` runs on every process."""
 
     destination: Path
     """What the export replaces: a directory (`whole_directory`) or a file."""
@@ -60,16 +91,15 @@ class Sink(Protocol):
     def prepare(self, staging: Path) -> None:
         """Process 0: what must exist before any process writes (a file's header, configs)."""
 
+    @abc.abstractmethod
     def stage(self, staging: Path) -> Sequence[str]:
         """Every process: writes the regions it is due under `staging`, fsyncs them, and returns
         their keys."""
 
-    def regions_due(self, process: int) -> Sequence[str]:
-        """The keys of the regions `process` must have written (known after `stage`)."""
-
     def assemble(self, staging: Path) -> None:
         """Process 0, once every region is in: copies staged regions into place, writes indexes."""
 
+    @abc.abstractmethod
     def commit_order(self) -> Sequence[str]:
         """A file export's file names (in `staging` and beside `destination`), in rename order:
         configs and indexes last."""
@@ -77,13 +107,47 @@ class Sink(Protocol):
     def replaced(self) -> Sequence[str]:
         """A file export's names beside `destination` that no longer belong to it (old parts):
         removed when the export is committed."""
+        return []
 
+    @abc.abstractmethod
     def is_export_file(self, relative: str) -> bool:
         """Whether a directory export writes (or once wrote) the file at `relative`; the old
         directory's other files are kept."""
 
 
-def write(sink: Sink, name: str) -> Path:
+def digest(keys: Sequence[str]) -> list[Any]:
+    """A process's report of the regions it wrote: a short, order-free summary of their keys (their
+    count and a hash), small enough for the coordination service whatever the model's size."""
+    text = "\n".join(sorted(keys)).encode()
+    return [len(keys), hashlib.sha256(text).hexdigest()]
+
+
+def check_regions(
+    reports: Sequence[Any],
+    due: Callable[[int], Sequence[str]],
+    what: str,
+    unchanged: str = "the export is abandoned; the previous one is untouched",
+) -> None:
+    """Checks every process's report (`digest` of the regions it wrote) against the regions it was
+    due to write, `due(process)`, computed from the arrays' shardings: never a directory listing
+    or a file size. Every process runs it on all processes' reports, so all reach the same verdict
+    without another round.
+
+    Raises:
+        SaveFailedError: some process wrote other regions than it was due to (a region missing,
+            a file gone between its write and the commit); each such process named.
+    """
+    wrong = [
+        f"process {process}: wrote {report[0]} regions, was due {expected[0]}"
+        + ("" if report[0] != expected[0] else " (not the same ones)")
+        for process, report in enumerate(reports)
+        if list(report) != (expected := digest(list(due(process))))
+    ]
+    if wrong:
+        raise SaveFailedError(f"Not every region of {what} was written: {wrong}; {unchanged}")
+
+
+def write(sink: ExportSink, name: str) -> Path:
     """Runs `sink` through the commit protocol on every process; returns its destination.
 
     Raises:
@@ -98,22 +162,27 @@ def write(sink: Sink, name: str) -> Path:
     try:
         fault_point("stage")
         _collectively(f"{name}: prepare", _prepare, sink, staging, primary=True)
-        written = _collectively(f"{name}: stage", _stage, sink, staging, primary=False)
+        written, error = None, None
+        try:
+            written = _stage(sink, staging)
+        except Exception as failed:  # reported to every process by the gathering, which raises
+            error = failed
         fault_point("agree")
-        reports = multihost.gather(f"{name}: regions", _digest(written or ()))
-        _collectively(f"{name}: complete", _check_and_assemble, sink, staging, reports)
+        reports = _gathered(f"{name}: stage", error, digest(written or ()))
+        sink.check(reports)  # on every process: the same verdict everywhere
+        _collectively(f"{name}: assemble", sink.assemble, staging)
         fault_point("fsync")
         _collectively(f"{name}: fsync", _fsync_staged, sink, staging)
         fault_point("rename")
-        _collectively(f"{name}: rename", _rename, sink, staging)
+        _collectively(f"{name}: rename", replace.rename, sink, staging)
         committed = True
         fault_point("prune")
         if primary:
-            _prune(sink, staging)
+            replace.prune(sink, staging)
     finally:
         if primary and not committed:
             with contextlib.suppress(OSError):
-                _remove(staging)
+                replace.remove(staging)
     return sink.destination
 
 
@@ -135,16 +204,12 @@ def check_space(directory: Path, needed: int) -> None:
         )
 
 
-def staging_path(sink: Sink) -> Path:
+def staging_path(sink: ExportSink) -> Path:
     """Where an export is staged: hidden, a name no reader looks for; beside the destination, or,
     where that is a mount point (no rename leaves it), inside it."""
-    if _in_place(sink):
+    if replace.in_place(sink):
         return sink.destination / ".keras_orbax.partial"
     return sink.destination.with_name(f".{sink.destination.name}.partial")
-
-
-def _in_place(sink: Sink) -> bool:
-    return sink.whole_directory and os.path.ismount(sink.destination)
 
 
 @contextlib.contextmanager
@@ -188,153 +253,43 @@ def _collectively(name: str, fn: Callable[..., Any], *args: Any, primary: bool =
 _UNCHANGED = "the export is abandoned; the previous one is untouched"
 
 
+def _gathered(name: str, error: Exception | None, value: Any) -> list[Any]:
+    """Every process's `value` (`multihost.gather_outcomes`), or `SaveFailedError` on every process
+    if any failed; within `KERAS_ORBAX_SYNC_TIMEOUT_S` of the slowest."""
+    if error is not None and multihost.process_count() == 1:
+        raise _failed(name, error) from error
+    return multihost.gather_outcomes(
+        name,
+        multihost.next_round(name),
+        error,
+        value,
+        wait_s=multihost.DEFAULT_TIMEOUT_S,
+        fallback=SaveFailedError,
+        every_report=True,
+    )
+
+
 def _failed(name: str, error: Exception) -> Exception:
     if isinstance(error, KerasOrbaxError | ValueError | TypeError):
         return error  # the caller's input, or our own error: as it is
     return SaveFailedError(f"'{name}' failed: {type(error).__name__}: {error}; {_UNCHANGED}.")
 
 
-def _prepare(sink: Sink, staging: Path) -> None:
+def _prepare(sink: ExportSink, staging: Path) -> None:
     staging.parent.mkdir(parents=True, exist_ok=True)
-    _remove(staging)  # what an earlier, failed attempt left
+    replace.remove(staging)  # what an earlier, failed attempt left
     staging.mkdir()
     sink.prepare(staging)
 
 
-def _stage(sink: Sink, staging: Path) -> list[str]:
+def _stage(sink: ExportSink, staging: Path) -> list[str]:
     written = list(sink.stage(staging))
-    if multihost.is_primary() and sink.whole_directory and not _in_place(sink):
-        _link_kept_files(sink, staging)
+    if multihost.is_primary() and sink.whole_directory and not replace.in_place(sink):
+        replace.link_kept_files(sink, staging)
     return written
 
 
-def _digest(keys: Sequence[str]) -> list[Any]:
-    """A short, order-free summary of a set of region keys: their count and a hash."""
-    text = "\n".join(sorted(keys)).encode()
-    return [len(keys), hashlib.sha256(text).hexdigest()]
-
-
-def _check_and_assemble(sink: Sink, staging: Path, reports: list[Any]) -> None:
-    """Process 0: every process wrote exactly the regions it was due to; then `assemble`."""
-    wrong = [
-        f"process {process}: wrote {report[0]} regions, was due {due[0]}"
-        + ("" if report[0] != due[0] else " (not the same ones)")
-        for process, report in enumerate(reports)
-        if report != (due := _digest(list(sink.regions_due(process))))
-    ]
-    if wrong:
-        raise SaveFailedError(f"Not every region of {sink.destination} was written: {wrong}.")
-    sink.assemble(staging)
-
-
-def _fsync_staged(sink: Sink, staging: Path) -> None:
+def _fsync_staged(sink: ExportSink, staging: Path) -> None:
     """Every file and directory the export holds, at any depth, then the directory holding it."""
     durable.fsync_tree(staging)
     durable.fsync_path(staging.parent)
-
-
-def _rename(sink: Sink, staging: Path) -> None:
-    """The commit: one atomic exchange for a directory, else each file, configs last."""
-    parent = sink.destination.parent
-    if sink.whole_directory:
-        if _in_place(sink):
-            _rename_each_file(sink, staging)
-        elif not sink.destination.exists():
-            os.rename(staging, sink.destination)
-        elif not _exchange(staging, sink.destination):
-            _rename_each_file(sink, staging)
-    else:
-        order = sink.commit_order()
-        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
-            (parent / order[-1]).unlink(missing_ok=True)
-        for name in order:
-            os.replace(staging / name, parent / name)
-    durable.fsync_path(parent)
-
-
-def _rename_each_file(sink: Sink, staging: Path) -> None:
-    """Where the directory cannot be swapped (a mount point, a filesystem without
-    `RENAME_EXCHANGE`): the files one by one, configs last, then the old export's files that this
-    one does not write removed; say so: a kill part-way leaves a directory that mixes both."""
-    warnings.warn(
-        f"{sink.destination} cannot be swapped with its new version atomically (a mount point, "
-        "or no renameat2 RENAME_EXCHANGE); the export's files are renamed one by one, configs "
-        "last.",
-        KerasOrbaxWarning,
-        stacklevel=4,
-    )
-    files = sorted(
-        (p for p in staging.rglob("*") if p.is_file()), key=lambda p: p.name.endswith(".json")
-    )
-    written = {path.relative_to(staging).as_posix() for path in files}
-    for path in files:
-        target = sink.destination / path.relative_to(staging)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
-    for path in list(sink.destination.rglob("*")):
-        relative = path.relative_to(sink.destination).as_posix()
-        if path.is_file() and relative not in written and sink.is_export_file(relative):
-            path.unlink()
-    durable.fsync_tree(sink.destination)
-
-
-def _prune(sink: Sink, staging: Path) -> None:
-    """Removes what the committed export replaced; a failure only warns (the export is
-    committed, and the next export removes what is left)."""
-    try:
-        if not sink.whole_directory:
-            for name in sink.replaced():
-                (sink.destination.parent / name).unlink(missing_ok=True)
-        _remove(staging)  # a directory export: the old directory, swapped in here
-        durable.fsync_path(sink.destination.parent)
-    except OSError as error:
-        warnings.warn(
-            f"{sink.destination} is committed, but removing what it replaced failed: {error}. "
-            f"The next export there removes {staging}.",
-            KerasOrbaxWarning,
-            stacklevel=3,
-        )
-
-
-def _link_kept_files(sink: Sink, staging: Path) -> None:
-    """Hard links, into the staged directory, every file of the old one that this export does not
-    write (the user's own files): the exchange keeps them."""
-    if not sink.destination.is_dir():
-        return
-    for path in sorted(sink.destination.rglob("*")):
-        relative = path.relative_to(sink.destination)
-        target = staging / relative
-        if path.is_dir() or target.exists() or sink.is_export_file(relative.as_posix()):
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, target)
-        except OSError:  # a filesystem without hard links: a copy
-            shutil.copy2(path, target)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swaps two paths (Linux `renameat2(RENAME_EXCHANGE)`); False where the platform or
-    filesystem cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = getattr(libc, "renameat2", None)
-    if renameat2 is None:
-        return False
-    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if done == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EBUSY):
-        return False
-    raise OSError(code, os.strerror(code), os.fspath(b))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)

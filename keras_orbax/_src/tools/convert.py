@@ -29,13 +29,12 @@ from keras_orbax._src.model import matching
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
-from keras_orbax._src.restore import load_model, restore
+from keras_orbax._src.restore import load_model, notices
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
 from keras_orbax._src.storage import locations
 from keras_orbax._src.tools import convert_export
 from keras_orbax._src.write import array_writer, step_writer
-from keras_orbax.errors import StepExistsError
 
 
 def convert(
@@ -105,15 +104,12 @@ def convert(
             to_transformers=transformers,
         )
     _refuse_keras_file(destination)
-    resolve.check_destination(destination, "keras-orbax")
-    root = locations.as_path(os.fspath(destination))  # the one path of it from here on
+    root = step_dirs.CheckpointRoot(destination)  # the one path of it from here on
+    resolve.check_destination(root, "keras-orbax")
     opened = resolve.open_source(source)  # its metadata only
     step = step_dirs.checked_step(step if step is not None else opened.step or 0)
-    if step in step_dirs.committed_steps(root):  # before reading the arrays
-        raise StepExistsError(
-            f"Step {step} is already committed in '{root}'; nothing was written. "
-            f"Received: step={step}"
-        )
+    # A committed `step` is refused under the writer lock, before any array is read (the reads
+    # are lazy): the one listing of `root`'s steps (`array_writer.save_arrays`).
     if model is None:
         record, reads = _by_structure(opened)
     else:
@@ -137,7 +133,7 @@ def convert(
         if on_write is not None:
             on_write(record.variables[key].nbytes, total)
 
-    made = not locations.is_remote(root) and not root.exists()
+    made = not locations.is_remote(root) and not root.path.exists()
     try:
         return array_writer.save_arrays(
             root,
@@ -150,16 +146,16 @@ def convert(
             keras_state=opened.own_state(),  # small files, read whole
         )
     except BaseException:
-        if made and root.is_dir():  # made by this convert: nothing else can be in it
+        if made and root.path.is_dir():  # made by this convert: nothing else can be in it
             _remove_if_stepless(root)
         raise
 
 
-def _remove_if_stepless(root: Path) -> None:
+def _remove_if_stepless(root: step_dirs.CheckpointRoot) -> None:
     """Removes `root` if it holds no committed step: what a failed save left there (its lock, the
     step's temporary directory) is all there is."""
-    if not step_dirs.committed_steps(root):
-        shutil.rmtree(root, ignore_errors=True)
+    if not root.listed_again():
+        shutil.rmtree(root.path, ignore_errors=True)
 
 
 _KERAS_FILES = (".h5", ".keras", ".weights.json")  # `.weights.h5` is exported
@@ -249,7 +245,7 @@ def _by_model(
     if prepared.problems or prepared.reads is None:
         hint = "Nothing was written: pass the architecture that saved it."
         raise matching.mismatch_error(model, opened.label, prepared.problems, hint=hint)
-    restore.warn_untaken(model, opened, prepared, verb="convert")
+    notices.warn_untaken(model, opened, prepared, verb="convert")
     state, reads = prepared.state, prepared.reads
     variables = {}
     for key in prepared.plan.reads:

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any
 
-import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
-from keras_orbax._src.restore.restore import RestoreResult
+from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import locations
+from keras_orbax._src.training.best_so_far import BestSoFar
 from keras_orbax._src.training.callback_args import validate
 from keras_orbax._src.training.data_position import DataPosition
+from keras_orbax._src.training.fit_progress import FitProgress
 from keras_orbax._src.training.preemption import PreemptionWatcher
 from keras_orbax._src.training.resume import ResumePoint, resume
-from keras_orbax._src.training.retention import Retention, loggable, metric, number
+from keras_orbax._src.training.retention import Retention, loggable
 from keras_orbax._src.training.saving import Saves
 from keras_orbax._src.write import step_writer
-from keras_orbax.errors import KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
 
@@ -166,14 +165,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             rewrite_every=rewrite_every,
         )
         self._last_saved_step: int | None = None
-        self._candidates: list[float] = []
+        self._best = BestSoFar(self._retention)
         self._watcher = PreemptionWatcher()
         self._set_epoch = False
-        self._warned_missing = False
         self._resume_point: ResumePoint | None = None
-        self._step = 0
-        self._epoch = 0
-        self._last_batch: int | None = None
+        self._progress = FitProgress()
         self._data: DataPosition | None = None
 
     # -- fit hooks -------------------------------------------------------------------------------
@@ -199,26 +195,22 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         steps = step_dirs.committed_steps(self.directory)
         # The step counts training batches, updates applied or not (see keras_compat.optimizer_steps);
         # a LossScaleOptimizer's counter also stops on skipped updates, the checkpoint's does not.
-        self._step = keras_compat.optimizer_steps(self.model.optimizer)
+        step = keras_compat.optimizer_steps(self.model.optimizer)
         if self.restored is not None and self.restored.step is not None:
-            self._step = max(self._step, self.restored.step)
-        if steps and steps[-1] > self._step:
+            step = max(step, self.restored.step)
+        self._progress.step = step
+        if steps and steps[-1] > step:
             raise ValueError(
                 f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
-                f"step {self._step}: new checkpoints would be mixed with a different run's. Pass "
+                f"step {step}: new checkpoints would be mixed with a different run's. Pass "
                 f"resume=True to continue that run, or use a new directory. Received: "
                 f"directory='{self.directory}', resume={self.resume}"
             )
         self._last_saved_step = steps[-1] if steps else None
-        self.best = self.initial_value_threshold
-        self._candidates = [
-            value
-            for checkpoint in checkpointer.checkpoints
-            if (value := metric(checkpoint.metrics, self.monitor)) is not None
-        ]
+        self._best.begin(self, checkpointer.checkpoints)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch, self._last_batch = epoch, None
+        self._progress.begin_epoch(epoch)
         if self._set_epoch:  # fit has read it by now; a later fit must not start there again
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
@@ -229,16 +221,16 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
-        if self._resume_point is not None and self._resume_point.dropped(self._epoch, batch):
-            self._last_batch = batch  # trained before the checkpoint; read and dropped now
+        if self._resume_point is not None and self._resume_point.dropped(
+            self._progress.epoch, batch
+        ):
+            self._progress.last_batch = batch  # trained before the checkpoint; read and dropped now
             return
-        previous = self._step
-        self._step += batch + 1 if self._last_batch is None else batch - self._last_batch
-        self._last_batch = batch
+        previous = self._progress.end_batch(batch)
         preempted = self.save_on_preemption and self._watcher.reached()
         if (
             isinstance(self.save_freq, int)
-            and self._step // self.save_freq > previous // self.save_freq
+            and self._progress.step // self.save_freq > previous // self.save_freq
         ):
             self._consider_save(logs or {}, at_epoch_end=False)
         if preempted:
@@ -285,24 +277,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     # the background save lets go of its objects): gc_pause.hold.
     @gc_pause.paused()
     def _consider_save(self, logs: dict, *, at_epoch_end: bool) -> None:
-        if self.save_best_only or self.keep_best:
-            self._ensure_monitor_op()
-        note = ""
-        if self.save_best_only:
-            # Keras's ModelCheckpoint saves when the monitor is missing or not a scalar (it
-            # falls back to save_best_only=False for that save, with a warning): so does this.
-            current = number(logs.get(self.monitor))
-            if current is None:
-                self._warn_missing(logs.get(self.monitor))
-            improved = current is None or keras_compat.is_improvement(self, current, self.best)
-            if not multihost.primary_decision(improved):
-                return
-            if current is not None:  # None: process 0 decided, seeing a value this one lacks
-                previous = "None" if self.best is None else f"{self.best:.5f}"
-                note = f" ({self.monitor} improved from {previous} to {current:.5f})"
-                self.best = current
-        elif self.keep_best and number(logs.get(self.monitor)) is None:
-            self._warn_missing(logs.get(self.monitor))
+        save, note = self._best.should_save(self, logs)
+        if not save:
+            return
         reason = "epoch" if at_epoch_end else "batch"
         blocking = not self.save_on_background
         self._save(loggable(logs), reason, at_epoch_end, blocking=blocking, note=note)
@@ -310,7 +287,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
     @gc_pause.paused()
     def _save_for_preemption(self, *, at_epoch_end: bool) -> None:
         if self.save_best_only or self.keep_best:
-            self._ensure_monitor_op()  # retention ranks the kept steps after this save too
+            self._best.settle(self)  # retention ranks the kept steps after this save too
         self._save(None, "preemption", at_epoch_end, blocking=True)
         self.wait_until_finished()  # the step may have been started just before, in the background
         self.preempted = True
@@ -325,11 +302,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         blocking: bool,
         note: str = "",
     ) -> None:
-        step = self._step
+        step = self._progress.step
         if step == self._last_saved_step:
             return  # nothing was trained since: that step holds this very state
         self.model.jax_state_sync()  # mid-epoch, the variables are empty until synced
-        epoch, batch = self._position(at_epoch_end)
+        epoch, batch = self._progress.position(at_epoch_end, self._param("steps"))
         try:
             self._saves.save(
                 self.model,
@@ -350,23 +327,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._last_saved_step = step
         self._report(step, epoch, batch, reason, note)
 
-    def _position(self, at_epoch_end: bool) -> tuple[int, int | None]:
-        """(epoch, batch) to record: the next epoch to run, or the batches done in this one.
-
-        After a batch, the epoch is done only if that was its known last batch (a generator's
-        length is unknown: its epoch counts as unfinished). At an epoch's end, it is done unless
-        it stopped before its known number of batches (another callback stopped `fit`).
-        """
-        steps = self._param("steps")
-        done = 0 if self._last_batch is None else self._last_batch + 1
-        finished = (
-            (steps is None or done >= steps)
-            if at_epoch_end
-            else (steps is not None and done >= steps)
-        )
-        return (self._epoch + 1, None) if finished else (self._epoch, done)
-
-    # -- resume, retention, monitoring -----------------------------------------------------------
+    # -- resume, fit's parameters ----------------------------------------------------------------
 
     def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
         resumed = resume(
@@ -389,38 +350,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         step_dir = locations.as_path(self.directory) / str(step)
         return self._data.resume_from(step_dir, epoch=record.epoch, batch=record.batch or 0)
 
-    def _ensure_monitor_op(self) -> None:
-        """Settles the monitor's direction, and folds in the best value stored in the directory."""
-        if self.monitor_op is None:
-            keras_compat.set_monitor_op(self)
-        self._retention.higher_is_better = self.monitor_op is keras.ops.greater
-        self.best = self._retention.best([self.best, *self._candidates])
-        self._candidates = []
-
     def _param(self, name: str) -> Any:
         """What `fit` told its callbacks (`epochs`, `steps` per epoch, `verbose`), None before."""
         return (self.params or {}).get(name)
-
-    def _warn_missing(self, current: Any) -> None:
-        if self._warned_missing:
-            return
-        self._warned_missing = True
-        if self.save_best_only:
-            what = "ModelCheckpoint(save_best_only=True) saves every time, as Keras's does,"
-        else:
-            what = (
-                f"ModelCheckpoint(keep_best={self.keep_best}) cannot rank the steps it saves "
-                "(only max_to_keep and keep_every keep them)"
-            )
-        where = ""
-        if self.save_freq != "epoch":  # a batch's logs hold no epoch-end metric (val_loss)
-            where = f" after a batch (save_freq={self.save_freq})"
-        warnings.warn(
-            f"{what} while '{self.monitor}' is not a number in the logs{where}. "
-            f"Received: {self.monitor}={current!r}",
-            KerasOrbaxWarning,
-            stacklevel=3,
-        )
 
     # -- reporting and cleanup -------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
 from keras_orbax._src.model.matching import counted
-from keras_orbax._src.restore.restore import RestoreResult, restore_sharded
+from keras_orbax._src.restore.restore import restore_sharded
+from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.storage import durable, locations

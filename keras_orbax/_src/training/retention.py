@@ -2,7 +2,7 @@
 
 Orbax's `Checkpointer` given a preservation policy deletes old steps while it finalizes a save:
 after the new step's rename, before keras-orbax has fsynced Orbax's metadata files and that rename
-(`step_writer.DurableResponse`). A power loss in between could leave `max_to_keep=1` with no step
+(`step_sink.DurableResponse`). A power loss in between could leave `max_to_keep=1` with no step
 to resume from. So the checkpointer gets no policy, and `Retention.prune` applies the same Orbax
 policies itself, called only once the new step is durable (`tests/test_durability_order.py`).
 """

@@ -26,7 +26,7 @@ from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.retention import Retention
-from keras_orbax._src.write import shard_writer, step_writer
+from keras_orbax._src.write import shard_writer, step_sink, step_writer
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
@@ -114,7 +114,7 @@ class Saves:
         self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
         # No preservation policy: Orbax would delete old steps before the new one is durable;
         # `prune` deletes them once it is (retention.py).
-        self.checkpointer = step_writer.open_checkpointer(self.directory, self.format)
+        self.checkpointer = step_sink.open_checkpointer(self.directory, self.format)
         return self.checkpointer
 
     def start(self, model: keras.Model) -> None:

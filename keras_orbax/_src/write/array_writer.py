@@ -1,9 +1,9 @@
 """`save_arrays`: one committed step from arrays that arrive one at a time (`convert`).
 
 The step is the one `save` writes, by the same writer: Orbax's `training.Checkpointer` from
-`step_writer.open_checkpointer` commits it (temporary directory and rename, or the commit marker in
+`step_sink.open_checkpointer` commits it (temporary directory and rename, or the commit marker in
 object storage; `_METADATA`; `_CHECKPOINT_METADATA` with the keras-orbax record),
-`shard_writer.ArrayFiles` writes each shard file with its checksum and the arrays' metadata files,
+`files_writer.ArrayFiles` writes each shard file with its checksum and the arrays' metadata files,
 the writer lock is held throughout, and the step is made durable before it is reported committed.
 
 Only the way the arrays reach the files differs. `save` gives Orbax the tree of arrays. Here the
@@ -48,8 +48,8 @@ from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.write import files_writer, shard_writer, step_sink
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer, step_writer
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
 # Shards still being written when `add` returns: the memory held beyond the array being read.
@@ -199,35 +199,36 @@ def save_arrays(
     }
     record = dataclasses.replace(record, step=step, variables=variables)
     caller = _Caller(arrays, on_written)
+    root = step_dirs.CheckpointRoot.of(directory)  # its steps listed once, under the lock
     try:
-        with writer_lock(directory, step), quiet.skipped_merge_notices(directory):
-            if step in step_dirs.committed_steps(directory):
+        with writer_lock(root, step), quiet.skipped_merge_notices(root):
+            if step in root.listed_again():
                 raise StepExistsError(
-                    f"Step {step} is already committed in '{directory}'; nothing was written. "
+                    f"Step {step} is already committed in '{root}'; nothing was written. "
                     f"Received: step={step}"
                 )
             try:
-                plan = incremental_saves.plan_for(directory, step) if incremental else None
-                _save_held(directory, step, record, keys, caller, plan, metrics, keras_state)
+                plan = incremental_saves.plan_for(root, step) if incremental else None
+                _save_held(root, step, record, keys, caller, plan, metrics, keras_state)
             except BaseException:
-                _remove_unfinished(directory, step)
+                _remove_unfinished(root, step)
                 raise
     except (KerasOrbaxError, ValueError):
         raise
     except Exception as error:
         if caller.failed:
             raise
-        steps = step_dirs.committed_steps(directory)
+        steps = root.steps()
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
-            f"Saving step {step} to '{directory}' failed: {type(error).__name__}: {error}. "
+            f"Saving step {step} to '{root}' failed: {type(error).__name__}: {error}. "
             f"Nothing was committed.{intact}"
         ) from error
-    return locations.as_path(directory) / str(step)
+    return root.step_dir(step)
 
 
 def _save_held(
-    directory: str | os.PathLike,
+    directory: step_dirs.CheckpointRoot,
     step: int,
     record: StepRecord,
     keys: list[str],
@@ -239,7 +240,7 @@ def _save_held(
     """Orbax's save of `step`, held open while the caller's arrays are written into it, then
     committed."""
     hold = _Hold()
-    checkpointer = step_writer.open_checkpointer(
+    checkpointer = step_sink.open_checkpointer(
         directory, leaf_handler=_HeldOpen, commit_timeout_s=_COMMIT_TIMEOUT_S
     )
     placeholder = jax.numpy.zeros((), np.uint8)  # each leaf: only the keys matter to Orbax
@@ -265,7 +266,7 @@ def _save_held(
         raise
     hold.written.set_result(None)
     with checkpointer:
-        step_writer.DurableResponse(response, checkpointer.directory, step).result()
+        step_sink.DurableResponse(response, directory, step).result()
 
 
 def _directory(hold: _Hold, response: Any) -> Any:
@@ -292,7 +293,7 @@ def _write(
     """Writes each of the caller's arrays into `state_dir`, letting each go once it is written."""
     seen: set[str] = set()
     in_flight = _IN_FLIGHT_BYTES
-    with shard_writer.ArrayFiles(state_dir, in_flight_bytes=in_flight, plan=plan) as files:
+    with files_writer.ArrayFiles(state_dir, in_flight_bytes=in_flight, plan=plan) as files:
         for key, value in caller:
             _check(record, key, value, seen)
             seen.add(key)
@@ -355,14 +356,14 @@ class _AbandonedFilter(logging.Filter):
         return exc is not self._abandoned and str(self._abandoned) not in record.getMessage()
 
 
-def _remove_unfinished(directory: str | os.PathLike, step: int) -> None:
+def _remove_unfinished(directory: step_dirs.CheckpointRoot, step: int) -> None:
     """Removes what a failed attempt at `step` left, unless the step got committed: Orbax's
     temporary directory (local; the writer lock makes it this attempt's), or, in object storage,
     the step's objects written in place before the commit marker. Process 0 removes them."""
-    if not multihost.is_primary() or step in step_dirs.committed_steps(directory):
+    if not multihost.is_primary() or step in directory.listed_again():
         return
-    root = locations.as_path(directory)
-    if locations.is_remote(directory):
+    root = directory.path
+    if locations.is_remote(root):
         unfinished = root / str(step)
         if unfinished.exists():
             unfinished.rmtree()

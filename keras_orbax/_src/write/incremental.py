@@ -72,7 +72,9 @@ SHARED_KEY = "shared"  # steps holding this very file (link) or object (copy), t
 _PROBE_EVERY = 16
 _DIGEST_HEX = 32  # 128 bits
 
-WriteShard = Callable[[Any], tuple[str, Mapping[str, Any]]]
+# Writes a shard; with `fingerprinted=True` its entry holds the fingerprint too, computed while the
+# bytes are written (`shard_files.write_shard`).
+WriteShard = Callable[..., tuple[str, Mapping[str, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,9 @@ class Plan:
         if not fingerprinted_after(streak):  # it changed at every recent save: write it
             name, entry = write(shard)
             return name, {**entry, WRITTEN_KEY: streak + 1}
+        if recorded is None:  # nothing to compare with: fingerprinted as it is written, in cache
+            name, entry = write(shard, fingerprinted=True)
+            return name, {**entry, WRITTEN_KEY: streak + 1, SHARED_KEY: 1}
         digest = fingerprint(shard.layout, shard.data)
         if (
             recorded is not None
@@ -187,9 +192,18 @@ def record_versions(root: str, checksums: Mapping[str, dict[str, Any]]) -> None:
 def fingerprint(layout: str, data: np.ndarray) -> str:
     """128 bits of SHA-256 over `layout` and `data`'s bytes (C-contiguous). hashlib releases the
     GIL over large buffers, so the writer's threads fingerprint shards in parallel."""
-    digest = hashlib.sha256(layout.encode())
-    digest.update(memoryview(data.reshape(-1).view(np.uint8).data))
-    return digest.hexdigest()[:_DIGEST_HEX]
+    hasher = fingerprinter(layout)
+    hasher.update(memoryview(data.reshape(-1).view(np.uint8).data))
+    return fingerprint_of(hasher)
+
+
+def fingerprinter(layout: str) -> Any:
+    """A fingerprint begun: `update` it with the shard's bytes in order, then `fingerprint_of`."""
+    return hashlib.sha256(layout.encode())
+
+
+def fingerprint_of(hasher: Any) -> str:
+    return str(hasher.hexdigest()[:_DIGEST_HEX])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -213,10 +227,11 @@ def _sharding_text(sharding: Any) -> str:
 def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Plan:
     """The plan of a save of `step` to `directory`: compared with the latest committed step before
     it. With `rewrite_every=K`, a file held by K steps already is written again."""
-    earlier = [s for s in step_dirs.committed_steps(directory) if s < step]
+    root = step_dirs.CheckpointRoot.of(directory)  # a caller's root: its listing reused
+    earlier = [s for s in root.steps() if s < step]
     if not earlier:
         return Plan(None, {}, rewrite_every)
-    state = locations.as_path(directory) / str(earlier[-1]) / STATE
+    state = root.step_dir(earlier[-1]) / STATE
     return Plan(os.fspath(state), _recorded(state), rewrite_every)
 
 

@@ -1,7 +1,7 @@
 """The files of the `"fast"` format, one at a time: a shard file (local, or an object), a small
 metadata file, and this process's checksum file.
 
-`shard_writer.ArrayFiles` decides which files a step has and writes them concurrently; these are
+`files_writer.ArrayFiles` decides which files a step has and writes them concurrently; these are
 the single writes it hands to its threads. A local shard file is written once, straight from the
 shard's buffer, checksummed piece by piece while still in cache, and fsync-ed; an object is sent
 in one request (an object is durable once written). Nothing here fsyncs a directory.
@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_orbax._src.format import checksum, crc
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.storage import durable
 from keras_orbax._src.write import incremental
 
 
@@ -79,46 +80,66 @@ def _entry(crcs: list[int], nbytes: int) -> dict[str, int]:
     return {**{c.key: value for c, value in zip(crc.RECORDED, crcs, strict=True)}, "bytes": nbytes}
 
 
-def put_shard(store: Any, shard: Shard) -> tuple[str, dict[str, int]]:
-    """Writes one shard as an object (copied once into the request body); its name and checksum."""
+def put_shard(store: Any, shard: Shard, fingerprinted: bool = False) -> tuple[str, dict[str, Any]]:
+    """Writes one shard as an object (copied once into the request body); its name and checksum
+    entry (with `fingerprinted`, its fingerprint too)."""
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
     crcs = [c.of(view, index) for c in crc.RECORDED]
     store.write(shard.relative, b"".join((view, index))).result()
-    return shard.relative, _entry(crcs, len(view) + len(index))
+    entry: dict[str, Any] = _entry(crcs, len(view) + len(index))
+    if fingerprinted:
+        entry[incremental.ENTRY_KEY] = incremental.fingerprint(shard.layout, shard.data)
+    return shard.relative, entry
 
 
 def put_file(store: Any, name: str, content: bytes) -> None:
     store.write(name, content).result()
 
 
-def write_shard(root: str, shard: Shard) -> tuple[str, dict[str, int]]:
-    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it; returns its
-    name and checksum entry."""
+def write_shard(
+    root: str, shard: Shard, synced: durable.Synced | None = None, fingerprinted: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it, noting it in
+    `synced`; returns its name and checksum entry (with `fingerprinted`, its fingerprint too,
+    computed piece by piece as the CRCs are: one pass over the bytes, each piece in cache)."""
     path = f"{root}/{shard.relative}"
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     index = checksum.shard_index(len(view))
     crcs = [0] * len(crc.RECORDED)
+    hasher = incremental.fingerprinter(shard.layout) if fingerprinted else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         for start in range(0, len(view), checksum.PIECE_BYTES):
             piece = view[start : start + checksum.PIECE_BYTES]
             crcs = [c.update(value, piece) for c, value in zip(crc.RECORDED, crcs, strict=True)]
+            if hasher is not None:
+                hasher.update(piece)
             _write_all(fd, piece)
         crcs = [c.update(value, index) for c, value in zip(crc.RECORDED, crcs, strict=True)]
         _write_all(fd, memoryview(index))
         os.fsync(fd)
+        if synced is not None:
+            synced.add(fd)
     finally:
         os.close(fd)
-    return shard.relative, _entry(crcs, len(view) + len(index))
+    entry: dict[str, Any] = _entry(crcs, len(view) + len(index))
+    if hasher is not None:
+        entry[incremental.ENTRY_KEY] = incremental.fingerprint_of(hasher)
+    return shard.relative, entry
 
 
-def write_file(path: str, content: bytes, sync: bool = True) -> None:
+def write_file(
+    path: str, content: bytes, sync: bool = True, synced: durable.Synced | None = None
+) -> None:
+    """Writes `content` to a new file at `path`; with `sync`, fsyncs it, noting it in `synced`."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         _write_all(fd, memoryview(content))
         if sync:
             os.fsync(fd)
+            if synced is not None:
+                synced.add(fd)
     finally:
         os.close(fd)
 

@@ -20,14 +20,9 @@ temporary step directory. Each single file's write is `shard_files`'.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import contextvars
-import functools
-import os
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,14 +30,10 @@ import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.storage import durable, locations
-from keras_orbax._src.write import incremental, shard_files, staging
+from keras_orbax._src.write import files_writer, incremental, staging
 from keras_orbax._src.write.shard_files import Shard
-from keras_orbax._src.write.shard_metadata import SavedArray, array_files, step_files
+from keras_orbax._src.write.shard_metadata import SavedArray
 
-# Files in flight. Large shards: enough to keep the disk's queue full while others fsync. Small
-# ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
-# (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
-_WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
 # An array of at most this many bytes is one chunk in one file, not one per shard: the files and
 # directories of a model of many small variables are what its save costs (5000 variables, kernels
 # split over 4 devices: 17,500 files and 12,500 directories before, 10,000 and 5,000 now; save
@@ -51,6 +42,9 @@ PACK_BYTES = 1 << 20
 _COPY_SHARDS = contextvars.ContextVar("keras_orbax_copy_shards", default=True)
 _STAGED: contextvars.ContextVar[Mapping[str, list[Shard]] | None] = contextvars.ContextVar(
     "keras_orbax_staged_shards", default=None
+)
+_SYNCED: contextvars.ContextVar[durable.Synced | None] = contextvars.ContextVar(
+    "keras_orbax_synced", default=None
 )
 
 
@@ -77,6 +71,17 @@ def stage(values: Mapping[str, Any]) -> dict[str, list[Shard]]:
     for shard in _host_shards(params, copy=True):
         staged[shard.array].append(shard)
     return staged
+
+
+@contextlib.contextmanager
+def noting_fsyncs(synced: durable.Synced) -> Iterator[None]:
+    """Within it, a save notes in `synced` every file it fsyncs (`durable.step_committed` then
+    passes over them)."""
+    token = _SYNCED.set(synced)
+    try:
+        yield
+    finally:
+        _SYNCED.reset(token)
 
 
 @contextlib.contextmanager
@@ -112,18 +117,18 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         else:
             shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
-        plan = incremental.active()
+        plan, synced = incremental.active(), _SYNCED.get()
 
         async def write() -> None:
             await parent.await_creation()
             path = locations.as_path(parent.path)
-            await asyncio.to_thread(write_arrays, path, arrays, shards, plan)
+            await asyncio.to_thread(files_writer.write_arrays, path, arrays, shards, plan, synced)
 
         return write()
 
 
 def shards_of(name: str, value: jax.Array) -> tuple[list[SavedArray], list[Shard]]:
-    """What `ArrayFiles.add` takes to write `value` under the Orbax parameter name `name`: its
+    """What `files_writer.ArrayFiles.add` takes to write `value` under the Orbax parameter name `name`: its
     description and the shards this process writes (on CPU, views of its device buffers: `value`
     must not change until they are written).
 
@@ -227,165 +232,3 @@ def _assemble(value: jax.Array, shards: Sequence[Any], datas: Iterator[np.ndarra
     for shard in shards:
         whole[shard.index] = next(datas)
     return whole
-
-
-def write_arrays(
-    directory: Any,
-    arrays: list[SavedArray],
-    shards: list[Shard],
-    plan: incremental.Plan | None = None,
-) -> None:
-    """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
-    durably: each file and each directory is fsync-ed (an object is durable once written)
-    before this returns. With `plan`, a shard unchanged since the previous step is linked."""
-    small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
-    local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
-    workers = _WORKERS_SMALL if local_small else _WORKERS
-    with ArrayFiles(directory, workers=workers, plan=plan) as files:
-        files.add(arrays, shards)
-        files.finish()
-
-
-class ArrayFiles:
-    """The files of a step's arrays under `directory` (its `state/`), written a few arrays at a
-    time (`add`), then, in `finish`, the files that list them all (`_sharding`,
-    `array_metadatas/process_<i>`, this process's checksums): durable when `finish` returns.
-
-    With `in_flight_bytes`, `add` returns only once at most that many bytes of shards are still
-    being written, so a caller that hands over one array at a time and lets it go holds about
-    that much beyond the array it is reading (`convert`). Without it, every shard is written
-    concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`,
-    each shard is fingerprinted and, if unchanged since the previous step, linked to that step's
-    file (in object storage: copied on the server from that step's object; `incremental`).
-
-    ```python
-    with ArrayFiles(state_dir, in_flight_bytes=64 << 20) as files:
-        for name, value in arrays:
-            files.add([describe(name, value)], host_shards([Param(name, value)], copy=False))
-        files.finish()
-    ```
-    """
-
-    def __init__(
-        self,
-        directory: Any,
-        *,
-        workers: int = _WORKERS,
-        in_flight_bytes: int | None = None,
-        plan: incremental.Plan | None = None,
-    ) -> None:
-        self._remote = locations.is_remote(directory)
-        self._plan = plan
-        # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
-        self._root = os.fspath(directory)
-        self._store = locations.kvstore(directory) if self._remote else None
-        self._pool = ThreadPoolExecutor(workers)
-        self._once = shard_files.Once()
-        self._made: dict[str, None] = {}  # directories made (relative), parents first
-        self._arrays: list[SavedArray] = []
-        self._checksums: dict[str, dict[str, Any]] = {}
-        self._pending: collections.deque[tuple[list[Future[Any]], int]] = collections.deque()
-        self._in_flight, self._limit = 0, in_flight_bytes
-
-    def __enter__(self) -> ArrayFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def add(self, arrays: list[SavedArray], shards: list[Shard]) -> None:
-        """Writes the shard files and `zarr.json` of `arrays` (`shards`: this process's)."""
-        self._arrays += arrays
-        nbytes = sum(s.data.nbytes for s in shards)
-        self._pending.append((self._write(array_files(arrays), shards), nbytes))
-        self._in_flight += nbytes
-        while self._limit is not None and self._in_flight > self._limit and self._pending:
-            self._collect_oldest()
-
-    def finish(self) -> None:
-        """Writes the files that list every array added, waits for all, and makes them durable.
-
-        Raises:
-            OSError: a file could not be written (the first such error).
-        """
-        self._pending.append((self._write(step_files(self._arrays), []), 0))
-        while self._pending:
-            self._collect_oldest()
-        name = shard_files.checksums_name()
-        if self._store is not None and self._plan is not None:  # what the next save's copies check
-            incremental.record_versions(self._root, self._checksums)
-        content = shard_files.checksums_json(self._checksums, fingerprinted=self._plan is not None)
-        if self._store is not None:
-            self._store.write(name, content).result()
-            return
-        for relative in _ancestors(name):
-            self._make_dir(relative)
-        shard_files.write_file(f"{self._root}/{name}", content)
-        written = [*self._once.written, *(f"{self._root}/{relative}" for relative in self._made)]
-        list(self._pool.map(durable.fsync_path, written))
-
-    def _collect_oldest(self) -> None:
-        futures, nbytes = self._pending.popleft()
-        for future in futures:
-            written = future.result()
-            if written is not None:
-                self._checksums[written[0]] = written[1]
-        self._in_flight -= nbytes
-
-    def _write(self, files: list[tuple[str, bytes]], shards: list[Shard]) -> list[Future[Any]]:
-        """Starts writing `shards` (each future gives its name and checksum) and writes or starts
-        writing `files`."""
-        if self._store is not None:
-            store = self._store
-            started = [self._pool.submit(self._shard_write(shard)) for shard in shards]
-            return started + [
-                self._pool.submit(shard_files.put_file, store, *file) for file in files
-            ]
-        # Each file's write by its directory (relative to `directory`, "" for itself); the
-        # directories to make are those and every one above them.
-        writes: dict[str, list[Callable[[], Any]]] = defaultdict(list)
-        for shard in shards:
-            writes[_parent(shard.relative)].append(self._shard_write(shard))
-        metadata: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
-        for name, content in files:
-            metadata[_parent(name)].append((f"{self._root}/{name}", content))
-        names = [*(s.relative for s in shards), *(name for name, _ in files)]
-        dirs = sorted({parent for name in names for parent in _ancestors(name)})  # parents first
-        # Directories are made here one by one (a parent's lock orders them anyway; 5000 arrays:
-        # 0.1-1 ms of kernel CPU each), and the shard files of each written by the pool as soon
-        # as it exists, overlapping the two (5000 Dense(64): 9.7 -> 6.8 s, medians of 10
-        # alternating); the metadata files here, each content once (`shard_files.Once`).
-        started = []
-        for relative in dirs:
-            self._make_dir(relative)
-            started += [self._pool.submit(write) for write in writes[relative]]
-            for path, content in metadata[relative]:
-                self._once.write(path, content)
-        return started
-
-    def _shard_write(self, shard: Shard) -> Callable[[], Any]:
-        """Writing `shard`'s file or object; with a plan, carried over if unchanged."""
-        if self._store is not None:
-            write = functools.partial(shard_files.put_shard, self._store)
-        else:
-            write = functools.partial(shard_files.write_shard, self._root)
-        if self._plan is None:
-            return functools.partial(write, shard)
-        return functools.partial(self._plan.write_or_link, self._root, shard, write)
-
-    def _make_dir(self, relative: str) -> None:
-        if relative not in self._made:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(f"{self._root}/{relative}")
-            self._made[relative] = None
-
-
-def _parent(relative: str) -> str:
-    return relative.rpartition("/")[0]
-
-
-def _ancestors(relative: str) -> list[str]:
-    """The directories above the file `relative`, from `directory` itself ("") down: each is made
-    before the file and fsync-ed after it (`c/0/1/2` of a 3-D array has three below the array's)."""
-    parts = relative.split("/")[:-1]
-    return ["/".join(parts[:n]) for n in range(len(parts) + 1)]

@@ -7,13 +7,13 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import keras
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax._src.compat import keras_compat, orbax_compat
+from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import own_state, step_dirs
 from keras_orbax._src.format.data_state import DATA_STATE
 from keras_orbax._src.format.step_record import (
@@ -25,10 +25,10 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import commit, durable, locations
+from keras_orbax._src.storage import commit, durable
 from keras_orbax._src.storage.writer_lock import writer_lock
-from keras_orbax._src.write import data_state_writer, shard_writer
 from keras_orbax._src.write import incremental as incremental_saves
+from keras_orbax._src.write import shard_writer, step_sink
 from keras_orbax.errors import (
     DeferredVariableError,
     KerasOrbaxError,
@@ -36,20 +36,8 @@ from keras_orbax.errors import (
     StepExistsError,
 )
 
-SaveFormat = Literal["fast", "compact"]
-# "fast": one uncompressed file per shard, chunk = shard (one file for an array of <= 1 MiB), so
-# restore reads each file once, straight into the buffer its device uses (docs/format.md); keras-orbax
-# writes these files itself (`shard_writer`). "compact": Orbax's defaults, zstd-compressed chunks in one
-# OCDBT database per process: smaller, fewer files.
-_FORMATS: dict[str, dict[str, bool]] = {
-    "fast": {
-        "use_zarr3": True,
-        "use_compression": False,
-        "use_ocdbt": False,
-        "use_replica_parallel": False,
-    },
-    "compact": {"use_zarr3": True, "use_compression": True, "use_ocdbt": True},
-}
+SaveFormat = step_sink.SaveFormat
+_FORMATS = step_sink.FORMATS  # where benchmarks/save_benchmark.py reads the options
 
 
 @gc_pause.paused()
@@ -104,20 +92,22 @@ def save(
     ```
     """
     step = step_dirs.checked_step(step)
-    _check_format(format, directory)
+    step_sink.check_format(format, directory)
     check_rewrite_every(rewrite_every)
     multihost.same_arguments("save", directory=os.fspath(directory), step=step, format=format)
-    checked = _checked_variables(model, directory, step, overwrite=overwrite, weights_only=False)
+    root = step_dirs.CheckpointRoot(directory)  # the one path of it, its steps listed once
+    # A committed `step` is refused under the lock, before anything is written: one listing.
+    checked = _checked_variables(model, root, step, overwrite=True, weights_only=False)
     try:
         with (
-            writer_lock(directory, step),  # released once the checkpointer has closed
-            quiet.skipped_merge_notices(directory),
-            open_checkpointer(directory, format) as checkpointer,
+            writer_lock(root, step),  # released once the checkpointer has closed
+            quiet.skipped_merge_notices(root),
+            step_sink.open_checkpointer(root, format) as checkpointer,
         ):
-            # Again under the lock (process 0 holds it and decides): a writer that held it may
-            # have committed the step since the check above.
+            # Decided under the lock (process 0 holds it and decides): a writer that held it may
+            # have committed the step since `_checked_variables`.
             multihost.primary_value(
-                f"save/step {step} free", _refuse_committed, directory, step, overwrite
+                f"save/step {step} free", _refuse_committed, root, step, overwrite, True
             )
             write_step(
                 checkpointer,
@@ -128,17 +118,18 @@ def save(
                 checked=checked,
                 incremental=incremental,
                 rewrite_every=rewrite_every,
+                root=root,
             )
     except Exception as error:  # the write failed: a full disk, a read-only directory...
         if isinstance(error, KerasOrbaxError) and not isinstance(error, SaveFailedError):
             raise  # the caller's input (StepExistsError...), or a process that never reported
-        steps = step_dirs.committed_steps(directory)
+        steps = root.steps()  # as listed under the lock: nothing was committed since
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
-            f"Saving step {step} to '{locations.as_path(directory)}' failed: "
+            f"Saving step {step} to '{root}' failed: "
             f"{type(error).__name__}: {error}. Nothing was committed.{intact}"
         ) from error
-    return locations.as_path(directory) / str(step)
+    return root.step_dir(step)
 
 
 def check_rewrite_every(rewrite_every: Any) -> None:
@@ -165,71 +156,6 @@ def warm_up() -> None:
         keras.saving.serialize_keras_object(keras.initializers.Zeros())
 
 
-def open_checkpointer(
-    directory: str | os.PathLike,
-    format: SaveFormat = "fast",
-    preservation_policy: Any = None,
-    *,
-    leaf_handler: type = shard_writer.FastArrayLeafHandler,
-    commit_timeout_s: int | None = None,
-) -> ocp.training.Checkpointer:
-    """An Orbax `training.Checkpointer` that writes keras-orbax's array format.
-
-    `leaf_handler` writes the fast format's arrays (`array_writer` holds the step open instead);
-    `commit_timeout_s` replaces Orbax's limit on the time from a save's start to its commit.
-    """
-    _check_format(format, directory)
-    context = ocp.Context()
-    for option, value in _FORMATS[format].items():
-        setattr(context.array.saving, option, value)
-    # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way every
-    # process's outcome agreed on (`_agree_on_write`) before Orbax commits the step. Both formats
-    # hold each process's input position (`data_state_writer`).
-    array_handler = leaf_handler if format == "fast" else orbax_compat.array_leaf_handler()
-    context.checkpointables_options.registry = data_state_writer.register(_registry(array_handler))
-    if commit_timeout_s is not None:
-        context.async_options.timeout_secs = commit_timeout_s
-    if locations.is_remote(directory):  # no atomic rename: a marker file commits the step
-        context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
-    return ocp.training.Checkpointer(
-        locations.as_path(directory), context=context, preservation_policy=preservation_policy
-    )
-
-
-def _registry(leaf_handler: type) -> Any:
-    """Orbax's handlers, with `state` saved by a PyTreeHandler whose `jax.Array` leaves go to
-    `leaf_handler` and whose commit waits for `_agree_on_write`."""
-    handler = orbax_compat.pytree_handler_with_array_writer(leaf_handler, _agree_on_write)
-    registry = ocp.handlers.local_registry(include_global_registry=False)
-    registry.add(handler, checkpointable_name=STATE)
-    default = ocp.handlers.local_registry()
-    for handler_type, name in default.get_all_entries():
-        if name != STATE:
-            registry.add(
-                handler_type,
-                checkpointable_name=name,
-                secondary_typestrs=default.get_secondary_typestrs(handler_type),
-            )
-    return registry
-
-
-def _agree_on_write(operation_id: str, error: BaseException | None, wait_s: float | None) -> None:
-    """The step's "agree" stage, between this process's writes and Orbax's commit: every process
-    reports whether its shard files were written and fsynced; if any failed, every process raises
-    `SaveFailedError` naming it, and none enters Orbax's commit barrier. Processes that are only
-    slower are waited for as long as Orbax's own limit on the write (`wait_s`).
-
-    Raises:
-        SaveFailedError: a process failed (its error named); the step is not committed.
-        ProcessSyncError: a process did not report within `wait_s`.
-    """
-    commit.fault_point("agree")
-    multihost.agree_on_outcome(
-        "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
-    )
-    commit.fault_point("rename")  # Orbax's finalize: its metadata, then the rename
-
-
 def write_step(
     checkpointer: ocp.training.Checkpointer,
     model: keras.Model,
@@ -247,6 +173,7 @@ def write_step(
     incremental: bool = True,
     rewrite_every: int | None = None,
     data_state: dict[str, Any] | None = None,
+    root: step_dirs.CheckpointRoot | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -259,9 +186,11 @@ def write_step(
     committed step (`incremental.plan_for`, decided when the save starts writing), each file into
     at most `rewrite_every` steps.
     `data_state`: this process's input position (`format/data_state.py`), committed with the step.
+    `root`: the checkpointer's root as the caller resolved and listed it (`save`).
     """
+    root = root or step_dirs.CheckpointRoot(checkpointer.directory)
     state, variables = checked or _checked_variables(
-        model, checkpointer.directory, step, overwrite=overwrite, weights_only=weights_only
+        model, root, step, overwrite=overwrite, weights_only=weights_only
     )
     record = StepRecord(
         step=step,
@@ -280,14 +209,11 @@ def write_step(
     if data_state is not None:
         checkpointables[DATA_STATE] = data_state
 
-    def start() -> DurableResponse | None:
+    def start() -> step_sink.DurableResponse | None:
         commit.fault_point("stage")
-        plan = (
-            incremental_saves.plan_for(checkpointer.directory, step, rewrite_every)
-            if incremental
-            else None
-        )
-        with incremental_saves.planned(plan):
+        plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
+        synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
+        with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
             response = checkpointer.save_checkpointables_async(
                 step,
                 checkpointables,
@@ -296,7 +222,9 @@ def write_step(
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        return None if response is None else DurableResponse(response, checkpointer.directory, step)
+        if response is None:
+            return None
+        return step_sink.DurableResponse(response, root, step, synced)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
@@ -310,29 +238,10 @@ def write_step(
     return response
 
 
-class DurableResponse:
-    """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
-    durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename).
-
-    Hand the checkpointer no preservation policy: Orbax would delete older steps before the commit
-    is reported, so before this fsync. `ModelCheckpoint` deletes them once `result()` has returned
-    (`training/retention.py`).
-    """
-
-    def __init__(self, response: ocp.AsyncResponse, directory: Any, step: int) -> None:
-        self._response, self._step_dir = response, locations.as_path(directory) / str(step)
-
-    def result(self) -> None:
-        self._response.result()
-        commit.fault_point("fsync")
-        if not locations.is_remote(self._step_dir):  # an object is durable once written
-            durable.step_committed(self._step_dir)
-
-
 class LaterSave:
     """A save whose shards are on the host already; `result()` writes and commits it."""
 
-    def __init__(self, start: Callable[[], DurableResponse | None], staged: Any) -> None:
+    def __init__(self, start: Callable[[], step_sink.DurableResponse | None], staged: Any) -> None:
         self._start, self._staged = start, staged
 
     def result(self) -> None:
@@ -342,21 +251,9 @@ class LaterSave:
             response.result()
 
 
-def _check_format(format: str, directory: str | os.PathLike) -> None:
-    if format not in _FORMATS:
-        raise ValueError(f"format must be one of {sorted(_FORMATS)}. Received: format={format!r}")
-    if format == "compact" and os.fspath(directory).startswith("s3://"):
-        # Orbax builds a local file path for the arrays of an s3:// checkpoint in this format.
-        raise ValueError(
-            "format='compact' cannot be written to s3:// (Orbax's tensorstore path for it is "
-            "local-only); use the default format='fast'. "
-            f"Received: format={format!r}, directory={os.fspath(directory)!r}"
-        )
-
-
 def _checked_variables(
     model: keras.Model,
-    directory: Any,
+    root: step_dirs.CheckpointRoot,
     step: int,
     *,
     overwrite: bool,
@@ -382,16 +279,21 @@ def _checked_variables(
             f"Cannot save model '{model.name}': {len(unset)} variables were built under "
             f"deferred_init() and never restored, e.g. {unset[:5]}. Call restore_sharded first."
         )
-    _refuse_committed(directory, step, overwrite)
+    _refuse_committed(root, step, overwrite)
     return state, variables
 
 
-def _refuse_committed(directory: Any, step: int, overwrite: bool) -> None:
+def _refuse_committed(
+    root: step_dirs.CheckpointRoot, step: int, overwrite: bool, again: bool = False
+) -> None:
     """Raises StepExistsError if `step` is committed and not to be overwritten. Decisive only
-    under the step's writer lock; before it, only a check that fails early."""
-    if not overwrite and step in step_dirs.committed_steps(directory):
+    under the step's writer lock (`again`: listed afresh there); before it, only a check that
+    fails early."""
+    if overwrite:
+        return
+    if step in (root.listed_again() if again else root.steps()):
         raise StepExistsError(
-            f"Step {step} is already committed in '{locations.as_path(directory)}'. Pass "
+            f"Step {step} is already committed in '{root}'. Pass "
             f"overwrite=True to replace it. Received: step={step}"
         )
 

@@ -1,0 +1,141 @@
+"""How a staged export takes the place of the previous one: the rename stage (the commit point)
+and the prune stage of `storage.commit`'s protocol.
+
+A directory export is swapped with the old directory in one atomic `renameat2(RENAME_EXCHANGE)`,
+the old one's other files linked in first; where it cannot be (a mount point, a filesystem without
+the exchange) its files are renamed one by one, configs last, with a warning. A file export is
+renamed file by file, its index last. Only after the commit is what it replaced removed.
+
+```python
+replace.rename(sink, staging)  # committed once this returns
+replace.prune(sink, staging)
+```
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from keras_orbax._src.storage import durable
+from keras_orbax.errors import KerasOrbaxWarning
+
+if TYPE_CHECKING:
+    from keras_orbax._src.storage.commit import ExportSink
+
+
+def in_place(sink: ExportSink) -> bool:
+    """Whether the export is a mount point, renamed into file by file (no rename leaves it)."""
+    return sink.whole_directory and os.path.ismount(sink.destination)
+
+
+def rename(sink: ExportSink, staging: Path) -> None:
+    """The commit: one atomic exchange for a directory, else each file, configs last."""
+    parent = sink.destination.parent
+    if sink.whole_directory:
+        if in_place(sink):
+            _rename_each_file(sink, staging)
+        elif not sink.destination.exists():
+            os.rename(staging, sink.destination)
+        elif not _exchange(staging, sink.destination):
+            _rename_each_file(sink, staging)
+    else:
+        order = sink.commit_order()
+        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
+            (parent / order[-1]).unlink(missing_ok=True)
+        for name in order:
+            os.replace(staging / name, parent / name)
+    durable.fsync_path(parent)
+
+
+def _rename_each_file(sink: ExportSink, staging: Path) -> None:
+    """Where the directory cannot be swapped (a mount point, a filesystem without
+    `RENAME_EXCHANGE`): the files one by one, configs last, then the old export's files that this
+    one does not write removed; say so: a kill part-way leaves a directory that mixes both."""
+    warnings.warn(
+        f"{sink.destination} cannot be swapped with its new version atomically (a mount point, "
+        "or no renameat2 RENAME_EXCHANGE); the export's files are renamed one by one, configs "
+        "last.",
+        KerasOrbaxWarning,
+        stacklevel=4,
+    )
+    files = sorted(
+        (p for p in staging.rglob("*") if p.is_file()), key=lambda p: p.name.endswith(".json")
+    )
+    written = {path.relative_to(staging).as_posix() for path in files}
+    for path in files:
+        target = sink.destination / path.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    for path in list(sink.destination.rglob("*")):
+        relative = path.relative_to(sink.destination).as_posix()
+        if path.is_file() and relative not in written and sink.is_export_file(relative):
+            path.unlink()
+    durable.fsync_tree(sink.destination)
+
+
+def prune(sink: ExportSink, staging: Path) -> None:
+    """Removes what the committed export replaced; a failure only warns (the export is
+    committed, and the next export removes what is left)."""
+    try:
+        if not sink.whole_directory:
+            for name in sink.replaced():
+                (sink.destination.parent / name).unlink(missing_ok=True)
+        remove(staging)  # a directory export: the old directory, swapped in here
+        durable.fsync_path(sink.destination.parent)
+    except OSError as error:
+        warnings.warn(
+            f"{sink.destination} is committed, but removing what it replaced failed: {error}. "
+            f"The next export there removes {staging}.",
+            KerasOrbaxWarning,
+            stacklevel=3,
+        )
+
+
+def link_kept_files(sink: ExportSink, staging: Path) -> None:
+    """Hard links, into the staged directory, every file of the old one that this export does not
+    write (the user's own files): the exchange keeps them."""
+    if not sink.destination.is_dir():
+        return
+    for path in sorted(sink.destination.rglob("*")):
+        relative = path.relative_to(sink.destination)
+        target = staging / relative
+        if path.is_dir() or target.exists() or sink.is_export_file(relative.as_posix()):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, target)
+        except OSError:  # a filesystem without hard links: a copy
+            shutil.copy2(path, target)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux `renameat2(RENAME_EXCHANGE)`); False where the platform or
+    filesystem cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.EBUSY):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(b))
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,280 @@
+"""`StepSink`: the commit protocol (`storage.commit.Sink`) for the steps of a checkpoint root.
+
+A step is written and committed by Orbax's `training.Checkpointer` (a temporary directory, barriers
+across processes, process 0's metadata and rename), so its stages sit at fixed places inside
+Orbax's save, with the same fault points (`storage.commit.fault_point`) as an export's:
+
+1. **stage**: every process writes its shard files into Orbax's temporary directory, each fsynced
+   (`shard_writer`, `"fast"`), or Orbax's tensorstore does (`"compact"`).
+2. **agree** (`agree_on_write`, between those writes and Orbax's commit barrier): every process
+   reports its outcome (`multihost.gather_outcomes`, keyed by Orbax's operation id: a background
+   save agrees from Orbax's thread); then **regions**: each reports the shard files it wrote and
+   still finds by name, and every process checks every report against the files each was due to
+   write, computed from the arrays' shardings (`storage.commit.check_regions`; `"fast"` only:
+   Orbax's tensorstore does not say what it wrote). A failure is `SaveFailedError` on every
+   process, before any enters Orbax's barrier.
+3. **rename**: Orbax's finalize (its barrier, metadata and rename), bounded from the agreement on
+   by `KERAS_ORBAX_SYNC_TIMEOUT_S` (`orbax_compat.pytree_handler_with_array_writer`).
+4. **fsync**: every file and directory of the renamed step, and its root (`DurableResponse`).
+5. **prune**: `ModelCheckpoint`'s retention, once the step is durable (`training/retention.py`).
+
+```python
+sink = StepSink(root, "fast")
+with sink.open_checkpointer() as checkpointer:
+    response = checkpointer.save_checkpointables_async(step, checkpointables)
+    DurableResponse(response, root, step).result()
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Literal
+
+import orbax.checkpoint.experimental.v1 as ocp
+
+from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import STATE
+from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.runtime import multihost
+from keras_orbax._src.storage import commit, durable, locations
+from keras_orbax._src.write import data_state_writer, files_writer, shard_writer
+from keras_orbax._src.write.shard_metadata import SavedArray
+from keras_orbax.errors import SaveFailedError
+
+SaveFormat = Literal["fast", "compact"]
+# "fast": one uncompressed file per shard, chunk = shard (one file for an array of <= 1 MiB), so
+# restore reads each file once, straight into the buffer its device uses (docs/format.md); keras-orbax
+# writes these files itself (`shard_writer`). "compact": Orbax's defaults, zstd-compressed chunks in one
+# OCDBT database per process: smaller, fewer files.
+FORMATS: dict[str, dict[str, bool]] = {
+    "fast": {
+        "use_zarr3": True,
+        "use_compression": False,
+        "use_ocdbt": False,
+        "use_replica_parallel": False,
+    },
+    "compact": {"use_zarr3": True, "use_compression": True, "use_ocdbt": True},
+}
+
+
+class StepSink(commit.Sink):
+    """The steps of the checkpoint root `destination`, written in `format` through Orbax.
+
+    One sink serves every save of one checkpointer (`ModelCheckpoint` keeps one for the run);
+    the regions checked are those of the save being agreed on.
+    """
+
+    unchanged = "the step is not committed"
+
+    def __init__(self, destination: Any, format: SaveFormat = "fast") -> None:
+        check_format(format, destination)
+        self.root = step_dirs.CheckpointRoot.of(destination)
+        self.destination, self.format = self.root.path, format
+        self._arrays: list[SavedArray] = []
+
+    def open_checkpointer(
+        self,
+        preservation_policy: Any = None,
+        *,
+        leaf_handler: type = shard_writer.FastArrayLeafHandler,
+        commit_timeout_s: int | None = None,
+    ) -> ocp.training.Checkpointer:
+        """An Orbax `training.Checkpointer` that writes keras-orbax's array format and commits
+        through this sink (`agree_on_write` before Orbax's commit barrier).
+
+        `leaf_handler` writes the fast format's arrays (`array_writer` holds the step open
+        instead); `commit_timeout_s` replaces Orbax's limit on the time from a save's start to its
+        commit.
+        """
+        context = ocp.Context()
+        for option, value in FORMATS[self.format].items():
+            setattr(context.array.saving, option, value)
+        # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way
+        # every process's outcome agreed on (`agree_on_write`) before Orbax commits the step.
+        # Both formats hold each process's input position (`data_state_writer`).
+        handler = leaf_handler if self.format == "fast" else orbax_compat.array_leaf_handler()
+        registry = _registry(handler, self.agree_on_write)
+        context.checkpointables_options.registry = data_state_writer.register(registry)
+        if commit_timeout_s is not None:
+            context.async_options.timeout_secs = commit_timeout_s
+        if locations.is_remote(self.destination):  # no atomic rename: a marker file commits
+            context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
+        return ocp.training.Checkpointer(
+            self.destination,
+            context=context,
+            preservation_policy=preservation_policy,
+        )
+
+    def agree_on_write(
+        self, directory: Any, operation_id: str, error: BaseException | None, wait_s: float | None
+    ) -> None:
+        """The step's "agree" and "regions" stages, between this process's writes (into the
+        step's `state/`, `directory`) and Orbax's commit: every process reports whether its shard
+        files were written and fsynced, then which of those it still finds by name; if any failed
+        or any process's files are not those it was due to write, every process raises
+        `SaveFailedError` and none enters Orbax's commit barrier. Processes that are only slower
+        are waited for as long as Orbax's own limit on the write (`wait_s`).
+
+        Raises:
+            SaveFailedError: a process failed (its error named), or wrote other files than it was
+                due to; the step is not committed.
+            ProcessSyncError: a process did not report within `wait_s`.
+        """
+        written = files_writer.take_written(directory)  # taken whatever follows: nothing kept
+        commit.fault_point("agree")
+        multihost.agree_on_outcome(
+            "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
+        )
+        commit.fault_point("regions")
+        if written is not None:  # "fast": keras-orbax's writer knows what each process owns
+            self._check_regions(directory, operation_id, *written)
+        commit.fault_point("rename")  # Orbax's finalize: its metadata, then the rename
+
+    def _check_regions(
+        self, directory: Any, operation_id: str, arrays: list[SavedArray], names: list[str]
+    ) -> None:
+        self._arrays = arrays
+        report, failed = None, None
+        try:
+            report = commit.digest(_still_there(directory, names))
+        except OSError as error:  # an EIO from the filesystem: reported to every process
+            failed = error
+        reports = multihost.gather_outcomes(
+            "checking the step's regions",
+            f"{operation_id}/regions",
+            failed,
+            report,
+            wait_s=multihost.DEFAULT_TIMEOUT_S,  # every process has ended its writes
+            fallback=SaveFailedError,
+            every_report=True,
+        )
+        self.check(reports)
+
+    def regions_due(self, process: int) -> list[str]:
+        """The shard files (relative to the step's `state/`) that `process` writes of the save being
+        agreed on: replica 0 of each distinct shard, as `shard_writer` picks it (JAX numbers the
+        replicas of a shard in the order of `devices_indices_map`); a packed array's one file by
+        the process holding it."""
+        return [name for array in self._arrays for name in _due(array, process)]
+
+
+def _due(array: SavedArray, process: int) -> list[str]:
+    keys = _due_chunks(
+        array.sharding, tuple(array.shape), tuple(array.chunk), array.packed, process
+    )
+    return [f"{array.name}/{key}" for key in keys]
+
+
+@functools.lru_cache(maxsize=1024)
+def _due_chunks(
+    sharding: Any, shape: tuple[int, ...], chunk: tuple[int, ...], packed: bool, process: int
+) -> tuple[str, ...]:
+    """The chunk keys `process` writes of an array of `shape` and `sharding`: computed once per
+    layout (a model's thousands of arrays have a few)."""
+    devices = sharding.devices_indices_map(shape)
+    if packed:
+        holder = next(iter(devices)).process_index
+        return (chunk_key((0,) * len(shape), ONE_FILE_SEPARATOR),) if holder == process else ()
+    seen, due = set(), []
+    for device, index in devices.items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if bounds in seen:
+            continue
+        seen.add(bounds)
+        if device.process_index == process:
+            coords = tuple(a // n if n else 0 for (a, _), n in zip(bounds, chunk, strict=True))
+            due.append(chunk_key(coords))
+    return tuple(due)
+
+
+def _still_there(directory: Any, names: list[str]) -> list[str]:
+    """`names` (files this process wrote under `directory`) that are still there, each looked up by
+    name: never a listing. An object in object storage is there once written."""
+    if locations.is_remote(directory):
+        return names
+    root = os.fspath(locations.as_path(directory))
+    return [name for name in names if _exists(f"{root}/{name}")]
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    return True  # another OSError (EIO) is raised by os.stat, and reported
+
+
+def _registry(leaf_handler: type, before_commit: orbax_compat.BeforeCommit) -> Any:
+    """Orbax's handlers, with `state` saved by a PyTreeHandler whose `jax.Array` leaves go to
+    `leaf_handler` and whose commit waits for `before_commit`."""
+    handler = orbax_compat.pytree_handler_with_array_writer(
+        leaf_handler, before_commit, after_agreement_s=multihost.DEFAULT_TIMEOUT_S
+    )
+    registry = ocp.handlers.local_registry(include_global_registry=False)
+    registry.add(handler, checkpointable_name=STATE)
+    default = ocp.handlers.local_registry()
+    for handler_type, name in default.get_all_entries():
+        if name != STATE:
+            registry.add(
+                handler_type,
+                checkpointable_name=name,
+                secondary_typestrs=default.get_secondary_typestrs(handler_type),
+            )
+    return registry
+
+
+def open_checkpointer(
+    directory: str | os.PathLike,
+    format: SaveFormat = "fast",
+    preservation_policy: Any = None,
+    *,
+    leaf_handler: type = shard_writer.FastArrayLeafHandler,
+    commit_timeout_s: int | None = None,
+) -> ocp.training.Checkpointer:
+    """`StepSink(directory, format).open_checkpointer(...)`."""
+    return StepSink(directory, format).open_checkpointer(
+        preservation_policy, leaf_handler=leaf_handler, commit_timeout_s=commit_timeout_s
+    )
+
+
+class DurableResponse:
+    """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
+    durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename).
+
+    Hand the checkpointer no preservation policy: Orbax would delete older steps before the commit
+    is reported, so before this fsync. `ModelCheckpoint` deletes them once `result()` has returned
+    (`training/retention.py`). `synced`: the files the writer fsynced already
+    (`shard_writer.noting_fsyncs`), not fsynced again.
+    """
+
+    def __init__(
+        self,
+        response: ocp.AsyncResponse,
+        directory: Any,
+        step: int,
+        synced: durable.Synced | None = None,
+    ) -> None:
+        self._response, self._synced = response, synced
+        self._step_dir = step_dirs.CheckpointRoot.of(directory).step_dir(step)
+
+    def result(self) -> None:
+        self._response.result()
+        commit.fault_point("fsync")
+        if not locations.is_remote(self._step_dir):  # an object is durable once written
+            durable.step_committed(self._step_dir, self._synced)
+
+
+def check_format(format: str, directory: str | os.PathLike) -> None:
+    """Raises ValueError unless `format` is one of `FORMATS` and can be written to `directory`."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)}. Received: format={format!r}")
+    if format == "compact" and os.fspath(directory).startswith("s3://"):
+        # Orbax builds a local file path for the arrays of an s3:// checkpoint in this format.
+        raise ValueError(
+            "format='compact' cannot be written to s3:// (Orbax's tensorstore path for it is "
+            "local-only); use the default format='fast'. "
+            f"Received: format={format!r}, directory={os.fspath(directory)!r}"
+        )
