@@ -445,5 +445,42 @@ BENCHMARKS = [
         cpu_devices=None,  # the profiled process sets its own
         render="benchmarks.breakdown:render",
     ),
+    _suite(
+        "export",
+        "export_benchmark",
+        "the three exports of a sharded Gemma (2B widths, 2 layers: 0.54 GiB) against the "
+        "durable write floor",
+        {
+            "save_to_preset": "`keras_orbax.save_to_preset(backbone, dir)`",
+            "save_weights": '`keras_orbax.save_weights(backbone, "model.weights.h5")`',
+            "export_to_transformers": "`keras_orbax.export_to_transformers(backbone, dir)`",
+        },
+        None,
+        sizes={
+            "small": {
+                "vocabulary": 1024,
+                "layers": 2,
+                "heads": 4,
+                "hidden": 256,
+                "intermediate": 2048,
+                "window_mib": 1,
+            },
+            "full": {
+                "vocabulary": 32768,
+                "layers": 2,
+                "heads": 8,
+                "hidden": 2048,
+                "intermediate": 32768,
+                "window_mib": 64,
+            },
+        },
+        columns=(
+            CPU_S,
+            ("floor_s", "floor s (same process)", ".3f"),
+            ("written_gib", "written GiB", ".3f"),
+            ("peak_mib", "peak over resident MiB", ".1f"),
+        ),
+        targets={"save_to_preset": 1.2, "save_weights": 1.2, "export_to_transformers": 1.2},
+    ),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -193,12 +193,12 @@ def test_a_disk_full_mid_export_leaves_the_previous_export(tmp_path):
 
 
 def test_host_memory_stays_within_the_window(tmp_path):
-    """Largest variable 8 MiB, window 1 MiB: the export's peak RSS growth stays near the window,
-    while keras-hub's own export (measured in the same process) holds whole tensors."""
+    """Largest variable 8 MiB, window 1 MiB: the export's peak RSS growth stays within 1.25
+    windows, while keras-hub's own export (measured in the same process) holds whole tensors."""
     [result] = run_workers(WORKER, 1, 8, {"action": "memory", "directory": str(tmp_path)}, 300)
     window, largest = 1 << 20, 8 << 20
     assert result["largest_variable"] == largest
-    assert result["ours"] <= window + largest // 4, result
+    assert result["ours"] <= window + window // 4, result  # 1.25 windows
     assert result["keras_hub"] >= largest, result
 
 
@@ -240,7 +240,7 @@ def test_two_processes_stay_within_the_window(two_processes):
         assert figures["held"] == largest // 2, (process, figures)
         assert figures["copy_peak"] >= largest // 2, (process, figures)  # the measure sees a copy
         assert figures["host_peak"] <= 2 * window, (process, figures)
-        assert figures["rss"] <= window + largest // 4, (process, figures)
+        assert figures["rss"] <= window + window // 4, (process, figures)
 
 
 def test_a_failure_on_one_process_fails_both_and_leaves_nothing(two_processes):

@@ -74,14 +74,30 @@ def windows(shape: tuple[int, ...], itemsize: int, window_bytes: int) -> Iterato
             yield (*head, slice(start, min(start + step, shape[axis])), *tail)
 
 
+def on_host(array: jax.Array) -> bool:
+    """Whether `array`'s shards are in host memory (CPU devices): there `np.asarray(shard.data)`
+    is the shard's own buffer, no copy, and a sink writes each shard whole from it."""
+    return all(device.platform == "cpu" for device in array.sharding.device_set)  # type: ignore[attr-defined]
+
+
 def shard_regions(
-    array: jax.Array, shards: Iterable[jax.Shard], window_bytes: int = DEFAULT_WINDOW_BYTES
+    array: jax.Array,
+    shards: Iterable[jax.Shard],
+    window_bytes: int = DEFAULT_WINDOW_BYTES,
+    whole: bool = False,
 ) -> Iterator[Region]:
-    """The given shards of `array` as host blocks of at most `window_bytes`, global indices."""
+    """The given shards of `array` as host blocks of at most `window_bytes`, global indices.
+
+    `whole` (for arrays `on_host`): each shard is one region, its block the shard's own memory
+    (read-only, no copy).
+    """
     itemsize = np.dtype(array.dtype).itemsize
     for shard in shards:
         origin = normalized(shard.index, array.shape)
         data = shard.data
+        if whole:
+            yield Region(origin, np.asarray(data))
+            continue
         for local in windows(tuple(data.shape), itemsize, window_bytes):
             block = np.asarray(jax.device_get(_cut(data, local)))
             index = tuple(
@@ -130,16 +146,20 @@ def due_windows(
     process: int,
     window_bytes: int,
     fully_addressable: bool,
+    whole: bool = False,
 ) -> list[Index]:
     """The windows (global indices) that `process` writes of an array of `shape`, `dtype` and
-    `sharding`, as `shard_regions(array, own_shards(array), window_bytes)` yields them there:
-    computed from the sharding alone, so process 0 can check every process's part."""
+    `sharding`, as `shard_regions(array, own_shards(array), window_bytes, whole)` yields them
+    there: computed from the sharding alone, so process 0 can check every process's part."""
     owner = _owners_of(shape, sharding, fully_addressable)
     itemsize = np.dtype(dtype).itemsize
     due = []
     for key in sorted(k for k, p in owner.items() if p == process):
         origin = tuple(slice(a, b) for a, b in key)
         local_shape = tuple(b - a for a, b in key)
+        if whole:
+            due.append(origin)
+            continue
         for local in windows(local_shape, itemsize, window_bytes):
             due.append(
                 tuple(

@@ -136,20 +136,26 @@ def index_json(layouts: Sequence[FileLayout]) -> str:
     return json.dumps(index, indent=2) + "\n"
 
 
+def box_pieces(
+    fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], block: np.ndarray
+) -> list[tuple[int, int, np.ndarray]]:
+    """`block`, the elements `index` names of a tensor of `shape` stored at byte `offset` of `fd`,
+    as (fd, file offset, bytes) per contiguous run of the file (`block` is C-contiguous)."""
+    data = block.reshape(-1).view(np.uint8)
+    itemsize = block.dtype.itemsize
+    box = Box([s.stop - s.start for s in index], [s.start for s in index], [0] * len(index))
+    return [
+        (fd, offset + src * itemsize, data[dst * itemsize : (dst + length) * itemsize])
+        for src, dst, length in box.runs(shape, tuple(block.shape))
+    ]
+
+
 def write_box(
     fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], block: np.ndarray
 ) -> None:
-    """Writes `block`, the elements `index` names of a tensor of `shape` stored at byte `offset`,
-    as one `pwrite` per contiguous run of the file."""
-    data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-    itemsize = block.dtype.itemsize
-    box = Box([s.stop - s.start for s in index], [s.start for s in index], [0] * len(index))
-    for src, dst, length in box.runs(shape, tuple(block.shape)):
-        _pwrite_all(fd, data[dst * itemsize : (dst + length) * itemsize], offset + src * itemsize)
-
-
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data.data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+    """Writes `block` (see `box_pieces`) as one `pwrite` per contiguous run of the file."""
+    for _, at, data in box_pieces(fd, offset, shape, index, np.ascontiguousarray(block)):
+        view = memoryview(data.data)
+        while view:
+            written = os.pwrite(fd, view, at)
+            view, at = view[written:], at + written

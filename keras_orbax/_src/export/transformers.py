@@ -25,7 +25,13 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import hub_compat
-from keras_orbax._src.export import hub_tensors, regions, safetensors_writer
+from keras_orbax._src.export import (
+    file_windows,
+    host_transpose,
+    hub_tensors,
+    regions,
+    safetensors_writer,
+)
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.storage import commit, locations
@@ -138,8 +144,8 @@ class TransformersSink(commit.ExportSink):
     def regions_due(self, process: int) -> list[str]:
         return [
             f"{name}/{regions.region_key(index)}"
-            for name, (shape, dtype, sharding, local, window) in self.written_from.items()
-            for index in regions.due_windows(shape, dtype, sharding, process, window, local)
+            for name, (shape, dtype, sharding, local, window, whole) in self.written_from.items()
+            for index in regions.due_windows(shape, dtype, sharding, process, window, local, whole)
         ]
 
     def assemble(self, staging: Path) -> None:
@@ -206,17 +212,14 @@ def _write_regions(
     window_bytes: int,
     written_from: dict[str, tuple[Any, ...]],
 ) -> list[str]:
-    """This process's regions of every tensor, at their byte offsets, then synced to disk; the
-    keys of the regions written. Every process runs every computed tensor (they run collectives),
-    in one order, even after a failure here."""
+    """This process's regions of every tensor, at their byte offsets (`file_windows`), then
+    synced to disk; the keys of the regions written. Every process runs every computed tensor
+    (they run collectives), in one order, even after a failure here."""
     file_of = {name: layout for layout in layouts for name in layout.offsets}
-    fds = {
-        layout.file_name: os.open(staging / layout.file_name, os.O_WRONLY | os.O_CLOEXEC)
-        for layout in layouts
-    }
     error: SaveFailedError | None = None
     written: list[str] = []
-    try:
+    with file_windows.FileWindows() as files:
+        writer = _TensorWriter(files, window_bytes)
         for tensor in tensors:
             if error is not None:
                 if isinstance(tensor.source, Computed):
@@ -224,65 +227,97 @@ def _write_regions(
                 continue
             layout = file_of[tensor.name]
             try:
-                fd = fds[layout.file_name]
-                keys = _write_tensor(
-                    fd, layout.offsets[tensor.name], tensor, window_bytes, written_from
-                )
+                fd = files.open(staging / layout.file_name)
+                keys = writer.write(fd, layout.offsets[tensor.name], tensor, written_from)
                 written += [f"{tensor.name}/{key}" for key in keys]
             except OSError as e:
                 where = staging / layout.file_name
                 error = SaveFailedError(f"Writing {tensor.name} into {where} failed: {e}")
         if error is None:
-            for fd in fds.values():
-                os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+            files.sync()
     if error is not None:
         raise error
     return written
 
 
-def _write_tensor(
-    fd: int,
-    offset: int,
-    tensor: HubTensor,
-    window_bytes: int,
-    written_from: dict[str, tuple[Any, ...]],
-) -> list[str]:
-    """Writes this process's regions of `tensor`; their keys (in the array's coordinates)."""
-    source = tensor.source
-    keys = []
-    if isinstance(source, Computed):
-        array = source.compute()
-        _check(tensor, array)
-        _record(written_from, tensor.name, array, window_bytes)
-        for region in _own_regions(array, window_bytes):
-            safetensors_writer.write_box(fd, offset, tensor.shape, region.index, region.block)
+class _TensorWriter:
+    """Writes this process's regions of each tensor through `files`: a shard in host memory whole
+    from its own buffer (no copy); one on an accelerator window by window. A tensor that is a
+    variable's transpose is transposed on the host by every thread, a window at a time, into one
+    buffer that is reused (its pages are faulted in once)."""
+
+    def __init__(self, files: file_windows.FileWindows, window_bytes: int) -> None:
+        self.files, self.window_bytes = files, max(1, window_bytes)
+        self._buffer: np.ndarray | None = None
+
+    def write(
+        self, fd: int, offset: int, tensor: HubTensor, written_from: dict[str, tuple[Any, ...]]
+    ) -> list[str]:
+        """Writes `tensor`'s regions here; their keys (in the array's coordinates)."""
+        source = tensor.source
+        if isinstance(source, Computed):
+            array = source.compute()
+            _check(tensor, array)
+            kept, permutation = list(range(array.ndim)), tuple(range(array.ndim))
+        else:
+            array = source.variable.value
+            kept = [axis for axis, n in enumerate(array.shape) if n != 1]
+            permutation = source.permutation
+        whole = regions.on_host(array)
+        moved = permutation != tuple(range(len(permutation)))
+        # Fetched windows: a moved block is copied once on the host, half the window each.
+        window = self.window_bytes // 2 if moved and not whole else self.window_bytes
+        _record(written_from, tensor.name, array, window, whole)
+        # the variable's non-1 axes, permuted: the tensor's C order (it may merge some of them)
+        view = tuple(tuple(array.shape[axis] for axis in kept)[p] for p in permutation)
+        keys = []
+        for region in _own_regions(array, window, whole):
             keys.append(regions.region_key(region.index))
+            index = tuple(region.index[axis] for axis in kept)
+            block = region.block.reshape([s.stop - s.start for s in index])
+            index = tuple(index[p] for p in permutation)
+            if moved:
+                self._write_moved(fd, offset, view, index, block.transpose(permutation), window)
+            else:
+                self.files.write_box(fd, offset, view, index, block)
+            del block
         return keys
-    array = source.variable.value
-    kept = [axis for axis, n in enumerate(array.shape) if n != 1]
-    view = tuple(array.shape[axis] for axis in kept)
-    permutation = source.permutation
-    view = tuple(view[p] for p in permutation)
-    moved = permutation != tuple(range(len(permutation)))
-    # A moved block is copied once on the host: half the window each.
-    window = window_bytes // 2 if moved else window_bytes
-    _record(written_from, tensor.name, array, window)
-    for region in _own_regions(array, window):
-        keys.append(regions.region_key(region.index))
-        index = tuple(region.index[axis] for axis in kept)
-        block = region.block.reshape([s.stop - s.start for s in index])
-        block = block.transpose(permutation)
-        index = tuple(index[p] for p in permutation)
-        safetensors_writer.write_box(fd, offset, view, index, block)
-        del block
-    return keys
+
+    def _write_moved(
+        self,
+        fd: int,
+        offset: int,
+        shape: tuple[int, ...],
+        index: regions.Index,
+        moved: np.ndarray,
+        window: int,
+    ) -> None:
+        """`moved` (a transposed view) copied into the buffer a window at a time, every thread
+        copying a slab of rows, each window then written."""
+        itemsize = moved.dtype.itemsize
+        for local in regions.windows(moved.shape, itemsize, window):
+            part = moved[local]
+            buffer = self._take(part.nbytes, min(window, moved.nbytes))
+            buffer = buffer.view(moved.dtype).reshape(part.shape)
+            host_transpose.copy(buffer, part, self.files.map, self.files.threads)
+            box = tuple(
+                slice(i.start + w.start, i.start + w.stop)
+                for i, w in zip(index, local, strict=True)
+            )
+            self.files.write_box(fd, offset, shape, box, buffer)
+            del buffer, part  # the buffer may be replaced by a larger one: never two at a time
+
+    def _take(self, nbytes: int, wanted: int) -> np.ndarray:
+        """`nbytes` of the buffer; a new one of `wanted` (at least `nbytes`) where it is smaller
+        (the old one goes first: never two on the host)."""
+        if self._buffer is None or self._buffer.nbytes < nbytes:
+            self._buffer = None
+            self._buffer = np.empty(max(nbytes, wanted, 1), np.uint8)
+        return self._buffer[:nbytes]
 
 
 def _record(
-    written_from: dict[str, tuple[Any, ...]], name: str, array: jax.Array, window: int
+    written_from: dict[str, tuple[Any, ...]], name: str, array: jax.Array, window: int, whole: bool
 ) -> None:
     written_from[name] = (
         tuple(array.shape),
@@ -290,13 +325,14 @@ def _record(
         array.sharding,
         bool(array.is_fully_addressable),
         max(1, window),
+        whole,
     )
 
 
-def _own_regions(array: jax.Array, window_bytes: int) -> Any:
+def _own_regions(array: jax.Array, window_bytes: int, whole: bool) -> Any:
     """The regions of `array` this process writes (`regions.own_shards`: each region of the array
     by one process)."""
-    return regions.shard_regions(array, regions.own_shards(array), max(1, window_bytes))
+    return regions.shard_regions(array, regions.own_shards(array), max(1, window_bytes), whole)
 
 
 def _check(tensor: HubTensor, array: jax.Array) -> None:

@@ -4,8 +4,10 @@ Keras's `save_weights` fetches every variable whole to one host (`H5IOStore.__se
 it to NumPy), which runs a host out of memory on a sharded model too big for it and fails outright
 under `jax.distributed` on arrays that span other processes. Here Keras's own walk still decides
 every group, dataset name and attribute (`keras_compat.save_state`); only each array is written
-differently: its dataset is created with the full shape and dtype, then filled region by region
-from the shards (`regions`).
+differently: its dataset is created with the full shape and dtype, its storage placed in the file
+at once and never filled; once h5py has closed the file, the shards' bytes are written at the
+dataset's offset by several threads (`regions`, `file_windows`). A dataset whose bytes do not lie
+there as NumPy holds them is filled through h5py, region by region.
 
 An h5 file has one writer, process 0. Under `jax.distributed` every other process writes the
 regions that only it holds, window by window, as `.npy` files in a staging directory beside the
@@ -32,7 +34,7 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import saving_compat
-from keras_orbax._src.export import regions
+from keras_orbax._src.export import file_windows, regions
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
 
@@ -157,7 +159,9 @@ class H5File:
         target: Any = staging / self.name if primary else io.BytesIO()
         shards = self.max_shard_size if primary else None  # others: one plain store, in memory
         saving_compat.save_state(self.model, target, self.writer, self.skip, max_shard_size=shards)
-        if not primary:
+        if primary:
+            self.writer.write_direct()
+        else:
             durable.fsync_tree(regions_dir)
         return [f"{self.name}/{key}" for key in self.writer.written]
 
@@ -239,15 +243,36 @@ def parts_of(index: Path) -> list[Path]:
     return [index.parent / n for n in sorted(names) if isinstance(n, str) and "/" not in n]
 
 
-def create_dataset(group: h5py.Group, key: str, shape: Sequence[int], dtype: Any) -> h5py.Dataset:
+def create_dataset(
+    group: h5py.Group, key: str, shape: Sequence[int], dtype: Any, *, allocated: bool = False
+) -> h5py.Dataset:
     """The empty dataset Keras's `H5IOStore.__setitem__` would store an array of `shape` and
-    `dtype` (a JAX, NumPy or Keras dtype) in: bfloat16 marked by its `dtype` attribute."""
+    `dtype` (a JAX, NumPy or Keras dtype) in: bfloat16 marked by its `dtype` attribute.
+
+    `allocated`: its storage is placed in the file now and never filled (the bytes are written
+    there, by `direct_offset`, once the file is closed)."""
     name = keras.backend.standardize_dtype(dtype)
     numpy_dtype = np.dtype(jax.numpy.dtype(name))  # bfloat16: ml_dtypes', as JAX gives it
-    dataset = group.create_dataset(key, shape=tuple(shape), dtype=numpy_dtype)
+    dcpl = None
+    if allocated:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dataset = group.create_dataset(key, shape=tuple(shape), dtype=numpy_dtype, dcpl=dcpl)
     if name == "bfloat16":
         dataset.attrs["dtype"] = "bfloat16"
     return dataset
+
+
+def direct_offset(dataset: h5py.Dataset) -> int | None:
+    """Where `dataset`'s C-order bytes start in its file, if they lie there as NumPy holds them:
+    contiguous, allocated, its stored type the array's size; else None (written through h5py)."""
+    if dataset.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+        return None
+    if dataset.id.get_type().get_size() != dataset.dtype.itemsize:
+        return None
+    offset = dataset.id.get_offset()
+    return None if offset is None else int(offset)
 
 
 class _Writer:
@@ -258,14 +283,20 @@ class _Writer:
         self.window_bytes = window_bytes
         self.staging = staging
         self.primary = primary
-        # (file, h5 path, shape, dtype, sharding, fully addressable) of each dataset, in the
-        # walk's order (the same on every process)
-        self.datasets: list[tuple[str, str, tuple[int, ...], Any, Any, bool]] = []
+        # (file, h5 path, shape, dtype, sharding, fully addressable, whole shards) of each
+        # dataset, in the walk's order (the same on every process)
+        self.datasets: list[tuple[str, str, tuple[int, ...], Any, Any, bool, bool]] = []
         self.written: list[str] = []
+        # (dataset number, file offset, array) of each dataset written after the walk
+        self.direct: list[tuple[int, int, Any]] = []
 
     def __call__(self, group: h5py.Group, key: str, value: Any) -> None:
         array = value.value if isinstance(value, keras.Variable) else value
         number = len(self.datasets)
+        # Process 0 writes each shard whole where it is in host memory, a window at a time
+        # otherwise; the others stage windows. Recorded from the sharding alone, the same on
+        # every process: each checks every process's regions (`due`).
+        whole = regions.on_host(array)
         self.datasets.append(
             (
                 str(group.file.filename),
@@ -274,12 +305,19 @@ class _Writer:
                 array.dtype,
                 array.sharding,
                 bool(array.is_fully_addressable),
+                whole,
             )
         )
         dataset = None
         if self.primary:
-            dataset = create_dataset(group, key, array.shape, array.dtype)
-        for region in regions.shard_regions(array, regions.own_shards(array), self.window_bytes):
+            dataset = create_dataset(group, key, array.shape, array.dtype, allocated=True)
+            offset = direct_offset(dataset)
+            if offset is not None:  # written once the file is closed (`write_direct`)
+                self.direct.append((number, offset, array))
+                return
+        own = regions.own_shards(array)
+        staged_whole = whole and self.primary
+        for region in regions.shard_regions(array, own, self.window_bytes, staged_whole):
             name = _staged_name(number, region.index)
             if dataset is not None:
                 dataset[region.index] = region.block
@@ -287,13 +325,29 @@ class _Writer:
                 np.save(self.staging / name, region.block)
             self.written.append(name)
 
+    def write_direct(self) -> None:
+        """Process 0, once Keras's walk has closed the files: each array's regions written at
+        its dataset's offset (`file_windows`), every file fsynced."""
+        with file_windows.FileWindows() as files:
+            for number, offset, array in self.direct:
+                file, _, shape, _, _, _, whole = self.datasets[number]
+                fd = files.open(Path(file))
+                own = regions.own_shards(array)
+                for region in regions.shard_regions(array, own, self.window_bytes, whole):
+                    block = np.ascontiguousarray(region.block)
+                    files.write_box(fd, offset, shape, region.index, block)
+                    self.written.append(_staged_name(number, region.index))
+                    del block
+            files.sync()
+        self.direct = []
+
     def due(self, process: int) -> list[str]:
         """The staged names of every window `process` writes."""
         return [
             _staged_name(number, index)
-            for number, (_, _, shape, dtype, sharding, local) in enumerate(self.datasets)
+            for number, (_, _, shape, dtype, sharding, local, whole) in enumerate(self.datasets)
             for index in regions.due_windows(
-                shape, dtype, sharding, process, self.window_bytes, local
+                shape, dtype, sharding, process, self.window_bytes, local, whole and process == 0
             )
         ]
 

@@ -1,0 +1,238 @@
+"""Bytes written at known offsets of files laid out in advance, one window at a time, by 8 threads.
+
+Every export whose layout is fixed before its data (a safetensors file, an h5 file whose datasets
+are allocated up front) writes through this: each window's pieces are split by bytes over
+`THREADS` threads, each `pwrite`s its share whole and starts its writeback at once
+(`sync_file_range`, Linux; elsewhere the writeback waits for the `fsync`), and `write` returns
+once the window is written, so that its buffers can go before the next window is fetched. `sync`
+fsyncs every file (in parallel) when the last window is in: the data is on disk before the commit
+protocol (`storage.commit`) renames anything into place.
+
+```python
+with FileWindows() as files:
+    fd = files.open(path)
+    files.write([(fd, offset, block), ...])  # one window: several pieces, several files
+    files.sync()
+```
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+THREADS = 8
+# A piece larger than this is split between threads (several threads write one large run).
+_SPLIT_BYTES = 1 << 20
+_RUN_BATCH = 1024  # runs whose offsets one thread computes at a time
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, no wait
+
+Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
+T = TypeVar("T")
+
+
+class FileWindows:
+    """Files open for writing at known offsets, and the threads that write them."""
+
+    def __init__(self, threads: int = THREADS) -> None:
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_windows")
+        self._fds: dict[Path, int] = {}
+
+    def __enter__(self) -> FileWindows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self, path: Path) -> int:
+        """A descriptor of `path` (which exists: its layout is written), opened once."""
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        return self._fds[path]
+
+    def write(self, pieces: Iterable[Piece]) -> int:
+        """Writes every piece whole at its offset, split over the threads; returns the bytes
+        written once all are (the first error, if any, is raised after every thread is done)."""
+        shares = _shares([_as_bytes(data) for data in pieces], self.threads)
+        self.map(_write_share, shares)
+        return sum(len(view) for share in shares for _, _, view in share)
+
+    def write_box(
+        self,
+        fd: int,
+        offset: int,
+        shape: tuple[int, ...],
+        index: tuple[slice, ...],
+        block: np.ndarray,
+    ) -> None:
+        """Writes `block` (C-contiguous), the elements `index` names of a C-order array of
+        `shape` stored at byte `offset` of `fd`: one `pwrite` per contiguous run of the file.
+
+        Many runs (a shard cut across rows) are dealt to the threads as ranges of run numbers,
+        each thread computing its own runs' offsets: no object per run lives beside the window.
+        """
+        data = memoryview(block.reshape(-1).view(np.uint8).data).cast("B")
+        itemsize = block.dtype.itemsize
+        runs = _BoxRuns(shape, index, tuple(block.shape))
+        if runs.count < self.threads:
+            pieces = [
+                (fd, offset + src * itemsize, data[dst * itemsize : (dst + runs.length) * itemsize])
+                for src, dst in zip(*runs.between(0, runs.count), strict=True)
+            ]
+            self.write(pieces)
+            return
+        bounds = [round(i * runs.count / self.threads) for i in range(self.threads + 1)]
+        jobs = [(fd, offset, data, itemsize, runs, a, b) for a, b in itertools.pairwise(bounds)]
+        self.map(_write_runs, jobs)
+
+    def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
+        """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
+        copies release the GIL); the results in order."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
+    def sync(self) -> None:
+        """fsyncs every file opened here, in parallel."""
+        self.map(os.fsync, list(self._fds.values()))
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
+def _as_bytes(piece: Piece) -> tuple[int, int, memoryview]:
+    fd, offset, data = piece
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return fd, offset, memoryview(data).cast("B")
+
+
+def _shares(
+    pieces: list[tuple[int, int, memoryview]], threads: int
+) -> list[list[tuple[int, int, memoryview]]]:
+    """The pieces in `threads` shares of about equal bytes, a large piece cut between shares
+    (in file order, so each thread writes neighbouring bytes)."""
+    total = sum(len(view) for _, _, view in pieces)
+    quota = max(_SPLIT_BYTES, -(-total // threads))
+    shares: list[list[tuple[int, int, memoryview]]] = []
+    current: list[tuple[int, int, memoryview]] = []
+    room = quota
+    for fd, offset, view in pieces:
+        while len(view) > room:
+            if room:
+                current.append((fd, offset, view[:room]))
+                offset, view = offset + room, view[room:]
+            shares.append(current)
+            current, room = [], quota
+        if len(view):
+            current.append((fd, offset, view))
+            room -= len(view)
+    if current:
+        shares.append(current)
+    return shares
+
+
+def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
+    for fd, offset, view in share:
+        start, length = offset, len(view)
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+        start_writeback(fd, start, length)
+
+
+class _BoxRuns:
+    """The contiguous runs of the file that a box of an array covers: `count` runs of `length`
+    elements; the k-th starts at element `src` of the array and `dst` of the box's block."""
+
+    def __init__(
+        self, shape: tuple[int, ...], index: tuple[slice, ...], block_shape: tuple[int, ...]
+    ) -> None:
+        extent = [s.stop - s.start for s in index]
+        split = len(extent) - 1
+        while split > 0 and extent[split] == shape[split] == block_shape[split]:
+            split -= 1
+        self.outer = tuple(extent[:split])
+        self.count = math.prod(self.outer) if extent else 1
+        self.length = extent[split] * math.prod(shape[split + 1 :]) if extent else 1
+        src_strides = _strides(shape)
+        self.src_base = sum(s.start * stride for s, stride in zip(index, src_strides, strict=True))
+        self.src_strides = src_strides[:split]
+        self.dst_strides = _strides(block_shape)[:split]
+
+    def between(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) element offsets of runs a..b-1."""
+        k = np.arange(a, b, dtype=np.int64)
+        src = np.full(len(k), self.src_base, np.int64)
+        dst = np.zeros(len(k), np.int64)
+        if self.outer:
+            for position, s, d in zip(
+                np.unravel_index(k, self.outer), self.src_strides, self.dst_strides, strict=True
+            ):
+                src += position * s
+                dst += position * d
+        return src, dst
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+
+
+def _write_runs(job: tuple[int, int, memoryview, int, _BoxRuns, int, int]) -> None:
+    """Writes runs a..b-1 of a box (in batches: a few offsets exist at a time), then starts
+    their writeback."""
+    fd, offset, data, itemsize, runs, a, b = job
+    nbytes = runs.length * itemsize
+    for batch in range(a, b, _RUN_BATCH):
+        src, dst = runs.between(batch, min(b, batch + _RUN_BATCH))
+        for at, start in zip(
+            (offset + src * itemsize).tolist(), (dst * itemsize).tolist(), strict=True
+        ):
+            view, position = data[start : start + nbytes], at
+            while view:
+                written = os.pwrite(fd, view, position)
+                view, position = view[written:], position + written
+    if b > a:
+        (first,), _ = runs.between(a, a + 1)
+        (last,), _ = runs.between(b - 1, b)
+        start_writeback(fd, offset + int(first) * itemsize, int(last - first) * itemsize + nbytes)
+
+
+def _load_sync_file_range() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Starts writing `length` bytes at `offset` back to disk, without waiting (so the `fsync` at
+    the end finds them on their way); a no-op where the system has no `sync_file_range`."""
+    global _sync_file_range
+    if _sync_file_range is None or length == 0:
+        return
+    if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+            _sync_file_range = None  # this filesystem or kernel has none: the fsync does it all
+        elif code != errno.EINTR:
+            raise OSError(code, os.strerror(code))

@@ -1,0 +1,165 @@
+"""`file_windows`: regions written whole by several threads at known offsets, and the exports that
+write through it (`.weights.h5` datasets allocated up front and written by offset after h5py has
+closed the file; safetensors).
+
+The oracles: NumPy's own C-order bytes of the whole array at the offset, h5py's reader, Keras's
+`load_weights`, and the previous export's bytes after a real write failure (the kernel's EFBIG).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import resource
+import signal
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import keras_orbax
+from keras_orbax._src.export import file_windows, host_transpose
+from keras_orbax.errors import SaveFailedError
+from tests import _hf_export, _models
+
+OFFSET = 4096 + 24  # not aligned to anything: the pieces' offsets are the file's, not the block's
+
+
+def _write_boxes(path: Path, shape: tuple[int, ...], dtype: str, boxes: list[tuple[slice, ...]]):
+    """`boxes` of a random array of `shape` written at OFFSET of a file of the right size;
+    returns the array."""
+    rng = np.random.default_rng(3)
+    array = rng.standard_normal(shape).astype(dtype)
+    with open(path, "wb") as f:
+        f.truncate(OFFSET + array.nbytes + 100)
+    with file_windows.FileWindows() as files:
+        fd = files.open(path)
+        for box in boxes:
+            files.write_box(fd, OFFSET, shape, box, np.ascontiguousarray(array[box]))
+        files.sync()
+    return array
+
+
+def _stored(path: Path, array: np.ndarray) -> np.ndarray:
+    data = path.read_bytes()
+    assert data[:OFFSET] == bytes(OFFSET)
+    assert data[OFFSET + array.nbytes :] == bytes(100)
+    return np.frombuffer(data[OFFSET : OFFSET + array.nbytes], array.dtype).reshape(array.shape)
+
+
+@pytest.mark.parametrize(
+    "shape, boxes",
+    [
+        # column blocks: one short run per row, more runs than threads
+        ((96, 40), [(slice(0, 96), slice(c, c + 10)) for c in range(0, 40, 10)]),
+        # row blocks: one run each, fewer than the threads
+        ((96, 40), [(slice(r, r + 32), slice(0, 40)) for r in range(0, 96, 32)]),
+        # a box of a 3-d array cut on the middle axis, and one on all three
+        (
+            (6, 10, 12),
+            [
+                (slice(0, 6), slice(0, 5), slice(0, 12)),
+                (slice(0, 3), slice(5, 10), slice(0, 12)),
+                (slice(3, 6), slice(5, 10), slice(0, 7)),
+                (slice(3, 6), slice(5, 10), slice(7, 12)),
+            ],
+        ),
+        # one contiguous run of 4 MiB, cut between the threads by bytes
+        ((1024, 1024), [(slice(0, 1024), slice(0, 1024))]),
+    ],
+)
+def test_every_box_lands_at_its_offset(tmp_path, shape, boxes):
+    path = tmp_path / "f.bin"
+    array = _write_boxes(path, shape, "float32", boxes)
+    np.testing.assert_array_equal(_stored(path, array), array)
+
+
+def test_pieces_are_shared_whole_between_threads():
+    """Every byte of every piece is in exactly one share, in file order, and a large run is cut
+    between shares."""
+    data = memoryview(bytes(range(256)) * (40 << 10))  # 10 MiB
+    pieces = [(3, 0, data[:100]), (3, 1000, data[100 : 9 << 20]), (4, 0, data[9 << 20 :])]
+    shares = file_windows._shares(pieces, 8)
+    assert 4 <= len(shares) <= 9
+    flat = [piece for share in shares for piece in share]
+    for (fd, offset, view), (fd2, offset2, _) in itertools.pairwise(flat):
+        if fd == fd2 and offset2 != 1000:
+            assert offset2 == offset + len(view)
+    assert b"".join(bytes(v) for _, _, v in flat) == bytes(data)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_h5_datasets_are_written_by_offset_and_read_back_exactly(
+    tmp_path, distribution, dtype
+):
+    """Each dataset is allocated when created and its bytes lie at its offset in the file as
+    NumPy's C order; h5py and Keras's `load_weights` read back exactly the model's values."""
+    distribution(_models.model_parallel((2, 4)))
+    model = _models.mlp(dtype=dtype)
+    _models.fill_arange(model)
+    path = keras_orbax.save_weights(model, tmp_path / "m.weights.h5")
+    raw = path.read_bytes()
+    values = {v.path: np.asarray(v.value) for v in model.weights}
+    with h5py.File(path, "r") as h5:
+        datasets = []
+        h5.visititems(lambda n, o: datasets.append(o) if isinstance(o, h5py.Dataset) else None)
+        assert len(datasets) == len(values)
+        for dataset in datasets:
+            plist = dataset.id.get_create_plist()
+            assert plist.get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY, dataset.name
+            assert plist.get_fill_time() == h5py.h5d.FILL_TIME_NEVER, dataset.name
+            offset = dataset.id.get_offset()
+            stored = raw[offset : offset + dataset.id.get_storage_size()]
+            want = np.asarray(dataset[()]).astype(dataset.dtype)
+            assert stored == want.tobytes(), dataset.name
+    twin = _models.mlp(dtype=dtype)
+    twin.load_weights(path)
+    for variable in twin.weights:
+        got = np.asarray(variable.value)
+        assert got.dtype == values[variable.path].dtype
+        np.testing.assert_array_equal(got, values[variable.path], err_msg=variable.path)
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_a_write_failing_part_way_leaves_the_previous_export(tmp_path, distribution):
+    """The kernel refuses the weights file past 12 KiB (RLIMIT_FSIZE: EFBIG) part-way through
+    the threads' writes of a window: the export fails, nothing it staged is left, and the
+    previous export is the same, byte for byte."""
+    distribution(_hf_export.model_parallel("llama3"))
+    backbone = _hf_export.backbone_class("llama3")(**_hf_export.config("llama3"))
+    _hf_export.fill(backbone)
+    directory = tmp_path / "hf"
+    keras_orbax.export_to_transformers(backbone, directory, window_bytes=4096)
+    before = _digests(directory)
+    assert (directory / "model.safetensors").stat().st_size > 20 << 10
+    _hf_export.fill(backbone, seed=1)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death by signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (12 << 10, old[1]))
+    try:
+        with pytest.raises(SaveFailedError, match="File too large"):
+            keras_orbax.export_to_transformers(backbone, directory, window_bytes=4096)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert _digests(directory) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize(
+    "shape, permutation",
+    [((512, 1024), (1, 0)), ((256, 8, 64), (1, 2, 0)), ((8, 64, 512), (2, 0, 1)), ((5, 3), (1, 0))],
+)
+def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation):
+    """Tiles and slabs cover the buffer once: every element equals NumPy's transpose (odd sizes
+    leave partial tiles at every edge)."""
+    source = np.arange(np.prod(shape), dtype=np.uint16).reshape(shape) * 7 + 3
+    view = source.transpose(permutation)[:, 1:]
+    to = np.zeros(view.shape, view.dtype)
+    with file_windows.FileWindows() as files:
+        host_transpose.copy(to, view, files.map, files.threads)
+    np.testing.assert_array_equal(to, view)
