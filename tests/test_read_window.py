@@ -17,6 +17,7 @@ import pytest
 import keras_orbax
 from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.read import coalesce, read_ahead, sharded_read
+from keras_orbax._src.runtime import thread_pools
 from tests import _models
 
 
@@ -149,22 +150,27 @@ def _read_all(reader: _CountingReader, n: int) -> int:
     return sum(1 for _ in read_ahead.read_ahead(units, workers=4, window=4 << 20))
 
 
+def _read_pools() -> dict:
+    """The process's pools that `read_ahead` reads with (others share the registry)."""
+    return {k: v for k, v in thread_pools._pools.items() if k[0] in ("read", "small", "cpu")}
+
+
 def test_read_threads_are_kept_between_restores_and_a_forked_child_starts_its_own():
     """The reading threads outlive a restore (starting them each time cost a quarter of a 256 MiB
     restore); a child forked after has none of its parent's (their threads are not in it, and a
     pool that thinks it has idle threads would never run a read) and reads with new ones."""
     assert _read_all(_CountingReader(), 8) == 8
-    parent_pools = dict(read_ahead._POOLS)
+    parent_pools = _read_pools()
     assert parent_pools
     assert _read_all(_CountingReader(), 8) == 8
-    assert parent_pools == read_ahead._POOLS  # the same pools, not new ones
+    assert parent_pools == _read_pools()  # the same pools, not new ones
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # fork with JAX's threads: unused here
         pid = os.fork()
     if pid == 0:  # the child: only numpy and the read pools
         code = 3
         try:
-            fresh = not read_ahead._POOLS
+            fresh = not thread_pools._pools
             code = 0 if fresh and _read_all(_CountingReader(), 16) == 16 else 1
         finally:
             os._exit(code)

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import math
 import os
-import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from keras_orbax._src.format.zarr_shards import FastArray
 from keras_orbax._src.read import coalesce
 from keras_orbax._src.read.contiguous import ContiguousArray
 from keras_orbax._src.read.whole_file import WholeFileReader
+from keras_orbax._src.runtime import thread_pools
 from keras_orbax._src.storage import locations
 from keras_orbax._src.storage.byte_runs import Index, bounds, short_runs
 from keras_orbax._src.storage.small_files import SmallFiles
@@ -174,15 +174,15 @@ def read_ahead(
     time it comes back from C++), which cost more than the reads themselves with thousands of
     small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
 
-    The threads are the process's (`_pool`), kept between restores. A caller that may stop early
+    The threads are the process's (`runtime.thread_pools`), kept between restores. A caller that may stop early
     (an error) closes it (`contextlib.closing`): the reads it started are then cancelled or waited
     for, not left writing whenever the generator is freed.
     """
     sizes = [unit.size for unit in units]
     files = SmallFiles()
-    pool = _Submitted(_pool("read", workers))
-    small_pool = _Submitted(_pool("small", min(workers, _SMALL_WORKERS)))
-    cpu_pool = _Submitted(_pool("cpu", min(workers, _cores())))
+    pool = _Submitted(thread_pools.shared("read", workers))
+    small_pool = _Submitted(thread_pools.shared("small", min(workers, _SMALL_WORKERS)))
+    cpu_pool = _Submitted(thread_pools.shared("cpu", min(workers, _cores())))
 
     def pool_for(unit: Unit) -> _Submitted:
         if unit.is_small:
@@ -227,34 +227,6 @@ class _Submitted:
             future.cancel()
         wait(self.futures)
         self.futures.clear()
-
-
-# Thread pools kept for the life of the process: starting 8 to 18 threads for every restore cost
-# a quarter of a 256 MiB restore (docs/benchmarks.md, "Restore read path"). Keyed by what they
-# read and their size; a forked child starts with none (its parent's threads are not in it).
-_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(kind: str, workers: int) -> ThreadPoolExecutor:
-    """The process's pool of `workers` threads for reads of `kind`, started on first use."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get((kind, workers))
-        if pool is None:
-            pool = ThreadPoolExecutor(workers, thread_name_prefix=f"keras_orbax_{kind}")
-            _POOLS[kind, workers] = pool
-        return pool
-
-
-def _forget_pools() -> None:
-    """In a forked child: the parent's pools have no threads here, and their locks may be held."""
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _cores() -> int:

@@ -34,10 +34,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from keras_orbax._src.runtime import thread_pools
+
 # fsyncs in flight at the end of a save: concurrent ones share the disk's cache flushes.
 _WORKERS = 16
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 class Synced:
@@ -123,21 +123,8 @@ def fsync_all(paths: Iterable[str | os.PathLike[str]], synced: Synced | None = N
 
 
 def shared_pool() -> ThreadPoolExecutor:
-    """The process's pool of fsync threads, made on first use (a forked child makes its own)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_WORKERS, "keras_orbax_fsync")
-        return _pool
-
-
-def _forget_pool() -> None:
-    """In a forked child: the parent's threads are not there, so neither is its pool."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+    """The process's pool of fsync threads (`runtime.thread_pools`)."""
+    return thread_pools.shared("fsync", _WORKERS)
 
 
 def _raise(error: OSError) -> None:

@@ -18,12 +18,12 @@ import concurrent.futures
 import contextlib
 import functools
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from keras_orbax._src.runtime import thread_pools
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.write import incremental, shard_files
 from keras_orbax._src.write.shard_files import Shard
@@ -33,27 +33,11 @@ from keras_orbax._src.write.shard_metadata import SavedArray, array_files, step_
 # ones: each costs a journal commit more than its bytes, and concurrent fsyncs share commits
 # (500 Dense(64) layers: 16 threads 4.5-8.4 s, 64 threads 3.2-3.7 s).
 _WORKERS, _WORKERS_SMALL, _SMALL_BYTES = 16, 64, 1 << 20
-# The writer's threads, by count, kept for the process's life: a save's pool of 16-64 threads
-# started and joined at every save was part of its cost (docs/benchmarks.md).
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
 
 
 def _writer_pool(workers: int) -> ThreadPoolExecutor:
-    with _pools_lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, f"keras_orbax_write{workers}")
-        return pool
-
-
-def _forget_pools() -> None:
-    """In a forked child: the parent's threads are not there, so neither are its pools."""
-    global _pools, _pools_lock
-    _pools, _pools_lock = {}, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pools)
+    """The writer's threads, by count, kept for the process's life (`runtime.thread_pools`)."""
+    return thread_pools.shared(f"write{workers}", workers)
 
 
 def write_arrays(
