@@ -69,8 +69,8 @@ def _case(sink: str, root: Path, process_id: int) -> dict:
 WIDE = 32768
 
 
-def _step_case(root: Path, process_id: int, log: Path) -> dict:
-    """Step 1 saved; then step 2, whose shard files process 1 cannot write (EFBIG)."""
+def _step_one_saved(root: Path, process_id: int) -> tuple[keras.Model, dict[str, str] | None]:
+    """The model with step 1 saved from it (process 0: that step's files) and new values since."""
     keras.utils.set_random_seed(0)
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     model = _models.mlp(width=WIDE)
@@ -78,6 +78,12 @@ def _step_case(root: Path, process_id: int, log: Path) -> dict:
     keras_orbax.save(model, root / "ckpt", step=1)
     before = _faults.files(root / "ckpt" / "1") if process_id == 0 else None
     _faults.fill(model, _faults.NEW)
+    return model, before
+
+
+def _step_case(root: Path, process_id: int, log: Path) -> dict:
+    """Step 1 saved; then step 2, whose shard files process 1 cannot write (EFBIG)."""
+    model, before = _step_one_saved(root, process_id)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     error = ""
     try:
@@ -115,13 +121,7 @@ _STEP_FAULTS = {  # sink -> (stage, what process 1 does there, given the checkpo
 
 def _step_fault_case(sink: str, root: Path, process_id: int) -> dict:
     """Step 1 saved; then step 2, with process 1's fault at `_STEP_FAULTS[sink]`."""
-    keras.utils.set_random_seed(0)
-    keras.distribution.set_distribution(_models.model_parallel((2, 4)))
-    model = _models.mlp(width=WIDE)
-    _faults.fill(model, _faults.PREVIOUS)
-    keras_orbax.save(model, root / "ckpt", step=1)
-    before = _faults.files(root / "ckpt" / "1") if process_id == 0 else None
-    _faults.fill(model, _faults.NEW)
+    model, before = _step_one_saved(root, process_id)
     stage, fault = _STEP_FAULTS[sink]
     hook = _faults.fault_at(stage, lambda: fault(root / "ckpt"))
     error = ""
