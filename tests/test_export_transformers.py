@@ -271,7 +271,7 @@ def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
     with boxes written one at a time (a scalar and an empty tensor too)."""
     import ml_dtypes
 
-    from keras_orbax._src.export import safetensors_writer
+    from keras_orbax._src.export import file_windows, safetensors_writer
 
     rng = np.random.default_rng(0)
     dtypes = ["bool", "uint8", "int8", "int16", "uint16", "float16", ml_dtypes.bfloat16, "int32"]
@@ -286,8 +286,8 @@ def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
     layout = safetensors_writer.plan_file("model.safetensors", specs)
     path = tmp_path / "model.safetensors"
     path.write_bytes(layout.prefix)
-    fd = os.open(path, os.O_WRONLY)
-    try:
+    with file_windows.FileWindows() as files:  # what the export writes its tensors with
+        fd = files.open(path)
         for name, value in tensors.items():  # row by row; the scalar whole; the empty: nothing
             width = value.shape[-1] if value.ndim else 0
             rows = (
@@ -296,9 +296,8 @@ def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
                 else [()]
             )
             for box in rows:
-                block = np.asarray(value[box])
-                safetensors_writer.write_box(fd, layout.offsets[name], value.shape, box, block)
-    finally:
-        os.close(fd)
+                block = np.ascontiguousarray(value[box])
+                files.write_box(fd, layout.offsets[name], value.shape, box, block)
+        files.sync()
     assert path.stat().st_size == layout.size
     assert path.read_bytes() == safetensors_numpy.save(tensors, metadata={"format": "pt"})

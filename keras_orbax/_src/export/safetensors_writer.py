@@ -16,13 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import struct
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from keras_orbax._src.storage.byte_runs import Box
 from keras_orbax.errors import UnsupportedSourceError
 
 SINGLE_FILE = "model.safetensors"
@@ -134,28 +132,3 @@ def index_json(layouts: Sequence[FileLayout]) -> str:
     total = sum(spec.nbytes for layout in layouts for spec in layout.specs.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return json.dumps(index, indent=2) + "\n"
-
-
-def box_pieces(
-    fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], block: np.ndarray
-) -> list[tuple[int, int, np.ndarray]]:
-    """`block`, the elements `index` names of a tensor of `shape` stored at byte `offset` of `fd`,
-    as (fd, file offset, bytes) per contiguous run of the file (`block` is C-contiguous)."""
-    data = block.reshape(-1).view(np.uint8)
-    itemsize = block.dtype.itemsize
-    box = Box([s.stop - s.start for s in index], [s.start for s in index], [0] * len(index))
-    return [
-        (fd, offset + src * itemsize, data[dst * itemsize : (dst + length) * itemsize])
-        for src, dst, length in box.runs(shape, tuple(block.shape))
-    ]
-
-
-def write_box(
-    fd: int, offset: int, shape: tuple[int, ...], index: tuple[slice, ...], block: np.ndarray
-) -> None:
-    """Writes `block` (see `box_pieces`) as one `pwrite` per contiguous run of the file."""
-    for _, at, data in box_pieces(fd, offset, shape, index, np.ascontiguousarray(block)):
-        view = memoryview(data.data)
-        while view:
-            written = os.pwrite(fd, view, at)
-            view, at = view[written:], at + written
