@@ -147,11 +147,14 @@ def _shares(
 
 def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
     for fd, offset, view in share:
-        start, length = offset, len(view)
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
-        start_writeback(fd, start, length)
+        _pwrite_all(fd, view, offset)
+        start_writeback(fd, offset, len(view))
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 class _BoxRuns:
@@ -201,10 +204,7 @@ def _write_runs(job: tuple[int, int, memoryview, int, _BoxRuns, int, int]) -> No
         for at, start in zip(
             (offset + src * itemsize).tolist(), (dst * itemsize).tolist(), strict=True
         ):
-            view, position = data[start : start + nbytes], at
-            while view:
-                written = os.pwrite(fd, view, position)
-                view, position = view[written:], position + written
+            _pwrite_all(fd, data[start : start + nbytes], at)
     if b > a:
         (first,), _ = runs.between(a, a + 1)
         (last,), _ = runs.between(b - 1, b)
