@@ -11,6 +11,8 @@ read of its files and against keras-hub's own `from_preset`, each in a fresh pro
     build    the same model built deferred with no weight read: what `ko` spends building it
     hub      keras-hub's own `GemmaBackbone.from_preset(preset, dtype="bfloat16")` under the same
              distribution; then the same forward pass, if it got that far
+    export   (`--export`) the model loaded as in `ko`, then each export route against the durable
+             write floor of its shards, in the same process (`_seed_export.py`)
 
 The parent imports no JAX: it runs each case in a child and polls the child's `VmHWM` (the
 kernel's peak RSS, exact between polls) and the machine's `MemAvailable`; a child that would take
@@ -172,7 +174,7 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
             cls.from_preset(args.dir, load_weights=False, dtype=args.dtype)
         out["build_s"] = time.perf_counter() - clock
         return out
-    if case == "ko":
+    if case in ("ko", "export"):
         model = keras_orbax.from_preset(cls, args.dir, dtype=args.dtype)
     else:
         model = cls.from_preset(args.dir, dtype=args.dtype)
@@ -182,6 +184,14 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
     out["peak_load"] = status_kib("self", "VmHWM") * 1024
     out["rss_loaded"] = status_kib("self", "VmRSS") * 1024
     out.update(model_bytes(model))
+    if case == "export":
+        import _seed_export
+
+        stage(args, case, "exporting", out)
+        out["exports"] = _seed_export.export_routes(
+            model, args.out_dir, args.window_mib, args.export_rounds
+        )
+        return out
     stage(args, case, "forward pass", out)
     tokens = np.random.default_rng(0).integers(0, model.vocabulary_size, (2, 8), dtype=np.int32)
     clock = time.perf_counter()
@@ -244,6 +254,9 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
     command += ["--dtype", args.dtype]
     if mesh:
         command += ["--mesh", mesh]
+    if case == "export":
+        command += ["--window-mib", str(args.window_mib)]
+        command += ["--export-rounds", str(args.export_rounds)]
     reserve = int(args.reserve_gib * GIB)
     limit = int(args.limit_gib * GIB) if args.limit_gib else None
     progress = progress_path(args.out_dir, case, mesh)
@@ -376,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in args.meshes:
             evict(args.dir)
             report["runs"].append(run_child("hub", args, mesh))
+    if args.export:
+        import _seed_export
+
+        report["export"] = run_child("export", args, args.export_mesh)
+        print(_seed_export.markdown(report["export"].get("exports", [])), file=sys.stderr)
     report["load_after"] = os.getloadavg()
     report["minutes"] = (time.time() - started) / 60
     import _seed_render as render
@@ -428,6 +446,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rounds per mesh (cold read, read into kept memory, load)",
     )
     p.add_argument("--no-hub", action="store_true", help="skip keras-hub's own from_preset")
+    p.add_argument(
+        "--export",
+        action="store_true",
+        help="also the three exports of the loaded model against the durable write floor",
+    )
+    p.add_argument("--export-mesh", default="2x4")
+    p.add_argument("--export-rounds", type=int, default=1)
+    p.add_argument("--window-mib", type=float, default=256, help="the exports' window")
     p.add_argument(
         "--no-kept-read",
         dest="kept_read",
