@@ -438,7 +438,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip-make", action="store_true", help="use the preset in --dir if it is there"
     )
     p.add_argument("--make-only", action="store_true", help="make the preset, measure nothing")
-    p.add_argument("--meshes", nargs="+", default=["1x8", "2x4"])
+    p.add_argument("--meshes", nargs="*", default=["1x8", "2x4"], help="none: only --export")
     p.add_argument(
         "--repeats",
         type=int,
