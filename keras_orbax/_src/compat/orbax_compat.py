@@ -141,13 +141,13 @@ def epath_forget_tensorflow() -> None:
 
 
 def set_barrier_timeout(timeout_s: float) -> None:
-    """Makes every barrier Orbax enters without a limit of its caller's wait at most `timeout_s`
-    for the other processes (rounded up to whole seconds, as Orbax takes them), process-wide.
+    """Makes each of Orbax's barriers that its caller gives no limit wait at most `timeout_s` for
+    the other processes (rounded up to whole seconds, as Orbax takes them), process-wide.
 
     Why private: `ocp.training.Checkpointer.save_checkpointables_async` saves through Orbax's v0
     `CheckpointManager` and `AsyncCheckpointer`, whose barriers outside the handlers (the save's
     start, `CheckpointManager:save_start`; the temporary directory's creation,
-    `_src.path.atomicity.create_all`; the checkpointer's finalize) are v0's
+    `_src.path.atomicity.create_all`; the manager's after a save or deletion) are v0's
     `multihost.sync_global_processes` with no `processes`: by default a collective over every
     device (`multihost_utils.sync_global_devices`), which ignores any limit and waits for a
     stalled process forever. Orbax's own flag `experimental_orbax_use_distributed_barrier` makes
@@ -156,7 +156,8 @@ def set_barrier_timeout(timeout_s: float) -> None:
     copy in v0's module and one in v1's, read at each call): no option or context reaches either.
     Process-wide because each is one value: setting them around one save would race with a
     background save on another thread. These barriers only wait for the processes to arrive: the
-    array writes happen inside the handler, bounded by `timeout_secs` (`pytree_handler_with_...`).
+    array writes happen inside the handler, bounded by `timeout_secs`
+    (`pytree_handler_with_array_writer`).
 
     A flag the user set (on the command line, or by `parse`) is left as it is.
     """
@@ -170,11 +171,6 @@ def set_barrier_timeout(timeout_s: float) -> None:
         # `parse` (not assignment): a flag read before absl parsed the command line raises
         # unless it is `present`, and Orbax then falls back to the collective.
         flag.parse(True)
-
-
-def barrier_timeout() -> int:
-    """Orbax's limit on its own barriers, in seconds (`set_barrier_timeout`), as v1 reads it."""
-    return int(attribute(_V1_MULTIHOST.get(), _BARRIER_TIMEOUT, "orbax-checkpoint"))
 
 
 # `before_commit(directory, operation_id, error, wait_s)`: called once this process's writes of

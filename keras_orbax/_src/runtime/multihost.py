@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -50,11 +51,14 @@ def orbax_barriers_follow() -> None:
     """
     if _followed or process_count() == 1:
         return
-    orbax_compat.set_barrier_timeout(DEFAULT_TIMEOUT_S)
-    _followed.append(True)
+    with _following:  # Orbax's background thread makes collective calls too
+        if not _followed:
+            orbax_compat.set_barrier_timeout(DEFAULT_TIMEOUT_S)
+            _followed.append(True)
 
 
 _followed: list[bool] = []  # set once: `DEFAULT_TIMEOUT_S` never changes
+_following = threading.Lock()
 
 
 def process_count() -> int:
