@@ -224,7 +224,7 @@ def test_two_processes(tmp_path, models):
         assert _faults.files(roots["transformers"]) == hf["before"]
     steps = ["step.fast", "step.regions", "step.finalize", "step.start"]
     assert [c["sink"] for c in second] == ["weights.h5", "transformers", *steps]
-    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the sixth
+    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the seventh
     _check_step_fault(roots["step.regions"], first, second, "step.regions")
     _check_step_fault(roots["step.finalize"], first, second, "step.finalize")
     _check_step_fault(roots["step.start"], first, second, "step.start")

@@ -13,10 +13,10 @@ earlier one of the same sink, each with a real fault that process 1 injects
 - "step.finalize", where process 1 fails at the start of Orbax's finalize ("rename"), after every
   process agreed: process 0 must give up waiting in Orbax's commit barrier within
   `KERAS_ORBAX_SYNC_TIMEOUT_S`, not Orbax's 20 minutes;
-- "step.start", where process 1 stalls at the start of `keras_orbax.save`'s Orbax save, just
-  before Orbax's save-start barrier (`synchronize_next_operation_id`), until process 0 has given
-  up: process 0 must raise within `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's barrier limit follows it),
-  not Orbax's fixed 300 s;
+- "step.start", where process 1 stalls at the start of "stage" (`keras_orbax.save`'s call into
+  Orbax, just before Orbax's save-start barrier, `CheckpointManager:save_start`) until process 0
+  has ended the case: process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's
+  default barrier there waits without limit), and process 1, arriving late, must raise too;
 - "preset", where process 1 SIGKILLs itself at the start of "agree" (`KERAS_ORBAX_TEST_KILL_AT`):
   process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
 
@@ -120,7 +120,7 @@ def _fail_finalize() -> None:
 _STEP_FAULTS = {  # sink -> (stage, what process 1 does there, given the checkpoint)
     "step.regions": ("regions", _remove_own_shard_file),
     "step.finalize": ("rename", lambda ckpt: _fail_finalize()),
-    "step.start": ("stage", None),  # stalls until process 0 has ended the case (`_stall`)
+    "step.start": ("stage", None),  # stalls until process 0 has ended the case (`_wait_for_peer`)
 }
 
 
