@@ -185,8 +185,10 @@ def test_two_processes(tmp_path, models):
     same `SaveFailedError`, naming the processes it failed on), ENOSPC (the same), EFBIG on
     process 1 alone inside `keras_orbax.save` (both raise `SaveFailedError` naming process 1,
     process 0 without waiting in Orbax's commit barrier, whose limit is 20 minutes: the launch's
-    own timeout stops that), SIGKILL (process 0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S`);
-    each earlier export or step is left byte for byte and loads exactly."""
+    own timeout stops that), a stall before Orbax's save-start barrier (process 0 gives up within
+    `KERAS_ORBAX_SYNC_TIMEOUT_S`, where Orbax's own barrier waits without limit), SIGKILL (process
+    0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export or step is left byte for
+    byte and loads exactly."""
     image, ext4_root = tmp_path / "ext4.img", tmp_path / "ext4"
     roots = {
         "weights.h5": ext4_root,
@@ -194,9 +196,10 @@ def test_two_processes(tmp_path, models):
         "step.fast": tmp_path / "s",
         "step.regions": tmp_path / "sr",
         "step.finalize": tmp_path / "sf",
+        "step.start": tmp_path / "ss",
         "preset": tmp_path / "p",
     }
-    for sink in ("preset", "step.fast", "step.regions", "step.finalize"):
+    for sink in ("preset", "step.fast", "step.regions", "step.finalize", "step.start"):
         roots[sink].mkdir()
     (tmp_path / "w").mkdir()
     cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
@@ -219,11 +222,12 @@ def test_two_processes(tmp_path, models):
             assert mine.startswith("SaveFailedError") and " of 2 processes:" in mine, (sink, mine)
         hf = next(c for c in first if c["sink"] == "transformers")
         assert _faults.files(roots["transformers"]) == hf["before"]
-    steps = ["step.fast", "step.regions", "step.finalize"]
+    steps = ["step.fast", "step.regions", "step.finalize", "step.start"]
     assert [c["sink"] for c in second] == ["weights.h5", "transformers", *steps]
-    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the sixth
+    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the seventh
     _check_step_fault(roots["step.regions"], first, second, "step.regions")
     _check_step_fault(roots["step.finalize"], first, second, "step.finalize")
+    _check_step_fault(roots["step.start"], first, second, "step.start")
     preset = next(c for c in first if c["sink"] == "preset")
     assert preset["error"].startswith("ProcessSyncError"), preset
     assert "Processes [1] did not reach" in preset["error"], preset
@@ -266,8 +270,12 @@ def _check_step_fault(root, first, second, sink):
     raise the same `SaveFailedError` naming process 1's missing region. Or it failed at Orbax's
     finalize, after the agreement ("step.finalize"): process 0 raises `SaveFailedError` too, once
     Orbax's barrier gives up, within `KERAS_ORBAX_SYNC_TIMEOUT_S` (20 s here) of the agreement,
-    not Orbax's 20 minutes. Either way step 2 is not committed, and step 1 is byte for byte as
-    before and restores exactly."""
+    not Orbax's 20 minutes. Or it stalled before Orbax's save-start barrier ("step.start"): process
+    0 raises `SaveFailedError` naming that barrier once it gives up, within
+    `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's own barrier would wait for process 1 without limit: it
+    would arrive once its stall ends, 300 s on, and the step would commit); process 1, arriving
+    late, raises too. Either way step 2 is not committed, and step 1 is byte for byte as before
+    and restores exactly."""
     (mine,) = [c for c in first if c["sink"] == sink]
     (theirs,) = [c for c in second if c["sink"] == sink]
     for error in (mine["error"], theirs["error"]):
@@ -275,6 +283,9 @@ def _check_step_fault(root, first, second, sink):
     if sink == "step.regions":
         assert mine["error"] == theirs["error"]
         assert "Not every region" in mine["error"] and "process 1: wrote" in mine["error"]
+    elif sink == "step.start":
+        for error in (mine["error"], theirs["error"]):
+            assert "Barrier timed out" in error and "save_start" in error, error
     else:
         # Process 0's wait is bounded by the launch's own timeout (600 s), under Orbax's 1200 s.
         assert "injected at Orbax's finalize" in theirs["error"], theirs

@@ -13,6 +13,10 @@ earlier one of the same sink, each with a real fault that process 1 injects
 - "step.finalize", where process 1 fails at the start of Orbax's finalize ("rename"), after every
   process agreed: process 0 must give up waiting in Orbax's commit barrier within
   `KERAS_ORBAX_SYNC_TIMEOUT_S`, not Orbax's 20 minutes;
+- "step.start", where process 1 stalls at the start of "stage" (`keras_orbax.save`'s call into
+  Orbax, just before Orbax's save-start barrier, `CheckpointManager:save_start`) until process 0
+  has ended the case: process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's
+  default barrier there waits without limit), and process 1, arriving late, must raise too;
 - "preset", where process 1 SIGKILLs itself at the start of "agree" (`KERAS_ORBAX_TEST_KILL_AT`):
   process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
 
@@ -116,14 +120,19 @@ def _fail_finalize() -> None:
 _STEP_FAULTS = {  # sink -> (stage, what process 1 does there, given the checkpoint)
     "step.regions": ("regions", _remove_own_shard_file),
     "step.finalize": ("rename", lambda ckpt: _fail_finalize()),
+    "step.start": ("stage", None),  # stalls until process 0 has ended the case (`_wait_for_peer`)
 }
 
 
-def _step_fault_case(sink: str, root: Path, process_id: int) -> dict:
-    """Step 1 saved; then step 2, with process 1's fault at `_STEP_FAULTS[sink]`."""
+def _step_fault_case(sink: str, root: Path, process_id: int, workdir: Path, done: int) -> dict:
+    """Step 1 saved; then step 2, with process 1's fault at `_STEP_FAULTS[sink]` (`done`: the
+    cases each process has ended before this one)."""
     model, before = _step_one_saved(root, process_id)
     stage, fault = _STEP_FAULTS[sink]
-    hook = _faults.fault_at(stage, lambda: fault(root / "ckpt"))
+    if fault is None:
+        hook = _faults.fault_at(stage, lambda: _wait_for_peer(workdir, process_id, done + 1))
+    else:
+        hook = _faults.fault_at(stage, lambda: fault(root / "ckpt"))
     error = ""
     try:
         if process_id == 1:
@@ -159,7 +168,8 @@ def main() -> None:
             log = ctx.workdir / f"worker_{ctx.process_id}.log"
             done.append(_step_case(root, ctx.process_id, log))
         elif case["sink"] in _STEP_FAULTS:
-            done.append(_step_fault_case(case["sink"], root, ctx.process_id))
+            case_done = _step_fault_case(case["sink"], root, ctx.process_id, ctx.workdir, len(done))
+            done.append(case_done)
         else:
             done.append(_case(case["sink"], root, ctx.process_id))
         (ctx.workdir / f"cases_{ctx.process_id}.json").write_text(json.dumps(done))

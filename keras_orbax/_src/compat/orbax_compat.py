@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from keras_orbax._src.compat.versions import Private, attribute
+from keras_orbax._src.compat.versions import Private, attribute, set_attribute
 from keras_orbax.errors import UnsupportedVersionError
 
 _DISTRIBUTED_STATE = Private("jax", "jax._src.distributed", "global_state")
@@ -51,6 +52,16 @@ _BACKGROUND_SAVE = Private(
 )
 _SHARDING_METADATA = Private(
     "orbax-checkpoint", "orbax.checkpoint._src.metadata.sharding", "from_jax_sharding"
+)
+# Orbax's limit on its own barriers (`_DEFAULT_BARRIER_TIMEOUT`), one copy in v0's module and one
+# in v1's; and v0's flag that makes its barriers take that limit at all.
+_V0_MULTIHOST = Private("orbax-checkpoint", "orbax.checkpoint._src.multihost.multihost")
+_V1_MULTIHOST = Private("orbax-checkpoint", f"{_V1}.synchronization.multihost")
+_BARRIER_TIMEOUT = "_DEFAULT_BARRIER_TIMEOUT"
+_DISTRIBUTED_BARRIER_FLAG = Private(
+    "orbax-checkpoint",
+    "orbax.checkpoint._src.multihost.multihost",
+    "EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER",
 )
 _UPDATE_AVAL = Private("jax", "jax._src.core", "update_aval_with_sharding")
 _BATCHED_DEVICE_PUT = Private("jax", "jax._src.interpreters.pxla", "batched_device_put")
@@ -127,6 +138,39 @@ def epath_forget_tensorflow() -> None:
     is_tf_installed = _IS_TF_INSTALLED.get()
     if is_tf_installed.cache_info().currsize and not _EPATH_USE_TF.get()():
         is_tf_installed.cache_clear()
+
+
+def set_barrier_timeout(timeout_s: float) -> None:
+    """Makes each of Orbax's barriers that its caller gives no limit wait at most `timeout_s` for
+    the other processes (rounded up to whole seconds, as Orbax takes them), process-wide.
+
+    Why private: `ocp.training.Checkpointer.save_checkpointables_async` saves through Orbax's v0
+    `CheckpointManager` and `AsyncCheckpointer`, whose barriers outside the handlers (the save's
+    start, `CheckpointManager:save_start`; the temporary directory's creation,
+    `_src.path.atomicity.create_all`; the manager's after a save or deletion) are v0's
+    `multihost.sync_global_processes` with no `processes`: by default a collective over every
+    device (`multihost_utils.sync_global_devices`), which ignores any limit and waits for a
+    stalled process forever. Orbax's own flag `experimental_orbax_use_distributed_barrier` makes
+    them the coordination service's barrier with a limit; the limit is
+    `multihost.coordination_timeout()`, the module constant `_DEFAULT_BARRIER_TIMEOUT` (300 s, one
+    copy in v0's module and one in v1's, read at each call): no option or context reaches either.
+    Process-wide because each is one value: setting them around one save would race with a
+    background save on another thread. These barriers only wait for the processes to arrive: the
+    array writes happen inside the handler, bounded by `timeout_secs`
+    (`pytree_handler_with_array_writer`).
+
+    A flag the user set (on the command line, or by `parse`) is left as it is.
+    """
+    from absl import flags  # Orbax's dependency, which defines the flag
+
+    seconds = max(1, math.ceil(timeout_s))
+    for module in (_V0_MULTIHOST, _V1_MULTIHOST):
+        set_attribute(module.get(), _BARRIER_TIMEOUT, seconds, "orbax-checkpoint")
+    flag = flags.FLAGS[_DISTRIBUTED_BARRIER_FLAG.get().name]
+    if not flag.present:
+        # `parse` (not assignment): a flag read before absl parsed the command line raises
+        # unless it is `present`, and Orbax then falls back to the collective.
+        flag.parse(True)
 
 
 # `before_commit(directory, operation_id, error, wait_s)`: called once this process's writes of

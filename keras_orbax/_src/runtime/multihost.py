@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -29,6 +30,35 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("KERAS_ORBAX_SYNC_TIMEOUT_S", "300"))
 _calls = itertools.count()
 _agreed: weakref.WeakSet[BaseException] = weakref.WeakSet()  # raised by `agree`: reported already
 _published: list[str] = []  # keys this process set that another process may still have to read
+
+
+def _client() -> Any:
+    """JAX's coordination-service client, once Orbax's own barriers follow keras-orbax's limit
+    (`orbax_barriers_follow`): every collective call of keras-orbax (a save's, a restore's) gets
+    its client here before it reaches any barrier of Orbax's."""
+    orbax_barriers_follow()
+    return orbax_compat.distributed_client()
+
+
+def orbax_barriers_follow() -> None:
+    """Makes Orbax's barriers outside keras-orbax's handler wait at most `DEFAULT_TIMEOUT_S`
+    (`KERAS_ORBAX_SYNC_TIMEOUT_S`) for a process that does not arrive, under `jax.distributed`
+    (`orbax_compat.set_barrier_timeout`).
+
+    Process-wide, for every Orbax call of the process (Keras's `OrbaxCheckpoint` too): Orbax keeps
+    one constant and one flag. Also without the variable: Orbax's default barrier is a collective
+    over every device, without any limit.
+    """
+    if _followed or process_count() == 1:
+        return
+    with _following:  # Orbax's background thread makes collective calls too
+        if not _followed:
+            orbax_compat.set_barrier_timeout(DEFAULT_TIMEOUT_S)
+            _followed.append(True)
+
+
+_followed: list[bool] = []  # set once: `DEFAULT_TIMEOUT_S` never changes
+_following = threading.Lock()
 
 
 def process_count() -> int:
@@ -81,7 +111,7 @@ def agree(
         if error is not None:
             raise error
         return
-    client = orbax_compat.distributed_client()
+    client = _client()
     key = f"keras_orbax/{name}/{next(_calls)}"
     me = jax.process_index()
     _publish(client, f"{key}/{me}", json.dumps(_outcome(error)))
@@ -148,7 +178,7 @@ def gather_outcomes(
         if error is not None:
             raise error
         return [value]
-    client = orbax_compat.distributed_client()
+    client = _client()
     prefix = f"keras_orbax/outcome/{round_key}"
     me = jax.process_index()
     mine = _outcome(error) if error is not None else {"ok": True, "value": value}
@@ -212,7 +242,7 @@ def primary_value(name: str, fn: Callable[..., T], *args: Any) -> T:
     """
     if process_count() == 1:
         return fn(*args)
-    client = orbax_compat.distributed_client()
+    client = _client()
     key = f"keras_orbax/{name}/{next(_calls)}/decision"
     if jax.process_index() == 0:
         try:
@@ -242,7 +272,7 @@ def gather(name: str, value: Any) -> list[Any]:
     """
     if process_count() == 1:
         return [value]
-    client = orbax_compat.distributed_client()
+    client = _client()
     key = f"keras_orbax/{name}/{next(_calls)}/gathered"
     mine = f"{key}/{jax.process_index()}"
     _publish(client, mine, json.dumps({"value": value}))
