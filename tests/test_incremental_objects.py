@@ -215,5 +215,5 @@ def test_each_process_copies_its_own_unchanged_shards_on_the_server(s3_store, s3
             )
         )
         copied = [n for n in record["files"] if state + n in copies]
-        assert copied and all("fingerprint" in record["files"][n] for n in copied)
+        assert copied and all("layout" in record["files"][n] for n in copied)
     keras_orbax.verify(url, step=2)
