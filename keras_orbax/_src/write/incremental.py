@@ -151,9 +151,7 @@ class Plan:
                 same = _holds(handle, parts)
         except OSError:
             same = False
-        if (
-            not same
-        ):  # other bytes: the step gets a file of its own (never written through the link)
+        if not same:  # the step gets a file of its own, never written through the link
             os.unlink(target)
         return same
 
