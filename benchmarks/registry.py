@@ -28,7 +28,7 @@ INCREMENTAL = {
     for mode in ("sync", "async")
     for saves in ("inc", "full")
 }
-INCREMENTAL["sha256"] = "SHA-256 of `frozen_gib` GiB on one thread (what detecting a change costs)"
+INCREMENTAL["crc"] = "CRC-32C of `frozen_gib` GiB on one thread (the candidate test's cost)"
 INCREMENTAL_FULL = {
     "model": "gemma", "frozen_gib": 1.0, "width": 2048, "rank": 8, "epochs": 6, "steps": 2,
     "batch": 8,

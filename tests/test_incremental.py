@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import keras_orbax
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
-from keras_orbax._src.write import incremental
 from tests import _models
 
 DTYPES = ["float32", "bfloat16", "float16", "int8", "int32", "bool", "uint8"]
@@ -108,20 +107,6 @@ def _changed_files(before: Path, after: Path) -> set[tuple[str, tuple[int, ...]]
     }
 
 
-def _linkable(step_dir: Path) -> set[tuple[str, tuple[int, ...]]]:
-    """The shard files of a step that the next save may link: fingerprinted, and not written at
-    so many saves in a row that the next one writes them without looking (the record's rule)."""
-    names = {
-        os.fspath(p.relative_to(step_dir / "state")): n for n, p in _shard_files(step_dir).items()
-    }
-    linkable = set()
-    for path in (step_dir / "state/keras_orbax_checksums").glob("process_*.json"):
-        for name, entry in json.loads(path.read_text())["files"].items():
-            if "fingerprint" in entry and incremental.fingerprinted_after(entry["written"]):
-                linkable.add(names[name])
-    return linkable
-
-
 def _flip(variable: keras.Variable, rng: np.random.Generator, whole_element: bool) -> tuple:
     """Changes one bit (or one whole element) of `variable`, keeping its sharding; returns the
     element's index."""
@@ -184,9 +169,7 @@ def test_every_changed_shard_is_written_and_every_unchanged_one_linked(
         before, after = tmp_path / str(step), tmp_path / str(step + 1)
         changed, new = _changed_files(before, after), _new_files(before, after)
         assert changed == expected
-        assert changed <= new  # every change written
-        # and every unchanged file linked, but for those written at every recent save
-        assert new == changed | (set(_shard_files(after)) - _linkable(before))
+        assert new == changed  # every change written, every unchanged file linked
         keras_orbax.verify(tmp_path, step=step + 1)  # the linked files' CRC-32 recorded right
         step += 1
     restored = _mixed_model()
@@ -286,12 +269,12 @@ def test_lora_second_save_writes_only_what_training_changed(tmp_path):
     assert {record[a].path for a in new & frozen} == {"frozen_in/kernel"}
 
 
-def test_a_step_without_fingerprints_gives_a_full_save(tmp_path):
+def test_a_step_without_layouts_gives_a_full_save(tmp_path):
     model = _lora_model()
     model.optimizer.build(model.trainable_variables)
     keras_orbax.save(model, tmp_path, step=1, incremental=False)
     checksums = tmp_path / "1/state/keras_orbax_checksums/process_0.json"
-    assert "fingerprint" not in json.loads(checksums.read_text())  # as an older version wrote
+    assert "layouts" not in json.loads(checksums.read_text())  # as an older version wrote
     keras_orbax.save(model, tmp_path, step=2)
     assert _new_files(tmp_path / "1", tmp_path / "2") == set(_shard_files(tmp_path / "2"))
     keras_orbax.save(model, tmp_path, step=3)  # step 2 has them: everything linked
@@ -364,29 +347,121 @@ def test_each_process_links_its_own_unchanged_shards(tmp_path):
             (after / f"state/keras_orbax_checksums/process_{process}.json").read_text()
         )
         linked = [n for n in listed["files"] if (after / "state" / n).stat().st_ino in old]
-        assert linked and all("fingerprint" in listed["files"][n] for n in linked)
+        assert linked and all("layout" in listed["files"][n] for n in linked)
 
 
-def test_a_shard_that_changes_at_every_save_is_fingerprinted_every_16_saves(tmp_path):
-    """A full fine-tune's shards change at every save: written without a fingerprint from the
-    third save in a row, fingerprinted at the 16th and 17th; linked again once it stops."""
+def test_a_shard_that_changed_at_every_save_is_linked_once_it_stops(tmp_path):
+    """A full fine-tune's shards change at every save: each is written (its record complete), and
+    linked at the first save after it stops changing."""
     model = _lora_model()
     model.optimizer.build(model.trainable_variables)
     factor = model.get_layer("frozen_out").lora_kernel_b
     array = _arrays(model)[id(factor)]
-    fingerprinted = []
-    for step in range(18):
-        if 0 < step < 17:  # changed before saves 1 to 16, the same at 17
+    for step in range(5):
+        if 0 < step < 4:  # changed before saves 1 to 3, the same at 4
             factor.assign(factor.value + 1.0)
         keras_orbax.save(model, tmp_path, step=step)
-        checksums = tmp_path / f"{step}/state/keras_orbax_checksums/process_0.json"
-        files = json.loads(checksums.read_text())["files"]
-        (entry,) = [entry for name, entry in files.items() if name.startswith(f"{array}/")]
-        fingerprinted.append("fingerprint" in entry)
-    # Saves 0 (the first) and 1 look; 2-15 write without looking; 16 records; 17 compares, links.
-    assert fingerprinted == [True, True] + [False] * 14 + [True, True]
-    assert _new_files(tmp_path / "16", tmp_path / "17") == set()
-    assert {a for a, _ in _new_files(tmp_path / "15", tmp_path / "16")} == {array}
+        if step:
+            new = {a for a, _ in _new_files(tmp_path / str(step - 1), tmp_path / str(step))}
+            assert (array in new) == (step < 4)
+    keras_orbax.verify(tmp_path, step=4)  # the linked file's record carried over
+
+
+def _checksums(step_dir: Path) -> dict:
+    return json.loads((step_dir / "state/keras_orbax_checksums/process_0.json").read_text())
+
+
+def test_a_save_records_layouts_and_crcs_and_no_hash(tmp_path):
+    """What a save records to compare the next one with: each entry's CRCs, size and layout (the
+    text, once per distinct layout), no fingerprint of the bytes (no hashing pass)."""
+    model = _mixed_model()
+    _shard_all(model, np.random.default_rng(2))
+    keras_orbax.save(model, tmp_path, step=1)
+    content = _checksums(tmp_path / "1")
+    assert set(content) == {"algorithm", "layouts", "files"}
+    layouts = content["layouts"]
+    assert len(set(layouts)) == len(layouts) and all("keras-orbax shard" in t for t in layouts)
+    for name, entry in content["files"].items():
+        assert set(entry) <= {"crc32", "crc32c", "bytes", "layout", "shared"}, name
+        assert layouts[entry["layout"]].split("|")[3] in DTYPES, name
+    # The linked step records the same, its CRCs carried over (verify reads them).
+    keras_orbax.save(model, tmp_path, step=2)
+    assert _new_files(tmp_path / "1", tmp_path / "2") == set()
+    linked = _checksums(tmp_path / "2")
+    for name, entry in content["files"].items():
+        assert linked["files"][name] == {**entry, "shared": 2}
+    keras_orbax.verify(tmp_path, step=2)
+
+
+def _crc_collision(data: bytes, changed: int, free: int) -> bytes:
+    """`data` with byte `changed` flipped and bytes `free` to `free + 16` set so that every CRC a
+    save records (CRC-32, CRC-32C where google-crc32c is installed) is unchanged: CRCs are affine
+    over GF(2), so the 128 free bits solve a linear system."""
+    from keras_orbax._src.format import crc
+
+    def syndrome(buffer: bytes) -> int:  # every recorded CRC, side by side
+        value = 0
+        for algorithm in crc.RECORDED:
+            value = (value << 32) | algorithm.of(buffer)
+        return value
+
+    zero = syndrome(bytes(len(data)))
+
+    def linear(positions: dict[int, int]) -> int:  # the CRCs' linear part of a difference
+        delta = bytearray(len(data))
+        for at, byte in positions.items():
+            delta[at] ^= byte
+        return syndrome(bytes(delta)) ^ zero
+
+    target = linear({changed: 0xFF})
+    rows = [(linear({free + bit // 8: 1 << bit % 8}), 1 << bit) for bit in range(128)]
+    basis: list[tuple[int, int]] = []  # Gaussian elimination: (syndrome, the bits giving it)
+    for value, bits in rows:
+        for b_value, b_bits in basis:
+            if value ^ b_value < value:
+                value, bits = value ^ b_value, bits ^ b_bits
+        if value:
+            basis.append((value, bits))
+            basis.sort(reverse=True)
+    chosen = 0
+    for b_value, b_bits in basis:
+        if target ^ b_value < target:
+            target, chosen = target ^ b_value, chosen ^ b_bits
+    assert target == 0, "no collision with these free bytes"
+    forged = bytearray(data)
+    forged[changed] ^= 0xFF
+    for bit in range(128):
+        if chosen >> bit & 1:
+            forged[free + bit // 8] ^= 1 << bit % 8
+    assert forged != data and syndrome(bytes(forged)) == syndrome(data)
+    return bytes(forged)
+
+
+def test_a_file_with_other_bytes_and_the_recorded_crcs_is_not_passed_on(tmp_path):
+    """A shard file of step 1 replaced by other bytes with the same size, mtime, CRC-32 and CRC-32C
+    (a collision, forged): its record is right for the model, so only comparing the bytes shows
+    it. Step 2 writes the shard; it restores the model's values."""
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    keras_orbax.save(model, tmp_path, step=1)
+    key = ("layers.dense.vars.0", (0, 0))  # frozen_in's kernel, one file
+    damaged = _shard_files(tmp_path / "1")[key]
+    kept = damaged.stat()
+    damaged.write_bytes(_crc_collision(damaged.read_bytes(), changed=100, free=400))
+    os.utime(damaged, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    keras_orbax.verify(tmp_path, step=1)  # the checksums cannot tell
+    keras_orbax.save(model, tmp_path, step=2)
+    assert _new_files(tmp_path / "1", tmp_path / "2") == {key}
+    expected = np.asarray(model.get_layer("frozen_in")._kernel.value)
+    restored = _lora_model()
+    restored.optimizer.build(restored.trainable_variables)
+    keras_orbax.restore_sharded(restored, tmp_path, step=2)
+    np.testing.assert_array_equal(
+        np.asarray(restored.get_layer("frozen_in")._kernel.value), expected
+    )
+    assert not np.array_equal(  # step 1 holds other values under the same checksums
+        np.fromfile(damaged, np.float32, count=expected.size), expected.reshape(-1)
+    )
 
 
 @pytest.mark.parametrize("mtime", ["kept", "same_tick"])

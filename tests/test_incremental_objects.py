@@ -215,5 +215,31 @@ def test_each_process_copies_its_own_unchanged_shards_on_the_server(s3_store, s3
             )
         )
         copied = [n for n in record["files"] if state + n in copies]
-        assert copied and all("fingerprint" in record["files"][n] for n in copied)
+        assert copied and all("layout" in record["files"][n] for n in copied)
+    keras_orbax.verify(url, step=2)
+
+
+def test_a_change_with_the_recorded_crcs_is_not_copied(store, bucket):
+    """The model's frozen kernel changed to other bytes with the same CRC-32 and CRC-32C (a
+    collision, forged): the object of step 1 is still the recorded version and its CRCs match,
+    so only reading the copy back shows it. Step 2 gets the model's bytes, written."""
+    from tests.test_incremental import _crc_collision
+
+    url = f"{bucket}/run"
+    bucket_name, prefix = _where(url)
+    model = _lora_model()
+    keras_orbax.save(model, url, step=1)
+    kernel = model.get_layer("frozen_in")._kernel
+    old = np.asarray(kernel.value)
+    forged = _crc_collision(old.tobytes(), changed=100, free=400)
+    kernel.assign(np.frombuffer(forged, old.dtype).reshape(old.shape))
+    before = len(store.requests())
+    keras_orbax.save(model, url, step=2)
+    received = collections.Counter()
+    for request in store.requests()[before:]:
+        received[request["key"]] += request["bytes"]
+    (name,) = [n for n, content in _shard_objects(store, url, 1).items() if len(content) > 1e5]
+    written = _read(store, bucket_name, f"{prefix}2/state/{name}")
+    assert written[: len(forged)] == forged != old.tobytes()
+    assert received[f"{bucket_name}/{prefix}2/state/{name}"] >= len(written)
     keras_orbax.verify(url, step=2)

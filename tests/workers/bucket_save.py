@@ -37,8 +37,8 @@ keras_orbax.save(model, args["directory"], step=1)
 put_shard = shard_files.put_shard
 
 
-def put_shard_then_die(store: Any, shard: Any) -> Any:
-    put_shard(store, shard)
+def put_shard_then_die(store: Any, shard: Any, **kwargs: Any) -> Any:
+    put_shard(store, shard, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,6 +1,6 @@
 """Worker for tests/test_incremental.py and tests/test_incremental_objects.py: one of 2 processes
 x 4 devices saving `mlp(4096)` on a (2, 4) mesh at step 1, then, with one element of the first
-kernel changed, at step 2 (each process fingerprints and links, or in object storage has the
+kernel changed, at step 2 (each process compares and links, or in object storage has the
 server copy, its own shards).
 
 args: {"directory": the checkpoint root, a local path or an `s3://`/`gs://` URL}.

@@ -68,8 +68,8 @@ class ArrayFiles:
     being written, so a caller that hands over one array at a time and lets it go holds about
     that much beyond the array it is reading (`convert`). Without it, every shard is written
     concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`,
-    each shard is fingerprinted and, if unchanged since the previous step, linked to that step's
-    file (in object storage: copied on the server from that step's object; `incremental`). With
+    each shard whose bytes are those of the previous step's file is linked to that file (in
+    object storage: copied on the server from that step's object; `incremental`). With
     `synced`, every file it fsyncs is noted there. The threads are the process's
     (`_writer_pool`); leaving the `with` block cancels this writer's writes not yet started and
     waits for the others.
@@ -142,7 +142,9 @@ class ArrayFiles:
         name = shard_files.checksums_name()
         if self._store is not None and self._plan is not None:  # what the next save's copies check
             incremental.record_versions(self._root, self._checksums)
-        content = shard_files.checksums_json(self._checksums, fingerprinted=self._plan is not None)
+        content = shard_files.checksums_json(
+            self._checksums, incremental_save=self._plan is not None
+        )
         _written[self._root] = (self._arrays, list(self._checksums))
         if self._store is not None:
             self._store.write(name, content).result()

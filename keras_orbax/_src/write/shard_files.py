@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ class Shard:
     coords: tuple[int, ...]  # chunk coordinates: the file is c/<coords...> (c.<coords...> packed)
     data: np.ndarray  # C-contiguous host bytes
     packed: bool = False
-    layout: str = ""  # what its fingerprint says besides the bytes (`incremental.layout_of`)
+    layout: str = ""  # compared by an incremental save besides the bytes (`incremental.layout_of`)
 
     @property
     def relative(self) -> str:
@@ -67,11 +68,12 @@ def checksums_name() -> str:
     return f"{checksum.CHECKSUMS_DIR}/process_{jax.process_index()}.json"
 
 
-def checksums_json(checksums: dict[str, dict[str, Any]], *, fingerprinted: bool) -> bytes:
-    """The content of this process's checksum file listing `checksums` (name -> entry)."""
+def checksums_json(checksums: dict[str, dict[str, Any]], *, incremental_save: bool) -> bytes:
+    """The content of this process's checksum file listing `checksums` (name -> entry); with
+    `incremental_save`, the layouts the next save compares (older readers ignore them)."""
     content: dict[str, Any] = {"algorithm": checksum.ALGORITHM}
-    if fingerprinted:  # each entry's fingerprint (`incremental`): older readers ignore it
-        content[incremental.ENTRY_KEY] = incremental.ALGORITHM
+    if incremental_save:
+        return json.dumps({**content, **incremental.recorded_json(checksums)}).encode()
     return json.dumps({**content, "files": checksums}).encode()
 
 
@@ -80,17 +82,16 @@ def _entry(crcs: list[int], nbytes: int) -> dict[str, int]:
     return {**{c.key: value for c, value in zip(crc.RECORDED, crcs, strict=True)}, "bytes": nbytes}
 
 
-def put_shard(store: Any, shard: Shard, fingerprinted: bool = False) -> tuple[str, dict[str, Any]]:
+def put_shard(
+    store: Any, shard: Shard, known: Mapping[str, int] | None = None
+) -> tuple[str, dict[str, Any]]:
     """Writes one shard as an object (copied once into the request body); its name and checksum
-    entry (with `fingerprinted`, its fingerprint too)."""
-    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
-    index = checksum.shard_index(len(view))
-    crcs = [c.of(view, index) for c in crc.RECORDED]
+    entry (`known`: CRCs of it computed already, by key)."""
+    view, index = incremental.shard_bytes(shard)
+    known = known or {}
+    crcs = [known[c.key] if c.key in known else c.of(view, index) for c in crc.RECORDED]
     store.write(shard.relative, b"".join((view, index))).result()
-    entry: dict[str, Any] = _entry(crcs, len(view) + len(index))
-    if fingerprinted:
-        entry[incremental.ENTRY_KEY] = incremental.fingerprint(shard.layout, shard.data)
-    return shard.relative, entry
+    return shard.relative, _entry(crcs, len(view) + len(index))
 
 
 def put_file(store: Any, name: str, content: bytes) -> None:
@@ -98,35 +99,34 @@ def put_file(store: Any, name: str, content: bytes) -> None:
 
 
 def write_shard(
-    root: str, shard: Shard, synced: durable.Synced | None = None, fingerprinted: bool = False
+    root: str,
+    shard: Shard,
+    synced: durable.Synced | None = None,
+    known: Mapping[str, int] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it, noting it in
-    `synced`; returns its name and checksum entry (with `fingerprinted`, its fingerprint too,
-    computed piece by piece as the CRCs are: one pass over the bytes, each piece in cache)."""
+    `synced`; returns its name and checksum entry, each CRC computed piece by piece while in cache
+    but those `known` already (by key: an incremental save's candidate, `incremental`)."""
     path = f"{root}/{shard.relative}"
-    view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
-    index = checksum.shard_index(len(view))
-    crcs = [0] * len(crc.RECORDED)
-    hasher = incremental.fingerprinter(shard.layout) if fingerprinted else None
+    view, index = incremental.shard_bytes(shard)
+    known = known or {}
+    todo = [c for c in crc.RECORDED if c.key not in known]
+    crcs = [0] * len(todo)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     try:
         for start in range(0, len(view), checksum.PIECE_BYTES):
             piece = view[start : start + checksum.PIECE_BYTES]
-            crcs = [c.update(value, piece) for c, value in zip(crc.RECORDED, crcs, strict=True)]
-            if hasher is not None:
-                hasher.update(piece)
+            crcs = [c.update(value, piece) for c, value in zip(todo, crcs, strict=True)]
             _write_all(fd, piece)
-        crcs = [c.update(value, index) for c, value in zip(crc.RECORDED, crcs, strict=True)]
-        _write_all(fd, memoryview(index))
+        crcs = [c.update(value, index) for c, value in zip(todo, crcs, strict=True)]
+        _write_all(fd, index)
         os.fsync(fd)
         if synced is not None:
             synced.add(fd)
     finally:
         os.close(fd)
-    entry: dict[str, Any] = _entry(crcs, len(view) + len(index))
-    if hasher is not None:
-        entry[incremental.ENTRY_KEY] = incremental.fingerprint_of(hasher)
-    return shard.relative, entry
+    computed = {**known, **{c.key: value for c, value in zip(todo, crcs, strict=True)}}
+    return shard.relative, _entry([computed[c.key] for c in crc.RECORDED], len(view) + len(index))
 
 
 def write_file(

@@ -71,7 +71,7 @@ def save(
             committed step before `step` in `directory`; the others are hard links to that
             step's files (in object storage: copies made by the store), so every step stays
             whole (fast format; docs/incremental.md). False writes every file and records no
-            fingerprints.
+            layouts.
         rewrite_every: With `incremental`, write again any file that `rewrite_every` steps
             hold already instead of linking it: two steps that many saves apart or more share no
             file, so damage to one file cannot reach both. `None`: link without limit.
