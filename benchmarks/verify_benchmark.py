@@ -67,12 +67,15 @@ def _read_put(params: dict, step: str, model, pool) -> None:
     layout, one `device_put`."""
     import jax
 
+    state = os.path.join(step, "1", "state")
     files = [
         os.path.join(root, name)
-        for root, _, names in os.walk(os.path.join(step, "1", "state"))
+        for root, _, names in os.walk(state)
         if os.path.basename(os.path.dirname(root)) != "keras_orbax_checksums"
         for name in names
-        if os.sep + "c" in root or name.startswith("c.")
+        # a chunk's file: under `<array>/c/`, or `c.<key>` (the relative path: a work directory
+        # whose own path holds "/c" is not a chunk)
+        if os.sep + "c" in os.sep + os.path.relpath(root, state) or name.startswith("c.")
     ]
     sizes = [os.path.getsize(f) for f in files]
     if params["layout"] == "mlp":
