@@ -48,6 +48,32 @@ def test_combine_joins_the_crcs_of_two_pieces(algorithm):
         assert algorithm.combine(algorithm.of(a), algorithm.of(b), len(b)) == whole
 
 
+@pytest.mark.parametrize("library", ["google-crc32c", "isal"])
+def test_each_library_extends_the_same_crc32c_over_any_buffer(library):
+    """google-crc32c's and ISA-L's paths (through ctypes, or a copy below their thresholds) give
+    google-crc32c's own value at every length around the thresholds and every cut, on every
+    kind of buffer a restore hands them, read-only ones included."""
+    import google_crc32c
+
+    from keras_orbax._src.compat import crc32c_compat
+
+    extend, copied = crc32c_compat._google()
+    if library == "isal":
+        pytest.importorskip("isal")
+        extend = crc32c_compat._isal(copied)
+    assert extend is not None
+    data = np.random.default_rng(3).integers(0, 256, (1 << 20) + 4099, dtype=np.uint8)
+    lengths = (0, 1, 7, 4095, 16 << 10, (16 << 10) + 1, 256 << 10, (256 << 10) - 1, data.size)
+    for n in lengths:
+        expected = google_crc32c.value(data[:n].tobytes())
+        for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
+            assert extend(0, buffer) == expected, (library, n)
+        for cut in (1, n // 3, n - 5):
+            if 0 <= cut <= n:
+                head = extend(0, memoryview(data)[:cut])
+                assert extend(head, memoryview(data)[cut:n]) == expected, (library, n, cut)
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """`mlp` and `embed` saved with google-crc32c installed, and copies with one byte flipped."""

@@ -1,8 +1,9 @@
 """The CRCs a step records for its shard files, and joining the CRCs of adjacent pieces.
 
 `CRC32` (zlib's, in the standard library: about 3 GB/s a core, no carry-less-multiply path) is
-recorded by every keras-orbax save; `CRC32C` (Castagnoli), where google-crc32c is installed (the
-`crc32c` extra), beside it: its hardware path runs several times faster, so a reader that has it
+recorded by every keras-orbax save; `CRC32C` (Castagnoli), where ISA-L or google-crc32c is
+installed (the `crc32c` extra: `compat/crc32c_compat.py`), beside it: its hardware path runs several
+times faster, so a reader that has it
 checks with it (`strongest`), and one that has not checks the CRC-32 (docs/format.md, "Checksums").
 """
 
@@ -50,7 +51,7 @@ CRC32C = (
     if crc32c_compat.extend is None
     else Crc("crc32c", "CRC-32C", crc32c_compat.extend, 0x82F63B78)
 )
-"""Hardware CRC-32C, or None where google-crc32c is not installed."""
+"""Hardware CRC-32C, or None where neither ISA-L nor google-crc32c is installed."""
 
 RECORDED = (CRC32,) if CRC32C is None else (CRC32, CRC32C)  # what a save records, in that order
 KEYS = ("crc32", "crc32c")  # every CRC a checksum file's entry may hold (a link carries them on)
