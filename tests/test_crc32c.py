@@ -115,6 +115,26 @@ def test_a_save_records_both_and_restores_check_the_crc32c(steps, distribution):
         assert f"recorded {recorded[shape]:#010x} (CRC-32C)" in message, (shape, message)
 
 
+@pytest.mark.parametrize("library", ["google-crc32c", "isal"])
+def test_each_library_catches_a_flipped_byte_in_every_read_shape(
+    steps, distribution, monkeypatch, library
+):
+    """Whichever library computes the CRC-32C, every read shape checks it and names the file."""
+    import dataclasses
+
+    from keras_orbax._src.compat import crc32c_compat
+
+    extend, copied = crc32c_compat._google()
+    if library == "isal":
+        pytest.importorskip("isal")
+        extend = crc32c_compat._isal(copied)
+    assert crc.CRC32C is not None and extend is not None
+    monkeypatch.setattr(crc, "CRC32C", dataclasses.replace(crc.CRC32C, update=extend))
+    for shape, message in crc_checks.messages(steps).items():
+        name = "mlp" if shape == "whole" else "layers.embedding.vars.0/c/3/0"
+        assert f"recorded {_recorded(steps, name, 'crc32c'):#010x} (CRC-32C)" in message, shape
+
+
 def test_without_google_crc32c_the_crc32_is_recorded_and_checked(steps):
     """A process where google-crc32c is not installed checks the CRC-32 of steps saved with it in
     every read shape, records only the CRC-32, and links unchanged files by their CRC-32."""
