@@ -74,6 +74,21 @@ def test_each_library_extends_the_same_crc32c_over_any_buffer(library):
                 assert extend(head, memoryview(data)[cut:n]) == expected, (library, n, cut)
 
 
+def test_isal_extends_zlibs_crc32_over_any_buffer():
+    """ISA-L's CRC-32 (`crc.CRC32` where isal is installed) is zlib's at every length around its
+    threshold, from any starting value, on every kind of buffer."""
+    pytest.importorskip("isal")
+    from keras_orbax._src.compat import crc32_compat
+
+    assert crc32_compat.extend is not None and crc.CRC32.update is crc32_compat.extend
+    data = np.random.default_rng(4).integers(0, 256, (1 << 20) + 4099, dtype=np.uint8)
+    for n in (0, 1, 7, (16 << 10) - 1, 16 << 10, 100_000, data.size):
+        for start in (0, 12345, 0xFFFFFFFF):
+            expected = zlib.crc32(data[:n].tobytes(), start)
+            for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
+                assert crc32_compat.extend(start, buffer) == expected, (n, start)
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """`mlp` and `embed` saved with google-crc32c installed, and copies with one byte flipped."""
