@@ -13,7 +13,8 @@ Layouts (`layout`), each a step saved once:
 - `mlp`: `layers` Dense(`width`) layers with Adam's state (many small files, each read and
   checked); its `read_put` reads the files only.
 
-`--set base=DIR` restores the step already saved under DIR (by a run of another layout: `same` and
+`--set timed=N` times N operations in each process after its untimed one, and reports their
+medians (a shared machine's noise is mostly between processes; default 1). `--set base=DIR` restores the step already saved under DIR (by a run of another layout: `same` and
 `reshard` read the same step) instead of saving one.
 """
 
@@ -67,12 +68,15 @@ def _read_put(params: dict, step: str, model, pool) -> None:
     layout, one `device_put`."""
     import jax
 
+    state = os.path.join(step, "1", "state")
     files = [
         os.path.join(root, name)
-        for root, _, names in os.walk(os.path.join(step, "1", "state"))
+        for root, _, names in os.walk(state)
         if os.path.basename(os.path.dirname(root)) != "keras_orbax_checksums"
         for name in names
-        if os.sep + "c" in root or name.startswith("c.")
+        # a chunk's file: under `<array>/c/`, or `c.<key>` (the relative path: a work directory
+        # whose own path holds "/c" is not a chunk)
+        if os.sep + "c" in os.sep + os.path.relpath(root, state) or name.startswith("c.")
     ]
     sizes = [os.path.getsize(f) for f in files]
     if params["layout"] == "mlp":
@@ -114,6 +118,7 @@ def _fresh(nbytes: int):
 
 
 def run_case(case: str, params: dict, work: str) -> dict:
+    import statistics
     from concurrent.futures import ThreadPoolExecutor
 
     import keras_orbax
@@ -121,14 +126,21 @@ def run_case(case: str, params: dict, work: str) -> dict:
     step = _step(params, work)
     model = _model(params, restore=True)
     verify = None if case == "checked" else False
+    timings = []
     with ThreadPoolExecutor(8) as pool:
-        if case == "read_put":
-            _read_put(params, step, model, pool)  # warm: threads, compiled placements
+
+        def once() -> None:
+            if case == "read_put":
+                _read_put(params, step, model, pool)
+            else:
+                keras_orbax.restore_sharded(model, step, verify=verify)
+
+        once()  # warm: threads, compiled placements
+        for _ in range(int(params.get("timed", 1))):
             clock = bm.clock()
-            _read_put(params, step, model, pool)
-        else:
-            keras_orbax.restore_sharded(model, step, verify=verify)  # warm: the same
-            clock = bm.clock()
-            keras_orbax.restore_sharded(model, step, verify=verify)
-        seconds, cpu = bm.since(clock)
-    return {"seconds": seconds, "cpu_s": cpu}
+            once()
+            timings.append(bm.since(clock))
+    return {
+        "seconds": statistics.median(t[0] for t in timings),
+        "cpu_s": statistics.median(t[1] for t in timings),
+    }

@@ -48,6 +48,47 @@ def test_combine_joins_the_crcs_of_two_pieces(algorithm):
         assert algorithm.combine(algorithm.of(a), algorithm.of(b), len(b)) == whole
 
 
+@pytest.mark.parametrize("library", ["google-crc32c", "isal"])
+def test_each_library_extends_the_same_crc32c_over_any_buffer(library):
+    """google-crc32c's and ISA-L's paths (through ctypes, or a copy below their thresholds) give
+    google-crc32c's own value at every length around the thresholds and every cut, on every
+    kind of buffer a restore hands them, read-only ones included."""
+    import google_crc32c
+
+    from keras_orbax._src.compat import crc32c_compat
+
+    extend, copied = crc32c_compat._google()
+    if library == "isal":
+        pytest.importorskip("isal")
+        extend = crc32c_compat._isal(copied)
+    assert extend is not None
+    data = np.random.default_rng(3).integers(0, 256, (1 << 20) + 4099, dtype=np.uint8)
+    lengths = (0, 1, 7, 4095, 16 << 10, (16 << 10) + 1, 256 << 10, (256 << 10) - 1, data.size)
+    for n in lengths:
+        expected = google_crc32c.value(data[:n].tobytes())
+        for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
+            assert extend(0, buffer) == expected, (library, n)
+        for cut in (1, n // 3, n - 5):
+            if 0 <= cut <= n:
+                head = extend(0, memoryview(data)[:cut])
+                assert extend(head, memoryview(data)[cut:n]) == expected, (library, n, cut)
+
+
+def test_isal_extends_zlibs_crc32_over_any_buffer():
+    """ISA-L's CRC-32 (`crc.CRC32` where isal is installed) is zlib's at every length around its
+    threshold, from any starting value, on every kind of buffer."""
+    pytest.importorskip("isal")
+    from keras_orbax._src.compat import crc32_compat
+
+    assert crc32_compat.extend is not None and crc.CRC32.update is crc32_compat.extend
+    data = np.random.default_rng(4).integers(0, 256, (1 << 20) + 4099, dtype=np.uint8)
+    for n in (0, 1, 7, (16 << 10) - 1, 16 << 10, 100_000, data.size):
+        for start in (0, 12345, 0xFFFFFFFF):
+            expected = zlib.crc32(data[:n].tobytes(), start)
+            for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
+                assert crc32_compat.extend(start, buffer) == expected, (n, start)
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """`mlp` and `embed` saved with google-crc32c installed, and copies with one byte flipped."""
@@ -87,6 +128,26 @@ def test_a_save_records_both_and_restores_check_the_crc32c(steps, distribution):
     }
     for shape, message in messages.items():
         assert f"recorded {recorded[shape]:#010x} (CRC-32C)" in message, (shape, message)
+
+
+@pytest.mark.parametrize("library", ["google-crc32c", "isal"])
+def test_each_library_catches_a_flipped_byte_in_every_read_shape(
+    steps, distribution, monkeypatch, library
+):
+    """Whichever library computes the CRC-32C, every read shape checks it and names the file."""
+    import dataclasses
+
+    from keras_orbax._src.compat import crc32c_compat
+
+    extend, copied = crc32c_compat._google()
+    if library == "isal":
+        pytest.importorskip("isal")
+        extend = crc32c_compat._isal(copied)
+    assert crc.CRC32C is not None and extend is not None
+    monkeypatch.setattr(crc, "CRC32C", dataclasses.replace(crc.CRC32C, update=extend))
+    for shape, message in crc_checks.messages(steps).items():
+        name = "mlp" if shape == "whole" else "layers.embedding.vars.0/c/3/0"
+        assert f"recorded {_recorded(steps, name, 'crc32c'):#010x} (CRC-32C)" in message, shape
 
 
 def test_without_google_crc32c_the_crc32_is_recorded_and_checked(steps):

@@ -180,15 +180,20 @@ def test_a_shard_read_whole_is_checksummed_piece_by_piece_as_it_is_read(large_sh
 
 
 @pytest.mark.parametrize(
-    "at", [2 * PIECE + 4096, 3 * PIECE + PIECE // 2 - 8], ids=["piece_2", "partial_last_piece"]
+    "at",
+    [PIECE - 1, PIECE, 2 * PIECE + 4096, 3 * PIECE + PIECE // 2 - 8],
+    ids=["end_of_piece_0", "start_of_piece_1", "piece_2", "partial_last_piece"],
 )
+@pytest.mark.parametrize("axes", [("model", None), (None, "model")], ids=["saved", "resharded"])
 def test_a_changed_byte_in_any_piece_of_a_shard_is_caught_naming_the_file(
-    large_shards, distribution, at
+    large_shards, distribution, at, axes
 ):
+    """Read whole (the saved layout: 1 MiB pieces checksummed as read) or cut by every region
+    (resharded: pieces noted and joined), a flipped byte anywhere is named, nothing assigned."""
     _, array = large_shards
     damaged = array / "c/5/0"
     _flip(damaged, at=at)
-    fresh = _embedding(distribution, ("model", None), rows=8 * SHARD_ROWS)
+    fresh = _embedding(distribution, axes, rows=8 * SHARD_ROWS)
     before = np.asarray(fresh.weights[0].value)
     with pytest.raises(CorruptCheckpointError, match=re.escape(str(damaged)) + ": checksum 0x"):
         keras_orbax.restore_sharded(fresh, array.parent.parent.parent)

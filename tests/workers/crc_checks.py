@@ -84,6 +84,7 @@ def _save_twice(directory: Path) -> list[list[str]]:
 
 if __name__ == "__main__":
     sys.modules["google_crc32c"] = None  # not installed: `import google_crc32c` raises ImportError
+    sys.modules["isal"] = None  # nor ISA-L, the other CRC-32C
     from tests._worker_util import worker_context, write_result
 
     root = Path(worker_context().args["root"])

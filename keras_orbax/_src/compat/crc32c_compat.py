@@ -1,5 +1,5 @@
-"""Hardware CRC-32C from google-crc32c (the optional `crc32c` extra), over any buffer, without a
-copy.
+"""Hardware CRC-32C over any buffer, without a copy: ISA-L's (the `isal` package) where it is
+installed, else google-crc32c's (both in the optional `crc32c` extra); the same CRC either way.
 
 `google_crc32c.extend` parses its argument as read-only `bytes` (`y#`), which refuses every buffer
 that must be released: memoryview (read-only or not), bytearray, numpy arrays. A restore's bytes
@@ -8,6 +8,13 @@ only for `bytes`. The C library it wraps exports `crc32c_extend(crc, data, count
 public `crc32c.h`), which its extension module links: called through ctypes it takes the buffer's
 address and releases the GIL, so the reading threads check in parallel. Small buffers go through
 `google_crc32c.extend` on a copy: a ctypes call costs more than copying a few KiB.
+
+google/crc32c's x86 path is the SSE4.2 `crc32` instruction, one 8-byte step a cycle at best;
+ISA-L's `crc32_iscsi` folds with carry-less multiplies (AVX-512 `VPCLMULQDQ` where the CPU has it,
+else SSE `PCLMULQDQ` or the `crc32` instruction): several times faster, and the largest cost of a
+checked restore is this CRC (docs/benchmarks.md, "Checking what a restore reads"). python-isal
+exposes only the zlib CRC-32, but its `isal_zlib` extension module carries ISA-L's exported
+`crc32_iscsi(buffer, len, crc)`, called here through ctypes the same way.
 """
 
 from __future__ import annotations
@@ -18,24 +25,33 @@ from typing import Any
 
 import numpy as np
 
-_COPY_BELOW = 256 << 10  # bytes: copying this much costs less than one ctypes call
+_COPY_BELOW = 256 << 10  # bytes: copying this much costs less than one ctypes call (google-crc32c)
+_ISAL_COPY_BELOW = 16 << 10  # the same where the CRC itself runs at ISA-L's speed
+_ISAL_MAX_CALL = 1 << 30  # `crc32_iscsi` takes an `int` length
+_MASK = 0xFFFFFFFF
 
 Extend = Callable[[int, Any], int]
 
 
-def _load() -> Extend | None:
+def _google() -> tuple[Extend | None, Extend | None]:
+    """(extend through ctypes, extend on a copy) of google-crc32c's C library; None where it is
+    not installed (or only its pure-Python fallback, ~1 MB/s, is)."""
     try:
         import google_crc32c
         from google_crc32c import _crc32c  # the extension module: it links the C library
     except ImportError:
-        return None
-    if getattr(google_crc32c, "implementation", None) != "c":  # pure Python: ~1 MB/s
-        return None
+        return None, None
+    if getattr(google_crc32c, "implementation", None) != "c":
+        return None, None
     by_copy: Extend = google_crc32c.extend
+
+    def copied(crc: int, data: Any) -> int:
+        return by_copy(crc, np.frombuffer(data, np.uint8).tobytes())
+
     try:
         native = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # found in the libraries it links
     except (OSError, AttributeError):
-        return lambda crc, data: by_copy(crc, bytes(data))
+        return copied, copied
     native.restype = ctypes.c_uint32
     native.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
 
@@ -45,9 +61,45 @@ def _load() -> Extend | None:
             return by_copy(crc, view.tobytes())
         return int(native(crc, view.ctypes.data, view.size))
 
+    return extend, copied
+
+
+def _isal(small: Extend | None) -> Extend | None:
+    """ISA-L's CRC-32C through ctypes (`small`: for buffers under `_ISAL_COPY_BELOW`, where a copy
+    costs less than a ctypes call); None where python-isal is not installed."""
+    try:
+        from isal import isal_zlib  # the extension module: it carries ISA-L's CRC functions
+    except ImportError:
+        return None
+    try:
+        native = ctypes.CDLL(isal_zlib.__file__).crc32_iscsi
+    except (OSError, AttributeError):
+        return None
+    native.restype = ctypes.c_uint32
+    native.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+
+    def extend(crc: int, data: Any) -> int:
+        view = np.frombuffer(data, np.uint8)  # no copy; read-only or writable
+        if small is not None and view.size < _ISAL_COPY_BELOW:
+            return small(crc, view)
+        # ISA-L's iSCSI CRC is the CRC-32C without its initial and final inversion.
+        crc, address = ~crc & _MASK, view.ctypes.data
+        for start in range(0, view.size, _ISAL_MAX_CALL):
+            crc = native(address + start, min(_ISAL_MAX_CALL, view.size - start), crc)
+        return ~crc & _MASK
+
     return extend
 
 
-extend: Extend | None = _load()
+def _load() -> tuple[Extend | None, str | None]:
+    google, copied = _google()
+    fast = _isal(copied)
+    if fast is not None:
+        return fast, "isal"
+    return google, None if google is None else "google-crc32c"
+
+
+extend, library = _load()
 """`extend(crc, data)`: the CRC-32C of the bytes whose CRC-32C is `crc` followed by `data` (any
-buffer); None where google-crc32c (its C implementation) is not installed."""
+buffer); None where neither ISA-L (`isal`) nor google-crc32c (its C implementation) is installed.
+`library`: which one computes it (None: neither)."""

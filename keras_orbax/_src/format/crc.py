@@ -1,8 +1,10 @@
 """The CRCs a step records for its shard files, and joining the CRCs of adjacent pieces.
 
-`CRC32` (zlib's, in the standard library: about 3 GB/s a core, no carry-less-multiply path) is
-recorded by every keras-orbax save; `CRC32C` (Castagnoli), where google-crc32c is installed (the
-`crc32c` extra), beside it: its hardware path runs several times faster, so a reader that has it
+`CRC32` (zlib's: the standard library's about 3 GB/s a core, no carry-less-multiply path; ISA-L's
+where `isal` is installed, several times faster, `compat/crc32_compat.py`) is recorded by every
+keras-orbax save; `CRC32C` (Castagnoli), where ISA-L or google-crc32c is
+installed (the `crc32c` extra: `compat/crc32c_compat.py`), beside it: its hardware path runs several
+times faster, so a reader that has it
 checks with it (`strongest`), and one that has not checks the CRC-32 (docs/format.md, "Checksums").
 """
 
@@ -14,7 +16,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from keras_orbax._src.compat import crc32c_compat
+from keras_orbax._src.compat import crc32_compat, crc32c_compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +46,14 @@ def _crc32(crc: int, data: Any) -> int:
     return zlib.crc32(data, crc)  # releases the GIL over large buffers
 
 
-CRC32 = Crc("crc32", "CRC-32", _crc32, 0xEDB88320)
+# ISA-L's where installed (the `crc32c` extra: several times zlib's speed), else zlib's.
+CRC32 = Crc("crc32", "CRC-32", crc32_compat.extend or _crc32, 0xEDB88320)
 CRC32C = (
     None
     if crc32c_compat.extend is None
     else Crc("crc32c", "CRC-32C", crc32c_compat.extend, 0x82F63B78)
 )
-"""Hardware CRC-32C, or None where google-crc32c is not installed."""
+"""Hardware CRC-32C, or None where neither ISA-L nor google-crc32c is installed."""
 
 RECORDED = (CRC32,) if CRC32C is None else (CRC32, CRC32C)  # what a save records, in that order
 KEYS = ("crc32", "crc32c")  # every CRC a checksum file's entry may hold (a link carries them on)
