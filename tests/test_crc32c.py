@@ -185,8 +185,9 @@ def test_a_step_without_crc32c_is_checked_by_its_crc32(steps, distribution):
 
 
 def test_an_incremental_link_is_checked_by_the_crc32c(tmp_path, distribution):
-    """The file a save links is read back and its CRC-32C compared: a wrong CRC-32C recorded keeps
-    it from being linked, a wrong CRC-32 (not the one read) does not."""
+    """A shard is a link candidate when the CRC-32C of the model's bytes is the recorded one: a
+    wrong CRC-32C recorded keeps it from being linked, a wrong CRC-32 (not the one compared) does
+    not (the link is then proven by comparing the bytes)."""
     model = crc_checks.embedding(("model", None))
     keras_orbax.save(model, tmp_path, step=1)
     checksums = tmp_path / "1" / CHECKSUMS
