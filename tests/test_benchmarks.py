@@ -23,6 +23,7 @@ SHARED = {
     "bench_model",
     "_seed_render",
     "_seed_preset",
+    "_seed_export",
     "hook_timer",
 }
 
