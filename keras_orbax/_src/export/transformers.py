@@ -14,6 +14,7 @@ at once; a failure anywhere fails all and leaves the previous export as it was.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -271,17 +272,73 @@ class _TensorWriter:
         # the variable's non-1 axes, permuted: the tensor's C order (it may merge some of them)
         view = tuple(tuple(array.shape[axis] for axis in kept)[p] for p in permutation)
         keys = []
+        # Shards in host memory (their own buffers, no copy) are written together: their runs
+        # merged into whole stretches of the file, or, transposed, copied band by band into
+        # whole rows of the tensor. A fetched window goes before the next is fetched.
+        boxes: list[tuple[regions.Index, np.ndarray]] = []
         for region in _own_regions(array, window, whole):
             keys.append(regions.region_key(region.index))
             index = tuple(region.index[axis] for axis in kept)
             block = region.block.reshape([s.stop - s.start for s in index])
             index = tuple(index[p] for p in permutation)
-            if moved:
-                self._write_moved(fd, offset, view, index, block.transpose(permutation), window)
+            block = block.transpose(permutation) if moved else block
+            if whole:
+                boxes.append((index, block))
+            elif moved:
+                self._write_moved(fd, offset, view, index, block, window)
             else:
-                self.files.write_box(fd, offset, view, index, block)
+                self.files.write_boxes(fd, offset, view, [(index, block)])
             del block
+        if boxes and moved and sum(b.size for _, b in boxes) == math.prod(view):
+            self._write_bands(fd, offset, view, boxes)
+        elif moved:
+            for index, block in boxes:
+                self._write_moved(fd, offset, view, index, block, window)
+        elif boxes:
+            self.files.write_boxes(fd, offset, view, boxes)
         return keys
+
+    def _write_bands(
+        self,
+        fd: int,
+        offset: int,
+        shape: tuple[int, ...],
+        boxes: list[tuple[regions.Index, np.ndarray]],
+    ) -> None:
+        """A tensor whose boxes (transposed views of shards) tile it, written a band of whole
+        rows at a time: every box's part of the band copied into the buffer (every thread a
+        slab), then the band, one stretch of the file, written by every thread."""
+        dtype = boxes[0][1].dtype
+        total = math.prod(shape) * dtype.itemsize
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+        for band in regions.windows(shape, dtype.itemsize, self.window_bytes):
+            extent = [s.stop - s.start for s in band]
+            nbytes = math.prod(extent) * dtype.itemsize
+            buffer = self._take(nbytes, min(self.window_bytes, total))
+            buffer = buffer.view(dtype).reshape(extent)
+            for index, block in boxes:
+                common = [
+                    (max(b.start, i.start), min(b.stop, i.stop))
+                    for b, i in zip(band, index, strict=True)
+                ]
+                if any(lo >= hi for lo, hi in common):
+                    continue
+                to = buffer[
+                    tuple(
+                        slice(lo - b.start, hi - b.start)
+                        for (lo, hi), b in zip(common, band, strict=True)
+                    )
+                ]
+                part = block[
+                    tuple(
+                        slice(lo - i.start, hi - i.start)
+                        for (lo, hi), i in zip(common, index, strict=True)
+                    )
+                ]
+                host_transpose.copy(to, part, self.files.map, self.files.threads)
+            start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
+            self.files.write([(fd, offset + start * dtype.itemsize, buffer)])
+            del buffer  # the buffer may be replaced by a larger one: never two at a time
 
     def _write_moved(
         self,
@@ -304,7 +361,7 @@ class _TensorWriter:
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
             )
-            self.files.write_box(fd, offset, shape, box, buffer)
+            self.files.write_boxes(fd, offset, shape, [(box, buffer)])
             del buffer, part  # the buffer may be replaced by a larger one: never two at a time
 
     def _take(self, nbytes: int, wanted: int) -> np.ndarray:
