@@ -46,6 +46,7 @@ class FileWindows:
     def __init__(self, threads: int = THREADS) -> None:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_windows")
+        self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
 
     def __enter__(self) -> FileWindows:
@@ -63,9 +64,24 @@ class FileWindows:
     def write(self, pieces: Iterable[Piece]) -> int:
         """Writes every piece whole at its offset, split over the threads; returns the bytes
         written once all are (the first error, if any, is raised after every thread is done)."""
+        return self.write_later(pieces)()
+
+    def write_later(self, pieces: Iterable[Piece]) -> Callable[[], int]:
+        """Starts writing the pieces as `write` does and returns at once: the function returned
+        waits until every piece is written and returns the bytes (or raises the first error, once
+        every thread is done). The pieces' buffers must stay as they are until then."""
         shares = _shares([_as_bytes(data) for data in pieces], self.threads)
-        self.map(_write_share, shares)
-        return sum(len(view) for share in shares for _, _, view in share)
+        futures = [self._pool.submit(_write_share, share) for share in shares]
+        total = sum(len(view) for share in shares for _, _, view in share)
+
+        def wait() -> int:
+            errors = [f.exception() for f in futures]
+            for error in errors:
+                if error is not None:
+                    raise error
+            return total
+
+        return wait
 
     def write_box(
         self,
@@ -126,12 +142,23 @@ class FileWindows:
             return [fn(item) for item in items]
         return list(self._pool.map(fn, items))
 
+    def copy(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
+        """`map` on threads of their own, for copies into a buffer while the writing threads
+        write the previous one (`write_later`)."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_copies")
+        return list(self._copy_pool.map(fn, items))
+
     def sync(self) -> None:
         """fsyncs every file opened here, in parallel."""
         self.map(os.fsync, list(self._fds.values()))
 
     def close(self) -> None:
         self._pool.shutdown()
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown()
         fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)

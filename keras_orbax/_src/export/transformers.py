@@ -13,6 +13,7 @@ at once; a failure anywhere fails all and leaves the previous export as it was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,8 @@ from keras_orbax._src.storage import commit, locations
 from keras_orbax.errors import SaveFailedError, UnsupportedSourceError
 
 DEFAULT_WINDOW_BYTES = regions.DEFAULT_WINDOW_BYTES
+# A transposed tensor's band: the copy of one overlaps the write of the one before.
+_BAND_BYTES = 16 << 20
 
 
 def export_to_transformers(
@@ -249,7 +252,7 @@ class _TensorWriter:
 
     def __init__(self, files: file_windows.FileWindows, window_bytes: int) -> None:
         self.files, self.window_bytes = files, max(1, window_bytes)
-        self._buffer: np.ndarray | None = None
+        self._buffers: list[np.ndarray | None] = [None, None]
 
     def write(
         self, fd: int, offset: int, tensor: HubTensor, written_from: dict[str, tuple[Any, ...]]
@@ -306,39 +309,58 @@ class _TensorWriter:
         boxes: list[tuple[regions.Index, np.ndarray]],
     ) -> None:
         """A tensor whose boxes (transposed views of shards) tile it, written a band of whole
-        rows at a time: every box's part of the band copied into the buffer (every thread a
-        slab), then the band, one stretch of the file, written by every thread."""
+        rows at a time: every box's part of the band copied into a buffer (the copying threads a
+        slab each) while the writing threads write the previous band from the other buffer; each
+        band is one stretch of the file. Two buffers of at most half the window each."""
         dtype = boxes[0][1].dtype
         total = math.prod(shape) * dtype.itemsize
+        band_bytes = max(1, min(self.window_bytes // 2, _BAND_BYTES))
         strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-        for band in regions.windows(shape, dtype.itemsize, self.window_bytes):
-            extent = [s.stop - s.start for s in band]
-            nbytes = math.prod(extent) * dtype.itemsize
-            buffer = self._take(nbytes, min(self.window_bytes, total))
-            buffer = buffer.view(dtype).reshape(extent)
-            for index, block in boxes:
-                common = [
-                    (max(b.start, i.start), min(b.stop, i.stop))
-                    for b, i in zip(band, index, strict=True)
-                ]
-                if any(lo >= hi for lo, hi in common):
-                    continue
-                to = buffer[
-                    tuple(
-                        slice(lo - b.start, hi - b.start)
-                        for (lo, hi), b in zip(common, band, strict=True)
-                    )
-                ]
-                part = block[
-                    tuple(
-                        slice(lo - i.start, hi - i.start)
-                        for (lo, hi), i in zip(common, index, strict=True)
-                    )
-                ]
-                host_transpose.copy(to, part, self.files.map, self.files.threads)
-            start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
-            self.files.write([(fd, offset + start * dtype.itemsize, buffer)])
-            del buffer  # the buffer may be replaced by a larger one: never two at a time
+        pending: list[Callable[[], int] | None] = [None, None]
+        self._keep_at_most(band_bytes)
+        try:
+            for number, band in enumerate(regions.windows(shape, dtype.itemsize, band_bytes)):
+                slot = number % 2
+                if (written := pending[slot]) is not None:
+                    pending[slot] = None
+                    written()  # that buffer's band is on its way to the disk: reuse it
+                extent = [s.stop - s.start for s in band]
+                nbytes = math.prod(extent) * dtype.itemsize
+                buffer = self._take(nbytes, min(band_bytes, total), slot)
+                buffer = buffer.view(dtype).reshape(extent)
+                for index, block in boxes:
+                    common = [
+                        (max(b.start, i.start), min(b.stop, i.stop))
+                        for b, i in zip(band, index, strict=True)
+                    ]
+                    if any(lo >= hi for lo, hi in common):
+                        continue
+                    to = buffer[
+                        tuple(
+                            slice(lo - b.start, hi - b.start)
+                            for (lo, hi), b in zip(common, band, strict=True)
+                        )
+                    ]
+                    part = block[
+                        tuple(
+                            slice(lo - i.start, hi - i.start)
+                            for (lo, hi), i in zip(common, index, strict=True)
+                        )
+                    ]
+                    host_transpose.copy(to, part, self.files.copy, self.files.threads)
+                start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
+                piece = (fd, offset + start * dtype.itemsize, buffer)
+                pending[slot] = self.files.write_later([piece])
+                del buffer
+        except BaseException:
+            for written in pending:  # the buffers stay until no thread writes from them
+                if written is not None:
+                    with contextlib.suppress(Exception):
+                        written()
+            raise
+        for written in pending:
+            if written is not None:
+                written()
 
     def _write_moved(
         self,
@@ -352,11 +374,12 @@ class _TensorWriter:
         """`moved` (a transposed view) copied into the buffer a window at a time, every thread
         copying a slab of rows, each window then written."""
         itemsize = moved.dtype.itemsize
+        self._buffers[1] = None  # one buffer here: with the other, more than the window
         for local in regions.windows(moved.shape, itemsize, window):
             part = moved[local]
             buffer = self._take(part.nbytes, min(window, moved.nbytes))
             buffer = buffer.view(moved.dtype).reshape(part.shape)
-            host_transpose.copy(buffer, part, self.files.map, self.files.threads)
+            host_transpose.copy(buffer, part, self.files.copy, self.files.threads)
             box = tuple(
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
@@ -364,13 +387,20 @@ class _TensorWriter:
             self.files.write_boxes(fd, offset, shape, [(box, buffer)])
             del buffer, part  # the buffer may be replaced by a larger one: never two at a time
 
-    def _take(self, nbytes: int, wanted: int) -> np.ndarray:
-        """`nbytes` of the buffer; a new one of `wanted` (at least `nbytes`) where it is smaller
-        (the old one goes first: never two on the host)."""
-        if self._buffer is None or self._buffer.nbytes < nbytes:
-            self._buffer = None
-            self._buffer = np.empty(max(nbytes, wanted, 1), np.uint8)
-        return self._buffer[:nbytes]
+    def _keep_at_most(self, nbytes: int) -> None:
+        """Drops a buffer larger than `nbytes` (two band buffers stay within the window)."""
+        for slot, buffer in enumerate(self._buffers):
+            if buffer is not None and buffer.nbytes > nbytes:
+                self._buffers[slot] = None
+
+    def _take(self, nbytes: int, wanted: int, slot: int = 0) -> np.ndarray:
+        """`nbytes` of buffer `slot`; a new one of `wanted` (at least `nbytes`) where it is
+        smaller (the old one goes first: never two in one slot)."""
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.nbytes < nbytes:
+            self._buffers[slot] = None
+            buffer = self._buffers[slot] = np.empty(max(nbytes, wanted, 1), np.uint8)
+        return buffer[:nbytes]
 
 
 def _record(
