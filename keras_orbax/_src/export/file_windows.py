@@ -129,7 +129,9 @@ class FileWindows:
         if runs is None:
             return 0
         length = runs[3]
-        views = [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8)) for _, b in boxes]
+        views = [
+            memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8).data) for _, b in boxes
+        ]
         total = int(length.sum())
         bounds = _byte_bounds(length, self.threads)
         self.map(_write_gathered, [(fd, views, runs, a, b) for a, b in itertools.pairwise(bounds)])
