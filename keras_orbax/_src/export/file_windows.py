@@ -46,6 +46,8 @@ class FileWindows:
     def __init__(self, threads: int = THREADS) -> None:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_windows")
+        # Copies are CPU work: more threads than cores only take cores from the writing threads.
+        self.copy_threads = max(1, min(self.threads, os.cpu_count() or 1))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
 
@@ -150,7 +152,7 @@ class FileWindows:
         if len(items) <= 1:
             return [fn(item) for item in items]
         if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_copies")
+            self._copy_pool = ThreadPoolExecutor(self.copy_threads, "keras_orbax_file_copies")
         return list(self._copy_pool.map(fn, items))
 
     def sync(self) -> None:

@@ -347,7 +347,7 @@ class _TensorWriter:
                             for (lo, hi), i in zip(common, index, strict=True)
                         )
                     ]
-                    host_transpose.copy(to, part, self.files.copy, self.files.threads)
+                    host_transpose.copy(to, part, self.files.copy, self.files.copy_threads)
                 start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
                 piece = (fd, offset + start * dtype.itemsize, buffer)
                 pending[slot] = self.files.write_later([piece])
@@ -379,7 +379,7 @@ class _TensorWriter:
             part = moved[local]
             buffer = self._take(part.nbytes, min(window, moved.nbytes))
             buffer = buffer.view(moved.dtype).reshape(part.shape)
-            host_transpose.copy(buffer, part, self.files.copy, self.files.threads)
+            host_transpose.copy(buffer, part, self.files.copy, self.files.copy_threads)
             box = tuple(
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
