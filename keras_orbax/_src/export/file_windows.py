@@ -8,6 +8,12 @@ once the window is written, so that its buffers can go before the next window is
 fsyncs every file (in parallel) when the last window is in: the data is on disk before the commit
 protocol (`storage.commit`) renames anything into place.
 
+The shards of one array are written together (`write_boxes`): a shard cut across columns is one
+short run per row, but the array's shards together cover whole rows, so their runs are merged in
+file order and each stretch is one `pwritev` straight from the shards' own memory (no copy, a
+system call per ~1024 runs rather than per run). A window can be written in the background
+(`write_later`) while the next is filled on copy threads of their own (`copy`).
+
 ```python
 with FileWindows() as files:
     fd = files.open(path)
