@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 import h5py
+import keras
 import numpy as np
 import pytest
 
@@ -73,6 +74,115 @@ def test_every_box_lands_at_its_offset(tmp_path, shape, boxes):
     path = tmp_path / "f.bin"
     array = _write_boxes(path, shape, "float32", boxes)
     np.testing.assert_array_equal(_stored(path, array), array)
+
+
+def _write_together(path: Path, shape: tuple[int, ...], boxes: list[tuple[slice, ...]]):
+    """`boxes` of a random array written by one `write_boxes`; returns the array."""
+    array = np.random.default_rng(5).standard_normal(shape).astype("float32")
+    with open(path, "wb") as f:
+        f.truncate(OFFSET + array.nbytes + 100)
+    with file_windows.FileWindows() as files:
+        fd = files.open(path)
+        blocks = [(box, np.ascontiguousarray(array[box])) for box in boxes]
+        assert files.write_boxes(fd, OFFSET, shape, blocks) == sum(b.nbytes for _, b in blocks)
+        files.sync()
+    return array
+
+
+@pytest.mark.parametrize(
+    "shape, boxes",
+    [
+        # column blocks: short runs that together cover whole rows, more than IOV_MAX of them
+        ((3000, 40), [(slice(0, 3000), slice(c, c + 10)) for c in range(0, 40, 10)]),
+        # a tiling of a 3-d array, boxes of unequal shapes
+        (
+            (6, 10, 12),
+            [
+                (slice(0, 6), slice(0, 5), slice(0, 12)),
+                (slice(0, 3), slice(5, 10), slice(0, 12)),
+                (slice(3, 6), slice(5, 10), slice(0, 7)),
+                (slice(3, 6), slice(5, 10), slice(7, 12)),
+            ],
+        ),
+        # long runs (4 MiB rows, each cut between threads) and one short one
+        ((3, 1 << 20), [(slice(0, 2), slice(0, 1 << 20)), (slice(2, 3), slice(0, 1 << 20))]),
+    ],
+)
+def test_boxes_written_together_land_at_their_offsets(tmp_path, shape, boxes):
+    path = tmp_path / "f.bin"
+    array = _write_together(path, shape, boxes)
+    np.testing.assert_array_equal(_stored(path, array), array)
+
+
+def test_boxes_written_together_leave_the_gaps_between_them_untouched(tmp_path):
+    """Boxes that do not tile the array (another process writes the rest): no byte outside them
+    is written, though their runs are merged into `pwritev`s."""
+    shape = (64, 40)
+    boxes = [(slice(0, 64), slice(0, 10)), (slice(0, 64), slice(20, 30))]
+    path = tmp_path / "f.bin"
+    array = _write_together(path, shape, boxes)
+    expected = np.zeros_like(array)
+    for box in boxes:
+        expected[box] = array[box]
+    np.testing.assert_array_equal(_stored(path, array), expected)
+
+
+def test_a_short_pwritev_is_resumed_where_it_stopped(tmp_path, monkeypatch):
+    """The kernel may write part of a `pwritev` (a signal, a file size limit): the rest, from the
+    middle of a piece, is written by the next call."""
+    real = file_windows.os.pwritev
+    calls = []
+
+    def at_most_1000_bytes(fd, views, offset):  # a real write, cut short as the kernel may
+        calls.append(len(views))
+        kept, room = [], 1000
+        for view in views:
+            if room <= 0:
+                break
+            kept.append(memoryview(view)[:room])
+            room -= len(kept[-1])
+        return real(fd, kept, offset)
+
+    monkeypatch.setattr(file_windows.os, "pwritev", at_most_1000_bytes)
+    path = tmp_path / "f.bin"
+    shape = (50, 40)
+    array = _write_together(path, shape, [(slice(0, 50), slice(c, c + 8)) for c in range(0, 40, 8)])
+    np.testing.assert_array_equal(_stored(path, array), array)
+    assert len(calls) >= array.nbytes // 1000
+
+
+def test_column_split_shards_are_written_in_few_system_calls(tmp_path, distribution, monkeypatch):
+    """An export of an array split across its columns writes whole stretches of rows: far fewer
+    write calls than the shards have runs (one `pwrite` per run before), and Keras reads it back."""
+    calls = []
+    for name in ("pwrite", "pwritev"):
+        monkeypatch.setattr(file_windows.os, name, _counted(getattr(file_windows.os, name), calls))
+    distribution(_models.model_parallel((2, 4)))
+
+    def wide() -> keras.Model:
+        inputs = keras.Input((2048,))
+        return keras.Model(inputs, keras.layers.Dense(512, name="wide")(inputs))
+
+    model = wide()
+    _models.fill_arange(model)
+    kernel = model.get_layer("wide").kernel
+    columns = {s.index[1].start for s in kernel.value.addressable_shards}
+    assert len(columns) == 4
+    path = keras_orbax.save_weights(model, tmp_path / "m.weights.h5", window_bytes=1 << 30)
+    runs = 2048 * len(columns)
+    assert len(calls) < runs // 10, len(calls)
+    twin = wide()
+    twin.load_weights(path)
+    for a, b in zip(twin.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=a.path)
+
+
+def _counted(real, calls: list[int]):
+    def counted(*args):  # the real call, counted
+        calls.append(1)
+        return real(*args)
+
+    return counted
 
 
 def test_pieces_are_shared_whole_between_threads():

@@ -20,17 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import keras
-import numpy as np
 
 from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.export import (
     file_windows,
-    host_transpose,
     hub_tensors,
     regions,
     safetensors_writer,
+    tensor_writer,
 )
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
@@ -219,7 +217,7 @@ def _write_regions(
     error: SaveFailedError | None = None
     written: list[str] = []
     with file_windows.FileWindows() as files:
-        writer = _TensorWriter(files, window_bytes)
+        writer = tensor_writer.TensorWriter(files, window_bytes)
         for tensor in tensors:
             if error is not None:
                 if isinstance(tensor.source, Computed):
@@ -238,106 +236,3 @@ def _write_regions(
     if error is not None:
         raise error
     return written
-
-
-class _TensorWriter:
-    """Writes this process's regions of each tensor through `files`: a shard in host memory whole
-    from its own buffer (no copy); one on an accelerator window by window. A tensor that is a
-    variable's transpose is transposed on the host by every thread, a window at a time, into one
-    buffer that is reused (its pages are faulted in once)."""
-
-    def __init__(self, files: file_windows.FileWindows, window_bytes: int) -> None:
-        self.files, self.window_bytes = files, max(1, window_bytes)
-        self._buffer: np.ndarray | None = None
-
-    def write(
-        self, fd: int, offset: int, tensor: HubTensor, written_from: dict[str, tuple[Any, ...]]
-    ) -> list[str]:
-        """Writes `tensor`'s regions here; their keys (in the array's coordinates)."""
-        source = tensor.source
-        if isinstance(source, Computed):
-            array = source.compute()
-            _check(tensor, array)
-            kept, permutation = list(range(array.ndim)), tuple(range(array.ndim))
-        else:
-            array = source.variable.value
-            kept = [axis for axis, n in enumerate(array.shape) if n != 1]
-            permutation = source.permutation
-        whole = regions.on_host(array)
-        moved = permutation != tuple(range(len(permutation)))
-        # Fetched windows: a moved block is copied once on the host, half the window each.
-        window = self.window_bytes // 2 if moved and not whole else self.window_bytes
-        _record(written_from, tensor.name, array, window, whole)
-        # the variable's non-1 axes, permuted: the tensor's C order (it may merge some of them)
-        view = tuple(tuple(array.shape[axis] for axis in kept)[p] for p in permutation)
-        keys = []
-        for region in _own_regions(array, window, whole):
-            keys.append(regions.region_key(region.index))
-            index = tuple(region.index[axis] for axis in kept)
-            block = region.block.reshape([s.stop - s.start for s in index])
-            index = tuple(index[p] for p in permutation)
-            if moved:
-                self._write_moved(fd, offset, view, index, block.transpose(permutation), window)
-            else:
-                self.files.write_box(fd, offset, view, index, block)
-            del block
-        return keys
-
-    def _write_moved(
-        self,
-        fd: int,
-        offset: int,
-        shape: tuple[int, ...],
-        index: regions.Index,
-        moved: np.ndarray,
-        window: int,
-    ) -> None:
-        """`moved` (a transposed view) copied into the buffer a window at a time, every thread
-        copying a slab of rows, each window then written."""
-        itemsize = moved.dtype.itemsize
-        for local in regions.windows(moved.shape, itemsize, window):
-            part = moved[local]
-            buffer = self._take(part.nbytes, min(window, moved.nbytes))
-            buffer = buffer.view(moved.dtype).reshape(part.shape)
-            host_transpose.copy(buffer, part, self.files.map, self.files.threads)
-            box = tuple(
-                slice(i.start + w.start, i.start + w.stop)
-                for i, w in zip(index, local, strict=True)
-            )
-            self.files.write_box(fd, offset, shape, box, buffer)
-            del buffer, part  # the buffer may be replaced by a larger one: never two at a time
-
-    def _take(self, nbytes: int, wanted: int) -> np.ndarray:
-        """`nbytes` of the buffer; a new one of `wanted` (at least `nbytes`) where it is smaller
-        (the old one goes first: never two on the host)."""
-        if self._buffer is None or self._buffer.nbytes < nbytes:
-            self._buffer = None
-            self._buffer = np.empty(max(nbytes, wanted, 1), np.uint8)
-        return self._buffer[:nbytes]
-
-
-def _record(
-    written_from: dict[str, tuple[Any, ...]], name: str, array: jax.Array, window: int, whole: bool
-) -> None:
-    written_from[name] = (
-        tuple(array.shape),
-        array.dtype,
-        array.sharding,
-        bool(array.is_fully_addressable),
-        max(1, window),
-        whole,
-    )
-
-
-def _own_regions(array: jax.Array, window_bytes: int, whole: bool) -> Any:
-    """The regions of `array` this process writes (`regions.own_shards`: each region of the array
-    by one process)."""
-    return regions.shard_regions(array, regions.own_shards(array), max(1, window_bytes), whole)
-
-
-def _check(tensor: HubTensor, array: jax.Array) -> None:
-    if tuple(array.shape) != tensor.shape or np.dtype(array.dtype) != tensor.dtype:
-        raise SaveFailedError(
-            f"{tensor.name}: keras-hub's operations gave {np.dtype(array.dtype).name} "
-            f"{list(array.shape)} where the trace gave {tensor.dtype.name} {list(tensor.shape)}."
-        )

@@ -333,11 +333,14 @@ class _Writer:
                 file, _, shape, _, _, _, whole = self.datasets[number]
                 fd = files.open(Path(file))
                 own = regions.own_shards(array)
-                for region in regions.shard_regions(array, own, self.window_bytes, whole):
-                    block = np.ascontiguousarray(region.block)
-                    files.write_box(fd, offset, shape, region.index, block)
-                    self.written.append(_staged_name(number, region.index))
-                    del block
+                found = regions.shard_regions(array, own, self.window_bytes, whole)
+                # A shard in host memory is its own buffer: the array's shards are written
+                # together, their runs merged into whole stretches of the file (`write_boxes`);
+                # a fetched window goes before the next is fetched.
+                for group in [list(found)] if whole else ([r] for r in found):
+                    files.write_boxes(fd, offset, shape, [(r.index, r.block) for r in group])
+                    self.written += [_staged_name(number, r.index) for r in group]
+                    del group
             files.sync()
         self.direct = []
 
