@@ -297,7 +297,7 @@ def test_the_layout_is_the_safetensors_packages_for_every_dtype(tmp_path):
             )
             for box in rows:
                 block = np.ascontiguousarray(value[box])
-                files.write_box(fd, layout.offsets[name], value.shape, box, block)
+                files.write_boxes(fd, layout.offsets[name], value.shape, [(box, block)])
         files.sync()
     assert path.stat().st_size == layout.size
     assert path.read_bytes() == safetensors_numpy.save(tensors, metadata={"format": "pt"})

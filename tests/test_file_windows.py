@@ -37,7 +37,7 @@ def _write_boxes(path: Path, shape: tuple[int, ...], dtype: str, boxes: list[tup
     with file_windows.FileWindows() as files:
         fd = files.open(path)
         for box in boxes:
-            files.write_box(fd, OFFSET, shape, box, np.ascontiguousarray(array[box]))
+            files.write_boxes(fd, OFFSET, shape, [(box, np.ascontiguousarray(array[box]))])
         files.sync()
     return array
 
@@ -108,7 +108,14 @@ def _write_together(path: Path, shape: tuple[int, ...], boxes: list[tuple[slice,
         ((3, 1 << 20), [(slice(0, 2), slice(0, 1 << 20)), (slice(2, 3), slice(0, 1 << 20))]),
     ],
 )
-def test_boxes_written_together_land_at_their_offsets(tmp_path, shape, boxes):
+@pytest.mark.parametrize("max_runs", [None, 7])
+def test_boxes_written_together_land_at_their_offsets(
+    tmp_path, monkeypatch, shape, boxes, max_runs
+):
+    """With `max_runs`, more runs than `write_boxes` holds at a time: written a band of rows at a
+    time (boxes cut at the bands' rows, rows of unequal boxes included)."""
+    if max_runs is not None:
+        monkeypatch.setattr(file_windows, "_MAX_RUNS", max_runs)
     path = tmp_path / "f.bin"
     array = _write_together(path, shape, boxes)
     np.testing.assert_array_equal(_stored(path, array), array)

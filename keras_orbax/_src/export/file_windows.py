@@ -39,7 +39,7 @@ import numpy as np
 THREADS = 8
 # A piece larger than this is split between threads (several threads write one large run).
 _SPLIT_BYTES = 1 << 20
-_RUN_BATCH = 1024  # runs whose offsets one thread computes at a time
+_MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, no wait
 
 Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
@@ -91,34 +91,6 @@ class FileWindows:
 
         return wait
 
-    def write_box(
-        self,
-        fd: int,
-        offset: int,
-        shape: tuple[int, ...],
-        index: tuple[slice, ...],
-        block: np.ndarray,
-    ) -> None:
-        """Writes `block` (C-contiguous), the elements `index` names of a C-order array of
-        `shape` stored at byte `offset` of `fd`: one `pwrite` per contiguous run of the file.
-
-        Many runs (a shard cut across rows) are dealt to the threads as ranges of run numbers,
-        each thread computing its own runs' offsets: no object per run lives beside the window.
-        """
-        data = memoryview(block.reshape(-1).view(np.uint8).data).cast("B")
-        itemsize = block.dtype.itemsize
-        runs = _BoxRuns(shape, index, tuple(block.shape))
-        if runs.count < self.threads:
-            pieces = [
-                (fd, offset + src * itemsize, data[dst * itemsize : (dst + runs.length) * itemsize])
-                for src, dst in zip(*runs.between(0, runs.count), strict=True)
-            ]
-            self.write(pieces)
-            return
-        bounds = [round(i * runs.count / self.threads) for i in range(self.threads + 1)]
-        jobs = [(fd, offset, data, itemsize, runs, a, b) for a, b in itertools.pairwise(bounds)]
-        self.map(_write_runs, jobs)
-
     def write_boxes(
         self,
         fd: int,
@@ -127,12 +99,34 @@ class FileWindows:
         boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]],
     ) -> int:
         """Writes several boxes of one C-order array of `shape` at byte `offset` of `fd` at once
-        (each `(index, block)` as in `write_box`): the runs of every box merged in file order, and
-        each stretch of the file they cover back to back written by one `pwritev` of up to
-        `IOV_MAX` of them, straight from the blocks (no copy). The shards of an array split across
+        (each `(index, block)`: `block`, C-contiguous, holds the elements `index` names): the
+        runs of every box merged in file order, and each stretch of the file they cover back to
+        back written by one `pwritev` of up to `IOV_MAX` of them, straight from the blocks (no
+        copy). The shards of an array split across
         its columns are short runs each, but together they cover whole rows: one system call per
         run (and per inode lock) became the cost of a column-split export. Returns the bytes
-        written."""
+        written.
+
+        The runs' offsets are arrays (32 bytes a run): an array of more than `_MAX_RUNS` runs is
+        written a band of rows at a time, so that they stay a few MiB beside the window (a
+        (256000, 3584) embedding split across its columns: a million runs, 70 MiB of offsets).
+        """
+        count = sum(_BoxRuns(shape, index, tuple(b.shape)).count for index, b in boxes)
+        if count > _MAX_RUNS and len(shape) > 1 and shape[0] > 1:
+            step = max(1, shape[0] * _MAX_RUNS // count)
+            return sum(
+                self._write_merged(fd, offset, shape, _rows(boxes, first, first + step))
+                for first in range(0, shape[0], step)
+            )
+        return self._write_merged(fd, offset, shape, boxes)
+
+    def _write_merged(
+        self,
+        fd: int,
+        offset: int,
+        shape: tuple[int, ...],
+        boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    ) -> int:
         runs = _merged_runs(offset, shape, boxes)
         if runs is None:
             return 0
@@ -255,23 +249,6 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
 
 
-def _write_runs(job: tuple[int, int, memoryview, int, _BoxRuns, int, int]) -> None:
-    """Writes runs a..b-1 of a box (in batches: a few offsets exist at a time), then starts
-    their writeback."""
-    fd, offset, data, itemsize, runs, a, b = job
-    nbytes = runs.length * itemsize
-    for batch in range(a, b, _RUN_BATCH):
-        src, dst = runs.between(batch, min(b, batch + _RUN_BATCH))
-        for at, start in zip(
-            (offset + src * itemsize).tolist(), (dst * itemsize).tolist(), strict=True
-        ):
-            _pwrite_all(fd, data[start : start + nbytes], at)
-    if b > a:
-        (first,), _ = runs.between(a, a + 1)
-        (last,), _ = runs.between(b - 1, b)
-        start_writeback(fd, offset + int(first) * itemsize, int(last - first) * itemsize + nbytes)
-
-
 Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # file offset, box, start, bytes
 
 
@@ -307,6 +284,20 @@ def _merged_runs(
     at, which, start, length = (np.concatenate(column) for column in zip(*parts, strict=True))
     order = np.argsort(at, kind="stable")
     return at[order], which[order], start[order], length[order]
+
+
+def _rows(
+    boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]], first: int, stop: int
+) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+    """The parts of `boxes` in rows `first`..`stop`-1 of the array (each block's rows, still
+    C-contiguous)."""
+    parts = []
+    for index, block in boxes:
+        lo, hi = max(index[0].start, first), min(index[0].stop, stop)
+        if lo < hi:
+            rows = slice(lo - index[0].start, hi - index[0].start)
+            parts.append(((slice(lo, hi), *index[1:]), block[rows]))
+    return parts
 
 
 def _byte_bounds(length: np.ndarray, threads: int) -> list[int]:

@@ -32,6 +32,7 @@ from keras_orbax._src.export import (
 )
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
+from keras_orbax._src.runtime import host_memory
 from keras_orbax._src.storage import commit, locations
 from keras_orbax.errors import SaveFailedError, UnsupportedSourceError
 
@@ -228,6 +229,8 @@ def _write_regions(
                 fd = files.open(staging / layout.file_name)
                 keys = writer.write(fd, layout.offsets[tensor.name], tensor, written_from)
                 written += [f"{tensor.name}/{key}" for key in keys]
+                if isinstance(tensor.source, Computed):
+                    host_memory.release_freed()  # XLA's result, freed: its pages, not kept
             except OSError as e:
                 where = staging / layout.file_name
                 error = SaveFailedError(f"Writing {tensor.name} into {where} failed: {e}")
