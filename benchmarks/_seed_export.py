@@ -30,18 +30,6 @@ def _export(route: str, model, directory: str, window: int) -> None:
         keras_orbax.export_to_transformers(model, directory, window_bytes=window)
 
 
-def _peak_growth(action) -> int | None:
-    """The rise of peak RSS over RSS while `action()` ran; None where the kernel cannot reset
-    the peak (gVisor has no `clear_refs`): the action still runs."""
-    from tests._rss import peak_growth
-
-    try:
-        return peak_growth(action)
-    except OSError:
-        action()
-        return None
-
-
 def export_routes(model, out_dir: str, window_mib: float, rounds: int = 1) -> list[dict]:
     """Each route's time against the floor's, in this process; one dict per route and round."""
     from benchmarks import bench_model as bm
@@ -59,7 +47,7 @@ def export_routes(model, out_dir: str, window_mib: float, rounds: int = 1) -> li
             peak: dict = {}
 
             def case(route=route, path=paths["case"], peak=peak) -> None:
-                peak["growth"] = _peak_growth(partial(_export, route, model, path, window))
+                peak["growth"] = bm.peak_growth(partial(_export, route, model, path, window))
 
             writes = {"floor": partial(bm.write_all, shards, paths["floor"]), "case": case}
             order = ["case", "floor"] if round_ % 2 else ["floor", "case"]

@@ -69,8 +69,6 @@ def prepare(params: dict, work: str) -> None:
 
 
 def run_case(case: str, params: dict, work: str) -> dict:
-    from tests._rss import peak_growth
-
     backbone = build(params)
     window = int(params["window_mib"] * 2**20)
     scratch = os.path.join(work, "trees")
@@ -81,7 +79,7 @@ def run_case(case: str, params: dict, work: str) -> dict:
     peak = {}
 
     def measured() -> None:
-        peak["growth"] = peak_growth(partial(export, case, backbone, paths["case"], window))
+        peak["growth"] = bm.peak_growth(partial(export, case, backbone, paths["case"], window))
 
     writes = {"floor": partial(save_floor, backbone.weights, paths["floor"]), "case": measured}
     order = ["case", "floor"] if params["_round"] % 2 else ["floor", "case"]
@@ -96,6 +94,6 @@ def run_case(case: str, params: dict, work: str) -> dict:
         "floor_s": times["floor"][0],
         "written_gib": disk / 2**30,
         "floor_gib": floor_bytes / 2**30,
-        "peak_mib": peak["growth"] / 2**20,
+        "peak_mib": None if peak["growth"] is None else peak["growth"] / 2**20,
         "rss_gib": bm.rss_bytes() / 2**30,
     }

@@ -87,7 +87,9 @@ def child(bench: Benchmark, target: str, case: str | None, params: dict, work: s
     request["cpu_devices"] = bench.cpu_devices
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     # BENCH_T0: when the process was asked for, for end-to-end times from an empty process.
-    env.update(bench.env.get(case or "", {}), PYTHONPATH=REPO, BENCH_T0=repr(time.time()))
+    # The repository first, the caller's path after it (packages installed with `--target`).
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    env.update(bench.env.get(case or "", {}), PYTHONPATH=path, BENCH_T0=repr(time.time()))
     command = [sys.executable, "-m", "benchmarks.harness", json.dumps(request)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
