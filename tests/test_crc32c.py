@@ -187,13 +187,14 @@ def test_a_step_without_crc32c_is_checked_by_its_crc32(steps, distribution):
 def test_an_incremental_link_is_checked_by_the_crc32c(tmp_path, distribution):
     """A shard is a link candidate when the CRC-32C of the model's bytes is the recorded one: a
     wrong CRC-32C recorded keeps it from being linked, a wrong CRC-32 (not the one compared) does
-    not (the link is then proven by comparing the bytes)."""
+    not (the link is then proven by comparing the bytes), and the new step records the right one."""
     model = crc_checks.embedding(("model", None))
     keras_orbax.save(model, tmp_path, step=1)
     checksums = tmp_path / "1" / CHECKSUMS
     content = json.loads(checksums.read_text())
     wrong_crc32 = "layers.embedding.vars.0/c/1/0"
     wrong_crc32c = "layers.embedding.vars.0/c/2/0"
+    right_crc32 = content["files"][wrong_crc32]["crc32"]
     content["files"][wrong_crc32]["crc32"] ^= 1
     content["files"][wrong_crc32c]["crc32c"] ^= 1
     checksums.write_text(json.dumps(content))
@@ -201,3 +202,6 @@ def test_an_incremental_link_is_checked_by_the_crc32c(tmp_path, distribution):
     state1, state2 = tmp_path / "1/state", tmp_path / "2/state"
     assert os.path.samefile(state1 / wrong_crc32, state2 / wrong_crc32)
     assert not os.path.samefile(state1 / wrong_crc32c, state2 / wrong_crc32c)
+    # the linked file's CRC-32 is computed from its bytes, not carried on from the wrong record
+    linked = json.loads((tmp_path / "2" / CHECKSUMS).read_text())["files"][wrong_crc32]
+    assert linked["crc32"] == right_crc32

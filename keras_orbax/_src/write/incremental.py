@@ -15,8 +15,8 @@ the previous step's record of it (its checksum files, `keras_orbax_checksums/pro
   model's bytes for it (CRC-32C where google-crc32c is installed and the step records it, else
   CRC-32; the CRC the file's entry needs anyway) is the recorded one;
 - proof: the candidate is linked, then the linked file is read and its bytes compared with the
-  model's, piece by piece (`_holds`): equal, it is kept and gets the recorded CRCs, so the new
-  step's checksum file is complete and `verify` reads it as any other; anything else (a CRC
+  model's, piece by piece (`_holds`): equal, it is kept, its CRCs computed from those bytes, so
+  the new step's checksum file is complete and `verify` reads it as any other; anything else (a CRC
   collision, a file written into since, whatever its timestamps say: `cp -p` and
   `rsync -a --inplace` keep the mtime of a file they write into) unlinks it and writes the shard.
   No hash stands in for the bytes, so no probability either;
@@ -111,8 +111,11 @@ class Plan:
         algorithm, value = crc.strongest(recorded.crcs)
         computed = algorithm.of(*parts)  # needed by the write if it is not linked
         if computed == value and self._carry(relative, f"{root}/{relative}", recorded, parts):
+            # The other CRCs from the bytes too, not carried: a record wrong in one the candidate
+            # test did not use (a reader without CRC-32C checks the CRC-32) is not passed on.
+            crcs = {c.key: computed if c is algorithm else c.of(*parts) for c in crc.RECORDED}
             return relative, {
-                **recorded.crcs,
+                **crcs,
                 "bytes": recorded.nbytes,
                 LAYOUT_KEY: shard.layout,
                 SHARED_KEY: recorded.shared + 1,
