@@ -110,12 +110,19 @@ class Plan:
             return name, {**entry, **fresh}
         algorithm, value = crc.strongest(recorded.crcs)
         computed = algorithm.of(*parts)  # needed by the write if it is not linked
-        if computed == value and self._carry(relative, f"{root}/{relative}", recorded, parts):
-            # The other CRCs from the bytes too, not carried: a record wrong in one the candidate
-            # test did not use (a reader without CRC-32C checks the CRC-32) is not passed on.
-            crcs = {c.key: computed if c is algorithm else c.of(*parts) for c in crc.RECORDED}
+        # The other CRCs from the bytes as they are compared, not carried over: a record wrong in
+        # one the candidate test did not use (a reader without CRC-32C checks the CRC-32) is not
+        # passed on.
+        others = [c for c in crc.RECORDED if c is not algorithm]
+        carried = (
+            self._carry(relative, f"{root}/{relative}", recorded, parts, others)
+            if computed == value
+            else None
+        )
+        if carried is not None:
+            crcs = {**carried, algorithm.key: computed}
             return relative, {
-                **crcs,
+                **{c.key: crcs[c.key] for c in crc.RECORDED},
                 "bytes": recorded.nbytes,
                 LAYOUT_KEY: shard.layout,
                 SHARED_KEY: recorded.shared + 1,
@@ -124,18 +131,18 @@ class Plan:
         return name, {**entry, **fresh}
 
     def _carry(
-        self, relative: str, target: str, recorded: _Recorded, parts: tuple[Any, ...]
-    ) -> bool:
+        self, relative: str, target: str, recorded: _Recorded, parts: Parts, crcs: list[crc.Crc]
+    ) -> dict[str, int] | None:
         """Puts the previous step's file at `target` without sending its bytes, if it holds
-        `parts`; whether it did."""
+        `parts`; the `crcs` of its bytes if it did, else None."""
         if self._remote:
-            return self._copy(relative, target, recorded, parts)
-        return self._link(relative, target, recorded, parts)
+            return self._copy(relative, target, recorded, parts, crcs)
+        return self._link(relative, target, recorded, parts, crcs)
 
     def _link(
-        self, relative: str, target: str, recorded: _Recorded, parts: tuple[Any, ...]
-    ) -> bool:
-        """Links the previous step's file at `target` if its bytes are `parts`.
+        self, relative: str, target: str, recorded: _Recorded, parts: Parts, crcs: list[crc.Crc]
+    ) -> dict[str, int] | None:
+        """Links the previous step's file at `target` if its bytes are `parts` (`_carry`).
 
         No timestamp can show that a file still holds what was recorded, and equal CRCs do not
         prove equal bytes: the linked file is read and compared with the model's bytes; reading
@@ -145,54 +152,62 @@ class Plan:
         source = f"{self.previous_state}/{relative}"
         try:
             if os.stat(source).st_size != recorded.nbytes:
-                return False  # resized since it was recorded: this step gets its own
+                return None  # resized since it was recorded: this step gets its own
             os.link(source, target)
         except OSError:  # gone (deleted meanwhile), or no hard links on this filesystem
-            return False
+            return None
         try:
             with open(target, "rb", buffering=0) as handle:
-                same = _holds(handle, parts)
+                same = _holds(handle, parts, crcs)
         except OSError:
-            same = False
-        if not same:  # the step gets a file of its own, never written through the link
+            same = None
+        if same is None:  # the step gets a file of its own, never written through the link
             os.unlink(target)
         return same
 
     def _copy(
-        self, relative: str, target: str, recorded: _Recorded, parts: tuple[Any, ...]
-    ) -> bool:
+        self, relative: str, target: str, recorded: _Recorded, parts: Parts, crcs: list[crc.Crc]
+    ) -> dict[str, int] | None:
         """A server-side copy of the previous step's object, only if it is still the very object
         recorded (its ETag or generation: none was recorded by a save older than this check),
         read back and compared with `parts`. A copy with other bytes is left for the write to
         replace."""
         if recorded.version is None:
-            return False
+            return None
         if not object_copy.copy(f"{self.previous_state}/{relative}", target, recorded.version):
-            return False
+            return None
         try:
             with locations.as_path(target).open("rb") as handle:
-                return _holds(handle, parts)
+                return _holds(handle, parts, crcs)
         except Exception:  # the stores' clients raise their own types: the shard is written
-            return False
+            return None
 
 
-def shard_bytes(shard: Any) -> tuple[memoryview, memoryview]:
+Parts = tuple[memoryview, memoryview]  # a shard file's bytes: its data, then its zarr index
+
+
+def shard_bytes(shard: Any) -> Parts:
     """The bytes of `shard`'s file: its data (C order), then its zarr shard index."""
     view = memoryview(shard.data.reshape(-1).view(np.uint8).data)
     return view, memoryview(checksum.shard_index(len(view)))
 
 
-def _holds(handle: Any, parts: tuple[Any, ...]) -> bool:
-    """Whether the file read from `handle` is exactly `parts`, one after another (compared a
-    piece at a time: `bytearray == memoryview` is one `memcmp`)."""
+def _holds(handle: Any, parts: Parts, crcs: list[crc.Crc]) -> dict[str, int] | None:
+    """The `crcs` of the file read from `handle` if it is exactly `parts`, one after another,
+    else None (compared a piece at a time, `bytearray == memoryview` being one `memcmp`, and
+    each equal piece's CRCs computed while it is in cache)."""
     block = bytearray(_COMPARE_BYTES)
+    values = [0] * len(crcs)
     for part in parts:
         for start in range(0, len(part), _COMPARE_BYTES):
             piece = part[start : start + _COMPARE_BYTES]
             got = block if len(piece) == len(block) else bytearray(len(piece))
             if _read_into(handle, got) != len(got) or got != piece:
-                return False
-    return not handle.read(1)  # nothing after them
+                return None
+            values = [c.update(v, piece) for c, v in zip(crcs, values, strict=True)]
+    if handle.read(1):  # more after them
+        return None
+    return {c.key: v for c, v in zip(crcs, values, strict=True)}
 
 
 def _read_into(handle: Any, buffer: bytearray) -> int:
