@@ -22,17 +22,27 @@ _ZLIB_BELOW = 16 << 10  # bytes: `zlib.crc32` costs less than a ctypes call this
 Extend = Callable[[int, Any], int]
 
 
-def _load() -> Extend | None:
+def isal_function(name: str, restype: Any, argtypes: list[Any]) -> Any:
+    """ISA-L's exported C function `name`, called through ctypes (GIL released); None where
+    python-isal is not installed or its extension module does not carry it."""
     try:
         from isal import isal_zlib  # the extension module: it carries ISA-L's CRC functions
     except ImportError:
         return None
     try:
-        native = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
+        native = getattr(ctypes.CDLL(isal_zlib.__file__), name)
     except (OSError, AttributeError):
         return None
-    native.restype = ctypes.c_uint32
-    native.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
+    native.restype, native.argtypes = restype, argtypes
+    return native
+
+
+def _load() -> Extend | None:
+    native = isal_function(
+        "crc32_gzip_refl", ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
+    )
+    if native is None:
+        return None
 
     def extend(crc: int, data: Any) -> int:
         view = np.frombuffer(data, np.uint8)  # no copy; read-only or writable

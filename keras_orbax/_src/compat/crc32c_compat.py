@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_orbax._src.compat import crc32_compat
+
 _COPY_BELOW = 256 << 10  # bytes: copying this much costs less than one ctypes call (google-crc32c)
 _ISAL_COPY_BELOW = 16 << 10  # the same where the CRC itself runs at ISA-L's speed
 _ISAL_MAX_CALL = 1 << 30  # `crc32_iscsi` takes an `int` length
@@ -67,16 +69,11 @@ def _google() -> tuple[Extend | None, Extend | None]:
 def _isal(small: Extend | None) -> Extend | None:
     """ISA-L's CRC-32C through ctypes (`small`: for buffers under `_ISAL_COPY_BELOW`, where a copy
     costs less than a ctypes call); None where python-isal is not installed."""
-    try:
-        from isal import isal_zlib  # the extension module: it carries ISA-L's CRC functions
-    except ImportError:
+    native = crc32_compat.isal_function(
+        "crc32_iscsi", ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    )
+    if native is None:
         return None
-    try:
-        native = ctypes.CDLL(isal_zlib.__file__).crc32_iscsi
-    except (OSError, AttributeError):
-        return None
-    native.restype = ctypes.c_uint32
-    native.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
 
     def extend(crc: int, data: Any) -> int:
         view = np.frombuffer(data, np.uint8)  # no copy; read-only or writable
