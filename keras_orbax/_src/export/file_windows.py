@@ -40,6 +40,9 @@ THREADS = 8
 # A piece larger than this is split between threads (several threads write one large run).
 _SPLIT_BYTES = 1 << 20
 _MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
+
+Box = tuple[tuple[slice, ...], np.ndarray]  # (index into the array, the block it names)
+Boxes = Sequence[Box]
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, no wait
 
 Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
@@ -96,16 +99,15 @@ class FileWindows:
         fd: int,
         offset: int,
         shape: tuple[int, ...],
-        boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+        boxes: Boxes,
     ) -> int:
         """Writes several boxes of one C-order array of `shape` at byte `offset` of `fd` at once
         (each `(index, block)`: `block`, C-contiguous, holds the elements `index` names): the
         runs of every box merged in file order, and each stretch of the file they cover back to
         back written by one `pwritev` of up to `IOV_MAX` of them, straight from the blocks (no
-        copy). The shards of an array split across
-        its columns are short runs each, but together they cover whole rows: one system call per
-        run (and per inode lock) became the cost of a column-split export. Returns the bytes
-        written.
+        copy). The shards of an array split across its columns are short runs each, but
+        together they cover whole rows: one system call per run (and per inode lock) became the
+        cost of a column-split export. Returns the bytes written.
 
         The runs' offsets are arrays (32 bytes a run): an array of more than `_MAX_RUNS` runs is
         written a band of rows at a time, so that they stay a few MiB beside the window (a
@@ -125,7 +127,7 @@ class FileWindows:
         fd: int,
         offset: int,
         shape: tuple[int, ...],
-        boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+        boxes: Boxes,
     ) -> int:
         runs = _merged_runs(offset, shape, boxes)
         if runs is None:
@@ -252,9 +254,7 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
 Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # file offset, box, start, bytes
 
 
-def _merged_runs(
-    offset: int, shape: tuple[int, ...], boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]]
-) -> Runs | None:
+def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | None:
     """Every contiguous run of the file the boxes cover, in file order: (file offset, box number,
     byte offset in the box's block, bytes) each; a run longer than `_SPLIT_BYTES` cut in pieces of
     it (so the threads share a box that is one long run)."""
@@ -286,9 +286,7 @@ def _merged_runs(
     return at[order], which[order], start[order], length[order]
 
 
-def _rows(
-    boxes: Sequence[tuple[tuple[slice, ...], np.ndarray]], first: int, stop: int
-) -> list[tuple[tuple[slice, ...], np.ndarray]]:
+def _rows(boxes: Boxes, first: int, stop: int) -> list[Box]:
     """The parts of `boxes` in rows `first`..`stop`-1 of the array (each block's rows, still
     C-contiguous)."""
     parts = []
