@@ -189,9 +189,10 @@ def markdown(report: dict) -> str:
         "devices were up; `resident`: the bytes of the distinct device buffers (replicas sharing "
         "one host buffer counted once). `forward pass`: a (2, 8) token batch through the backbone, "
         "called eagerly, and the process's peak RSS by its end. `cold read into kept memory`: "
-        "the same read into a new 16 MiB buffer per read, all kept to the end, as a load keeps "
-        "its arrays (every page zeroed by the kernel when first touched); run between the cold "
-        "read and the load.",
+        "the same read into a new 16 MiB buffer per read, 2 MiB-aligned and advised "
+        "`MADV_HUGEPAGE` (the issue's floor), all kept to the end, as a load keeps its arrays "
+        "(every page zeroed by the kernel when first touched); run between the cold read and the "
+        "load.",
     ]
     return "\n".join(lines) + "\n"
 

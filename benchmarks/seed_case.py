@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
@@ -110,13 +111,17 @@ def child(case: str, args: argparse.Namespace) -> dict:
     return load_case(case, args)
 
 
+_HUGE = 2**21  # a transparent huge page
+
+
 def read_files(
     paths: list[str], threads: int = 8, piece: int = 16 * 2**20, keep: bool = False
 ) -> int:
     """Every byte of the files read once, in `piece`-sized reads by `threads` threads into a
     buffer each thread reuses: the disk's pace for these files, without holding them (the 9B's
     first part is 10 GiB). With `keep`, each piece goes into new memory that is kept, as a load
-    must: the pages of every buffer are zeroed by the kernel when first touched."""
+    must (the pages of every buffer are zeroed by the kernel when first touched), 2 MiB-aligned
+    and advised `MADV_HUGEPAGE` (the issue's floor; keras-orbax's read buffers are advised so)."""
     kept: list[mmap.mmap] = []
     fds = {path: os.open(path, os.O_RDONLY) for path in paths}
     pieces = [
@@ -130,9 +135,11 @@ def read_files(
     def read(job: tuple[int, int, int]) -> int:
         fd, offset, length = job
         if keep:
-            buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer = mmap.mmap(-1, length + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer.madvise(mmap.MADV_HUGEPAGE)
             kept.append(buffer)  # list.append is atomic
-            return os.preadv(fd, [buffer], offset)
+            start = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % _HUGE
+            return os.preadv(fd, [memoryview(buffer)[start : start + length]], offset)
         if not hasattr(local, "buffer"):
             local.buffer = bytearray(piece)
         return os.preadv(fd, [memoryview(local.buffer)[:length]], offset)
