@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from functools import partial
 
 ROUTES = ("save_to_preset", "save_weights", "export_to_transformers")
@@ -30,7 +31,9 @@ def _export(route: str, model, directory: str, window: int) -> None:
         keras_orbax.export_to_transformers(model, directory, window_bytes=window)
 
 
-def export_routes(model, out_dir: str, window_mib: float, rounds: int = 1) -> list[dict]:
+def export_routes(
+    model, out_dir: str, window_mib: float, rounds: int = 1, routes: Sequence[str] = ROUTES
+) -> list[dict]:
     """Each route's time against the floor's, in this process; one dict per route and round."""
     from benchmarks import bench_model as bm
 
@@ -41,7 +44,7 @@ def export_routes(model, out_dir: str, window_mib: float, rounds: int = 1) -> li
     scratch = os.path.join(out_dir, "exports")
     results = []
     for round_ in range(rounds):
-        for route in ROUTES:
+        for route in routes:
             shutil.rmtree(scratch, ignore_errors=True)
             paths = {"floor": os.path.join(scratch, "floor"), "case": os.path.join(scratch, route)}
             peak: dict = {}

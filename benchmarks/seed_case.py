@@ -196,7 +196,7 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
 
         stage(args, case, "exporting", out)
         out["exports"] = _seed_export.export_routes(
-            model, args.out_dir, args.window_mib, args.export_rounds
+            model, args.out_dir, args.window_mib, args.export_rounds, args.export_routes
         )
         return out
     stage(args, case, "forward pass", out)
@@ -264,6 +264,7 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
     if case == "export":
         command += ["--window-mib", str(args.window_mib)]
         command += ["--export-rounds", str(args.export_rounds)]
+        command += ["--export-routes", *args.export_routes]
     reserve = int(args.reserve_gib * GIB)
     limit = int(args.limit_gib * GIB) if args.limit_gib else None
     progress = progress_path(args.out_dir, case, mesh)
@@ -460,6 +461,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--export-mesh", default="2x4")
     p.add_argument("--export-rounds", type=int, default=1)
+    routes = ["save_to_preset", "save_weights", "export_to_transformers"]  # _seed_export.ROUTES
+    p.add_argument("--export-routes", nargs="+", choices=routes, default=routes)
     p.add_argument("--window-mib", type=float, default=256, help="the exports' window")
     p.add_argument(
         "--no-kept-read",
