@@ -73,6 +73,9 @@ _GET_BARRIER_SYNC_FN = Private(
 # The `AsyncCheckpointer`'s two barriers after a save's commit futures, in its background thread
 # (`_background_wait_for_commit_futures`): every process's writes done, then process 0's rename.
 COMMIT_BARRIERS = ("async_write_complete", "async_commit_complete")
+# The v0 `CheckpointManager`'s flag "a save is in progress" (`_save_progress_tracker`, a
+# `MultihostSynchronizedValue`), set between two barriers at a save's start and at its end.
+_PROGRESS_BARRIER = "ThreadSaveMultiHostValueHolder:set_value"
 _UPDATE_AVAL = Private("jax", "jax._src.core", "update_aval_with_sharding")
 _BATCHED_DEVICE_PUT = Private("jax", "jax._src.interpreters.pxla", "batched_device_put")
 
@@ -206,9 +209,19 @@ def bound_commit_barriers(
     its writes ended (keras-orbax's agreement) and passed Orbax's two handler barriers after it.
     A process reaching `async_write_complete` therefore knows that every process has finished
     writing its arrays; what is left is the other checkpointables' small files (the metrics, the
-    input position), written alongside, and process 0's step metadata and rename. The function
-    is v0's default for a checkpointer whose `active_processes` is not set (keras-orbax never
-    sets it): `multihost.get_barrier_sync_fn()`, the coordination service's barrier.
+    input position), written alongside, and process 0's step metadata and rename.
+
+    The same function serves the v0 `CheckpointManager`'s flag "a save is in progress"
+    (`MultihostSynchronizedValue`), set between two barriers (`ThreadSaveMultiHostValueHolder:
+    set_value_start` and `_end`) that wait the whole `timeout_secs`: at a save's start, after its
+    `CheckpointManager:save_start` barrier (bounded already, `set_barrier_timeout`), and at its
+    end, in the manager's finalize thread once the `AsyncCheckpointer`'s thread is done, also
+    after a failure (a `finally`); those are bounded the same way. (Orbax's finalize thread
+    removes steps before it, but keras-orbax hands no preservation policy: it removes none.)
+
+    The function is v0's default for a checkpointer whose `active_processes` is not set
+    (keras-orbax never sets it): `multihost.get_barrier_sync_fn()`, the coordination service's
+    barrier, which takes the limit it is handed.
     """
     _ASYNC_OPTIONS_V0.get()
     get_barrier_sync_fn = _GET_BARRIER_SYNC_FN.get()
@@ -216,9 +229,9 @@ def bound_commit_barriers(
 
     def barrier(*, key: str, timeout_ms: int) -> None:
         name = next((name for name in COMMIT_BARRIERS if name in key), None)
-        if name is not None:
-            if before_barrier is not None:
-                before_barrier(name)
+        if name is not None and before_barrier is not None:
+            before_barrier(name)
+        if name is not None or _PROGRESS_BARRIER in key:
             timeout_ms = min(timeout_ms, bound_ms)
         get_barrier_sync_fn()(key=key, timeout_ms=timeout_ms)
 
