@@ -189,10 +189,11 @@ def set_barrier_timeout(timeout_s: float) -> None:
 def bound_commit_barriers(
     context: Any, bound_s: float, before_barrier: Callable[[str], None] | None = None
 ) -> None:
-    """Makes the `AsyncCheckpointer`'s two barriers after the commit futures (`COMMIT_BARRIERS`)
-    wait at most `bound_s` for the other processes in a `training.Checkpointer` opened with
-    `context` (an `ocp.Context`), and calls `before_barrier(name)` before each (keras-orbax's fault
-    points). Every other wait keeps Orbax's limits, and no other checkpointer is affected.
+    """Makes the `AsyncCheckpointer`'s two barriers after the commit futures (`COMMIT_BARRIERS`),
+    and the manager's around its flag "a save is in progress", wait at most `bound_s` for the
+    other processes in a `training.Checkpointer` opened with `context` (an `ocp.Context`); calls
+    `before_barrier(name)` before each of the first two (keras-orbax's fault points). Every other
+    wait keeps Orbax's limits, and no other checkpointer is affected.
 
     Why private: the v1 `training.Checkpointer` saves through v0's `AsyncCheckpointer`, whose
     background thread, once the commit futures are done, waits at `async_write_complete`, lets
