@@ -150,6 +150,55 @@ def test_a_step_whose_shard_file_disappears_before_the_commit_is_refused(tmp_pat
         keras.distribution.set_distribution(None)
 
 
+@pytest.mark.parametrize("removed", ["manifest.ocdbt", "a data file"])
+def test_a_compact_step_whose_database_file_disappears_before_the_commit_is_refused(
+    tmp_path, removed
+):
+    """The compact format's region check: a process due to write data must have its OCDBT
+    database (`ocdbt.process_<i>/manifest.ocdbt`) and every data file it references, each looked
+    up by name. One of them gone between the write and the commit: the step is refused, and the
+    previous step is untouched and restores exactly."""
+    import keras
+
+    from keras_orbax._src.format import step_dirs
+
+    root = tmp_path / "ckpt"
+    model = _faults.built_sharded("step.compact")
+    try:
+        previous = _faults.fill(model, _faults.PREVIOUS)
+        keras_orbax.save(model, root, step=1, format="compact")
+        before = _faults.files(root / "1")
+        _faults.fill(model, _faults.NEW)
+        gone = []
+
+        def remove_a_database_file(stage: str) -> None:
+            if stage == "regions":
+                (state,) = root.glob("2.orbax-checkpoint-tmp*/state*")  # Orbax's temporary names
+                database = state / "ocdbt.process_0"
+                if removed == "manifest.ocdbt":
+                    path = database / "manifest.ocdbt"
+                else:
+                    path = sorted((database / "d").iterdir())[0]
+                path.unlink()
+                gone.append(path.name)
+
+        match = (
+            r"Not every region.*process 0: wrote 0 regions, was due 1"
+            if removed == "manifest.ocdbt"
+            else r"A data file of the OCDBT database .* is missing"
+        )
+        with commit.on_stage(remove_a_database_file), pytest.raises(SaveFailedError, match=match):
+            keras_orbax.save(model, root, step=2, format="compact")
+        assert gone  # the fault was injected where the check runs
+        assert step_dirs.committed_steps(root) == [1]
+        assert _faults.files(root / "1") == before
+        restored = _faults.built_sharded("step.compact")
+        keras_orbax.restore_sharded(restored, root)
+        _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 def test_save_and_convert_resolve_the_destination_once_and_list_its_steps_once(
     tmp_path, monkeypatch
 ):

@@ -186,9 +186,11 @@ def test_two_processes(tmp_path, models):
     process 1 alone inside `keras_orbax.save` (both raise `SaveFailedError` naming process 1,
     process 0 without waiting in Orbax's commit barrier, whose limit is 20 minutes: the launch's
     own timeout stops that), a stall before Orbax's save-start barrier (process 0 gives up within
-    `KERAS_ORBAX_SYNC_TIMEOUT_S`, where Orbax's own barrier waits without limit), SIGKILL (process
-    0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export or step is left byte for
-    byte and loads exactly."""
+    `KERAS_ORBAX_SYNC_TIMEOUT_S`, where Orbax's own barrier waits without limit), a stall before
+    the `AsyncCheckpointer`'s `async_write_complete` barrier (the same, where Orbax waits what
+    remains of 20 minutes), a compact step missing process 1's OCDBT manifest (both refuse it),
+    SIGKILL (process 0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S`); each earlier export or step
+    is left byte for byte and loads exactly."""
     image, ext4_root = tmp_path / "ext4.img", tmp_path / "ext4"
     roots = {
         "weights.h5": ext4_root,
@@ -197,9 +199,13 @@ def test_two_processes(tmp_path, models):
         "step.regions": tmp_path / "sr",
         "step.finalize": tmp_path / "sf",
         "step.start": tmp_path / "ss",
+        "step.write_complete": tmp_path / "sw",
+        "step.database": tmp_path / "sd",
         "preset": tmp_path / "p",
     }
-    for sink in ("preset", "step.fast", "step.regions", "step.finalize", "step.start"):
+    steps = ["step.fast", "step.regions", "step.finalize", "step.start"]
+    steps += ["step.write_complete", "step.database"]
+    for sink in ("preset", *steps):
         roots[sink].mkdir()
     (tmp_path / "w").mkdir()
     cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
@@ -222,12 +228,10 @@ def test_two_processes(tmp_path, models):
             assert mine.startswith("SaveFailedError") and " of 2 processes:" in mine, (sink, mine)
         hf = next(c for c in first if c["sink"] == "transformers")
         assert _faults.files(roots["transformers"]) == hf["before"]
-    steps = ["step.fast", "step.regions", "step.finalize", "step.start"]
     assert [c["sink"] for c in second] == ["weights.h5", "transformers", *steps]
-    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the seventh
-    _check_step_fault(roots["step.regions"], first, second, "step.regions")
-    _check_step_fault(roots["step.finalize"], first, second, "step.finalize")
-    _check_step_fault(roots["step.start"], first, second, "step.start")
+    _check_step_on_two_processes(roots["step.fast"], first, second)  # killed in the last case
+    for sink in steps[1:]:
+        _check_step_fault(roots[sink], first, second, sink)
     preset = next(c for c in first if c["sink"] == "preset")
     assert preset["error"].startswith("ProcessSyncError"), preset
     assert "Processes [1] did not reach" in preset["error"], preset
@@ -274,15 +278,24 @@ def _check_step_fault(root, first, second, sink):
     0 raises `SaveFailedError` naming that barrier once it gives up, within
     `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's own barrier would wait for process 1 without limit: it
     would arrive once its stall ends, 300 s on, and the step would commit); process 1, arriving
-    late, raises too. Either way step 2 is not committed, and step 1 is byte for byte as before
-    and restores exactly."""
+    late, raises too. Or it stalled in Orbax's background thread just before the
+    `AsyncCheckpointer`'s `async_write_complete` barrier, after the agreement ("step.write_complete"):
+    process 0 gives up within `KERAS_ORBAX_SYNC_TIMEOUT_S` there (then once more in Orbax's
+    manager's barrier after a failed save), where Orbax waits what remains of its 20 minutes;
+    process 1, arriving late, raises too. Or its OCDBT database's manifest was gone at the compact
+    step's region check ("step.database"): both raise the same `SaveFailedError` naming process 1.
+    Either way step 2 is not committed, and step 1 is byte for byte as before and restores
+    exactly."""
     (mine,) = [c for c in first if c["sink"] == sink]
     (theirs,) = [c for c in second if c["sink"] == sink]
     for error in (mine["error"], theirs["error"]):
         assert error.startswith("SaveFailedError"), (sink, error)
-    if sink == "step.regions":
+    if sink in ("step.regions", "step.database"):
         assert mine["error"] == theirs["error"]
         assert "Not every region" in mine["error"] and "process 1: wrote" in mine["error"]
+    elif sink == "step.write_complete":
+        for error in (mine["error"], theirs["error"]):
+            assert "async_write_complete" in error, error
     elif sink == "step.start":
         for error in (mine["error"], theirs["error"]):
             assert "Barrier timed out" in error and "save_start" in error, error

@@ -17,6 +17,14 @@ earlier one of the same sink, each with a real fault that process 1 injects
   Orbax, just before Orbax's save-start barrier, `CheckpointManager:save_start`) until process 0
   has ended the case: process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's
   default barrier there waits without limit), and process 1, arriving late, must raise too;
+- "step.write_complete", where process 1 stalls in Orbax's background thread just before the
+  `AsyncCheckpointer`'s `async_write_complete` barrier, after every process agreed and passed the
+  handler's barriers, until process 0 has ended the case: process 0 must give up within
+  `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's limit there is what remains of its 20 minutes), and
+  process 1, arriving late, must raise too;
+- "step.database", a `"compact"` step where process 1 removes its own OCDBT database's manifest
+  (`ocdbt.process_1/manifest.ocdbt`) at the start of the step's region check: both processes
+  must refuse the step;
 - "preset", where process 1 SIGKILLs itself at the start of "agree" (`KERAS_ORBAX_TEST_KILL_AT`):
   process 0 must give up within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
 
@@ -73,13 +81,15 @@ def _case(sink: str, root: Path, process_id: int) -> dict:
 WIDE = 32768
 
 
-def _step_one_saved(root: Path, process_id: int) -> tuple[keras.Model, dict[str, str] | None]:
+def _step_one_saved(
+    root: Path, process_id: int, format: str = "fast"
+) -> tuple[keras.Model, dict[str, str] | None]:
     """The model with step 1 saved from it (process 0: that step's files) and new values since."""
     keras.utils.set_random_seed(0)
     keras.distribution.set_distribution(_models.model_parallel((2, 4)))
     model = _models.mlp(width=WIDE)
     _faults.fill(model, _faults.PREVIOUS)
-    keras_orbax.save(model, root / "ckpt", step=1)
+    keras_orbax.save(model, root / "ckpt", step=1, format=format)
     before = _faults.files(root / "ckpt" / "1") if process_id == 0 else None
     _faults.fill(model, _faults.NEW)
     return model, before
@@ -113,6 +123,12 @@ def _remove_own_shard_file(ckpt: Path) -> None:
     (state / sorted(listed["files"])[0]).unlink()
 
 
+def _remove_own_database(ckpt: Path) -> None:
+    """Removes the manifest of this process's (1) OCDBT database in the step being saved."""
+    (state,) = ckpt.glob("2.orbax-checkpoint-tmp*/state*")
+    (state / "ocdbt.process_1" / "manifest.ocdbt").unlink()
+
+
 def _fail_finalize() -> None:
     raise OSError(errno.EIO, "injected at Orbax's finalize")
 
@@ -121,13 +137,17 @@ _STEP_FAULTS = {  # sink -> (stage, what process 1 does there, given the checkpo
     "step.regions": ("regions", _remove_own_shard_file),
     "step.finalize": ("rename", lambda ckpt: _fail_finalize()),
     "step.start": ("stage", None),  # stalls until process 0 has ended the case (`_wait_for_peer`)
+    "step.write_complete": ("async_write_complete", None),  # the same, in Orbax's thread
+    "step.database": ("regions", _remove_own_database),
 }
+_COMPACT = {"step.database"}
 
 
 def _step_fault_case(sink: str, root: Path, process_id: int, workdir: Path, done: int) -> dict:
     """Step 1 saved; then step 2, with process 1's fault at `_STEP_FAULTS[sink]` (`done`: the
     cases each process has ended before this one)."""
-    model, before = _step_one_saved(root, process_id)
+    format = "compact" if sink in _COMPACT else "fast"
+    model, before = _step_one_saved(root, process_id, format)
     stage, fault = _STEP_FAULTS[sink]
     if fault is None:
         hook = _faults.fault_at(stage, lambda: _wait_for_peer(workdir, process_id, done + 1))
@@ -137,9 +157,9 @@ def _step_fault_case(sink: str, root: Path, process_id: int, workdir: Path, done
     try:
         if process_id == 1:
             with commit.on_stage(hook):
-                keras_orbax.save(model, root / "ckpt", step=2)
+                keras_orbax.save(model, root / "ckpt", step=2, format=format)
         else:
-            keras_orbax.save(model, root / "ckpt", step=2)
+            keras_orbax.save(model, root / "ckpt", step=2, format=format)
     except Exception as failed:
         error = f"{type(failed).__name__}: {failed}"
     return {"sink": sink, "error": error, "before": before}

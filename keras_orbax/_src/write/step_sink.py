@@ -10,11 +10,14 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
    reports its outcome (`multihost.gather_outcomes`, keyed by Orbax's operation id: a background
    save agrees from Orbax's thread); then **regions**: each reports the shard files it wrote and
    still finds by name, and every process checks every report against the files each was due to
-   write, computed from the arrays' shardings (`storage.commit.check_regions`; `"fast"` only:
-   Orbax's tensorstore does not say what it wrote). A failure is `SaveFailedError` on every
+   write, computed from the arrays' shardings (`storage.commit.check_regions`); for `"compact"`,
+   whose files Orbax's tensorstore names, each process due to write data reports its OCDBT
+   database, found whole by name (`ocdbt_regions`). A failure is `SaveFailedError` on every
    process, before any enters Orbax's barrier.
-3. **rename**: Orbax's finalize (its barrier, metadata and rename), bounded from the agreement on
-   by `KERAS_ORBAX_SYNC_TIMEOUT_S` (`orbax_compat.pytree_handler_with_array_writer`).
+3. **rename**: Orbax's finalize (its barriers, metadata and rename), bounded from the agreement on
+   by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
+   (`orbax_compat.pytree_handler_with_array_writer`), then the `AsyncCheckpointer`'s two around
+   process 0's rename (`orbax_compat.bound_commit_barriers`).
 4. **fsync**: every file and directory of the renamed step, and its root (`DurableResponse`).
 5. **prune**: `ModelCheckpoint`'s retention, once the step is durable (`training/retention.py`).
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 import orbax.checkpoint.experimental.v1 as ocp
@@ -40,7 +44,7 @@ from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
-from keras_orbax._src.write import data_state_writer, files_writer, shard_writer
+from keras_orbax._src.write import data_state_writer, files_writer, ocdbt_regions, shard_writer
 from keras_orbax._src.write.shard_metadata import SavedArray
 from keras_orbax.errors import SaveFailedError
 
@@ -74,6 +78,7 @@ class StepSink(commit.Sink):
         self.root = step_dirs.CheckpointRoot.of(destination)
         self.destination, self.format = self.root.path, format
         self._arrays: list[SavedArray] = []
+        self._databases: set[int] = set()  # "compact": the processes due to write a database
 
     def open_checkpointer(
         self,
@@ -90,16 +95,19 @@ class StepSink(commit.Sink):
         commit.
         """
         context = ocp.Context()
+        if commit_timeout_s is not None:
+            context.async_options.timeout_secs = commit_timeout_s
+        # Orbax's last two barriers of a save (after every process agreed, around process 0's
+        # rename) wait `KERAS_ORBAX_SYNC_TIMEOUT_S` at most, not what is left of `timeout_secs`.
+        orbax_compat.bound_commit_barriers(context, multihost.DEFAULT_TIMEOUT_S, commit.fault_point)
         for option, value in FORMATS[self.format].items():
             setattr(context.array.saving, option, value)
         # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way
         # every process's outcome agreed on (`agree_on_write`) before Orbax commits the step.
         # Both formats hold each process's input position (`data_state_writer`).
-        handler = leaf_handler if self.format == "fast" else orbax_compat.array_leaf_handler()
+        handler = leaf_handler if self.format == "fast" else ocdbt_regions.CompactArrayLeafHandler
         registry = _registry(handler, self.agree_on_write)
         context.checkpointables_options.registry = data_state_writer.register(registry)
-        if commit_timeout_s is not None:
-            context.async_options.timeout_secs = commit_timeout_s
         if locations.is_remote(self.destination):  # no atomic rename: a marker file commits
             context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
         return ocp.training.Checkpointer(
@@ -123,24 +131,29 @@ class StepSink(commit.Sink):
                 due to; the step is not committed.
             ProcessSyncError: a process did not report within `wait_s`.
         """
-        written = files_writer.take_written(directory)  # taken whatever follows: nothing kept
+        # Taken whatever follows: nothing kept.
+        written = files_writer.take_written(directory)
+        compact = ocdbt_regions.take_arrays(directory)
         commit.fault_point("agree")
         multihost.agree_on_outcome(
             "writing the step's files", operation_id, error, wait_s=wait_s, fallback=SaveFailedError
         )
         commit.fault_point("regions")
         if written is not None:  # "fast": keras-orbax's writer knows what each process owns
-            self._check_regions(directory, operation_id, *written)
+            self._arrays, self._databases = written[0], set()
+            self._check_regions(operation_id, lambda: _still_there(directory, written[1]))
+        elif compact is not None:  # "compact": each process's OCDBT database
+            self._arrays, self._databases = [], ocdbt_regions.processes_due(compact)
+            self._check_regions(operation_id, lambda: self._databases_found(directory))
         commit.fault_point("rename")  # Orbax's finalize: its metadata, then the rename
 
-    def _check_regions(
-        self, directory: Any, operation_id: str, arrays: list[SavedArray], names: list[str]
-    ) -> None:
-        self._arrays = arrays
+    def _check_regions(self, operation_id: str, found: Callable[[], list[str]]) -> None:
+        """Every process reports the regions it `found` (its own, each looked up by name); every
+        process checks every report against `regions_due`."""
         report, failed = None, None
         try:
-            report = commit.digest(_still_there(directory, names))
-        except OSError as error:  # an EIO from the filesystem: reported to every process
+            report = commit.digest(found())
+        except Exception as error:  # EIO, a damaged database: reported to every process
             failed = error
         reports = multihost.gather_outcomes(
             "checking the step's regions",
@@ -157,8 +170,19 @@ class StepSink(commit.Sink):
         """The shard files (relative to the step's `state/`) that `process` writes of the save being
         agreed on: replica 0 of each distinct shard, as `shard_writer` picks it (JAX numbers the
         replicas of a shard in the order of `devices_indices_map`); a packed array's one file by
-        the process holding it."""
+        the process holding it. For `"compact"`: its OCDBT database, if it holds replica 0 of some
+        shard (`ocdbt_regions.processes_due`)."""
+        if process in self._databases:
+            return [ocdbt_regions.database(process)]
         return [name for array in self._arrays for name in _due(array, process)]
+
+    def _databases_found(self, directory: Any) -> list[str]:
+        """This process's OCDBT database, whole (`ocdbt_regions.databases_found`), if it is due
+        one: a process that writes only others' replicas may have one too, not due."""
+        process = multihost.process_index()
+        if process not in self._databases:
+            return []
+        return ocdbt_regions.databases_found(directory, process)
 
 
 def _due(array: SavedArray, process: int) -> list[str]:

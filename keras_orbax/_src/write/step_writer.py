@@ -130,9 +130,22 @@ def save(
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
             f"Saving step {step} to '{root}' failed: "
-            f"{type(error).__name__}: {error}. Nothing was committed.{intact}"
+            f"{_described(error)}. Nothing was committed.{intact}"
         ) from error
     return root.step_dir(step)
+
+
+def _described(error: BaseException) -> str:
+    """`error`, and the error it was raised while handling: Orbax's manager meets the other
+    processes once more after a failed save (a barrier in a `finally`), and a process lost there
+    too replaces the first error with that barrier's."""
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, KerasOrbaxError):  # keras-orbax's own errors name what they followed
+        return text
+    first = error.__context__
+    if first is not None and error.__cause__ is None and not error.__suppress_context__:
+        text += f" (raised while handling {type(first).__name__}: {first})"
+    return text
 
 
 def check_rewrite_every(rewrite_every: Any) -> None:
