@@ -126,6 +126,14 @@ def save(
     except Exception as error:  # the write failed: a full disk, a read-only directory...
         if isinstance(error, KerasOrbaxError) and not isinstance(error, SaveFailedError):
             raise  # the caller's input (StepExistsError...), or a process that never reported
+        if not overwrite and root.has_committed(step):
+            # A process lost at Orbax's last barrier, after process 0 had renamed the step.
+            raise SaveFailedError(
+                f"Saving step {step} to '{root}' failed: {_described(error)}. Process 0 had "
+                f"renamed step {step} into place (every process had agreed on its writes), but "
+                "it was not made durable: a restore checks it, and `keras-orbax verify` tells "
+                "whether it is whole."
+            ) from error
         steps = root.steps()  # as listed under the lock: nothing was committed since
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
