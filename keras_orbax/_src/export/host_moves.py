@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import jax
 import numpy as np
+
+from keras_orbax._src.export import regions
 
 # The primitives whose result is their operand's value, unchanged.
 _NO_OPS = ("copy", "copy_p")
@@ -59,6 +62,67 @@ def moves_of(eqns: Sequence[Any]) -> tuple[Move, ...] | None:
         elif name not in _NO_OPS:
             return None
     return tuple(moves)
+
+
+def fetch(
+    value: jax.Array,
+    moves: Sequence[Move],
+    window_bytes: int,
+    run: Callable[[Callable[[regions.Region], None], Sequence[regions.Region]], Any],
+) -> tuple[np.ndarray, tuple[Move, ...]]:
+    """`value` on the host as `moves` begin with it, and the moves left to replay on that.
+
+    Leading slices (step 1) are applied while fetching: only the shards' parts they keep are
+    copied. Leading transposes too: the host array is allocated in their order, so a reshape after
+    them is a view, not a second copy. Shards in host memory are copied by `run(fn, regions)`
+    (`FileWindows.copy`: on several threads); others are fetched a window at a time.
+    """
+    moves = list(moves)
+    box = tuple(slice(0, n) for n in value.shape)
+    while (
+        moves and moves[0].kind == "slice" and all(s.step in (None, 1) for s in moves[0].argument)
+    ):
+        box = tuple(
+            slice(b.start + s.start, b.start + s.stop)
+            for b, s in zip(box, moves.pop(0).argument, strict=True)
+        )
+    order = tuple(range(value.ndim))
+    while moves and moves[0].kind == "transpose":
+        order = tuple(order[p] for p in moves.pop(0).argument)
+    extent = [b.stop - b.start for b in box]
+    host = np.empty([extent[axis] for axis in order], value.dtype)
+    target = host.transpose(np.argsort(order))  # the variable's axes, as `box` cuts them
+
+    def place(region: regions.Region) -> None:
+        common = [
+            (max(b.start, i.start), min(b.stop, i.stop))
+            for b, i in zip(box, region.index, strict=True)
+        ]
+        if any(lo >= hi for lo, hi in common):
+            return
+        to = tuple(
+            slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(common, box, strict=True)
+        )
+        part = tuple(
+            slice(lo - i.start, hi - i.start)
+            for (lo, hi), i in zip(common, region.index, strict=True)
+        )
+        target[to] = region.block[part]
+
+    shards = [
+        shard
+        for shard in regions.distinct_shards(value)
+        if all(
+            s.start < b.stop and b.start < s.stop
+            for s, b in zip(regions.normalized(shard.index, value.shape), box, strict=True)
+        )
+    ]
+    if regions.on_host(value):  # each shard's own buffer: copied on several threads
+        run(place, list(regions.shard_regions(value, shards, window_bytes, whole=True)))
+    else:
+        for region in regions.shard_regions(value, shards, window_bytes):
+            place(region)
+    return host, tuple(moves)
 
 
 def replay(array: np.ndarray, moves: Sequence[Move]) -> np.ndarray:

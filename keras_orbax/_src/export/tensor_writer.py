@@ -96,8 +96,9 @@ class TensorWriter:
         source: Moved,
         written_from: dict[str, tuple[Any, ...]],
     ) -> list[str]:
-        """The variable fetched to one host array (its distinct shards copied in), the moves
-        replayed on it with NumPy, and the result written whole: from its own buffer where it is
+        """The variable fetched to one host array (`host_moves.fetch`: the part the moves keep,
+        in the order of their leading transposes), the other moves replayed on it with NumPy, and
+        the result written whole: from its own buffer where it is
         C-contiguous, else band by band. Process 0 writes it (the variable is in every process's
         reach: `device_computed`)."""
         whole = tuple(slice(0, n) for n in tensor.shape)
@@ -105,15 +106,10 @@ class TensorWriter:
         written_from[tensor.name] = (tensor.shape, tensor.dtype, sharding, True, 1, True)
         if jax.process_index() != 0:
             return []
-        value = source.variable.value
-        host = np.empty(value.shape, value.dtype)
-        shards = regions.distinct_shards(value)
-        for region in regions.shard_regions(
-            value, shards, self.window_bytes, regions.on_host(value)
-        ):
-            host[region.index] = region.block
-            del region
-        result = host_moves.replay(host, source.moves)
+        host, moves = host_moves.fetch(
+            source.variable.value, source.moves, self.window_bytes, self.files.copy
+        )
+        result = host_moves.replay(host, moves)
         del host  # the result's own buffer where the moves copied
         _check(tensor, result)
         if result.flags.c_contiguous:
