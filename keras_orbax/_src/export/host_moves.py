@@ -125,17 +125,34 @@ def fetch(
     return host, tuple(moves)
 
 
+def on_host(
+    value: jax.Array,
+    moves: Sequence[Move],
+    window_bytes: int,
+    run: Callable[[Callable[[regions.Region], None], Sequence[regions.Region]], Any],
+) -> np.ndarray:
+    """`value` moved as `moves` say, on the host: `fetch`, then the moves left replayed. The
+    fetched array is dropped as soon as the result no longer views it: at most the fetched part
+    and one copy of the tensor exist at a time."""
+    array, rest = fetch(value, moves, window_bytes, run)
+    for move in rest:
+        array = _moved(array, move)
+    return array
+
+
 def replay(array: np.ndarray, moves: Sequence[Move]) -> np.ndarray:
     """`array` moved as `moves` say: views where NumPy can (a transpose, a slice), a copy where
-    it cannot (a reshape of a transposed view). Each earlier array is dropped as soon as the
-    next no longer views it, so at most two exist at a time."""
+    it cannot (a reshape of a transposed view)."""
     for move in moves:
-        if move.kind == "transpose":
-            array = array.transpose(move.argument)
-        elif move.kind == "reshape":
-            array = array.reshape(move.argument)
-        elif move.kind == "slice":
-            array = array[move.argument]
-        else:
-            array = np.flip(array, move.argument)
+        array = _moved(array, move)
     return array
+
+
+def _moved(array: np.ndarray, move: Move) -> np.ndarray:
+    if move.kind == "transpose":
+        return array.transpose(move.argument)
+    if move.kind == "reshape":
+        return array.reshape(move.argument)
+    if move.kind == "slice":
+        return array[move.argument]
+    return np.flip(array, move.argument)

@@ -96,21 +96,17 @@ class TensorWriter:
         source: Moved,
         written_from: dict[str, tuple[Any, ...]],
     ) -> list[str]:
-        """The variable fetched to one host array (`host_moves.fetch`: the part the moves keep,
-        in the order of their leading transposes), the other moves replayed on it with NumPy, and
-        the result written whole: from its own buffer where it is
-        C-contiguous, else band by band. Process 0 writes it (the variable is in every process's
-        reach: `device_computed`)."""
+        """The variable fetched to one host array and moved there with NumPy
+        (`host_moves.on_host`), the result written whole: from its own buffer where it is
+        C-contiguous, else band by band. Process 0 writes it (every process holds the whole
+        variable: `device_computed`)."""
         whole = tuple(slice(0, n) for n in tensor.shape)
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         written_from[tensor.name] = (tensor.shape, tensor.dtype, sharding, True, 1, True)
         if jax.process_index() != 0:
             return []
-        host, moves = host_moves.fetch(
-            source.variable.value, source.moves, self.window_bytes, self.files.copy
-        )
-        result = host_moves.replay(host, moves)
-        del host  # the result's own buffer where the moves copied
+        value = source.variable.value
+        result = host_moves.on_host(value, source.moves, self.window_bytes, self.files.copy)
         _check(tensor, result)
         if result.flags.c_contiguous:
             self.files.write_boxes(fd, offset, tensor.shape, [(whole, result)])
@@ -222,14 +218,15 @@ class TensorWriter:
 
 def device_computed(tensor: HubTensor, window_bytes: int) -> Computed | None:
     """The operations `TensorWriter.write` runs on the devices for `tensor`: a computed tensor's;
-    a moved one's where its variable spans other processes or the variable and the tensor
-    together exceed the window (replayed on the host otherwise); None for a rearranged one."""
+    a moved one's where its variable spans other processes or the host would hold more than the
+    window (the variable, the tensor and two band buffers); None for a rearranged one."""
     source = tensor.source
     if not isinstance(source, Moved):
         return source if isinstance(source, Computed) else None
     value = source.variable.value
-    held = math.prod(value.shape) * np.dtype(value.dtype).itemsize
-    held += math.prod(tensor.shape) * tensor.dtype.itemsize
+    result = math.prod(tensor.shape) * tensor.dtype.itemsize
+    bands = 2 * min(window_bytes // 2, _BAND_BYTES, result)
+    held = math.prod(value.shape) * np.dtype(value.dtype).itemsize + result + bands
     fits = value.is_fully_addressable and held <= window_bytes
     return None if fits else source.computed
 
