@@ -22,7 +22,7 @@ import numpy as np
 from keras_orbax._src.export import regions
 
 # The primitives whose result is their operand's value, unchanged.
-_NO_OPS = ("copy", "copy_p")
+NO_OPS = ("copy", "copy_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def moves_of(eqns: Sequence[Any]) -> tuple[Move, ...] | None:
             moves.append(Move("flip", tuple(params["dimensions"])))
         elif name == "convert_element_type" and params["new_dtype"] == operand.dtype:
             continue
-        elif name not in _NO_OPS:
+        elif name not in NO_OPS:
             return None
     return tuple(moves)
 

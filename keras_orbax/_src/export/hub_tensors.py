@@ -34,7 +34,6 @@ from keras_orbax._src.export import host_moves
 
 _SHAPE_ONLY = ("reshape", "squeeze", "expand_dims")
 _NESTED = ("jit", "pjit", "closed_call")
-_NO_OPS = ("copy", "copy_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +178,7 @@ def _rearrangement(source: Any, eqns: list[Any]) -> tuple[int, ...] | None:
             axes = merged
         elif name == "convert_element_type" and eqn.params["new_dtype"] == eqn.invars[0].aval.dtype:
             continue
-        elif name not in _NO_OPS:
+        elif name not in host_moves.NO_OPS:
             return None
     order = [a for axis in axes for a in axis]
     source_atoms = sorted(atoms)
