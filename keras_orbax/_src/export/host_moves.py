@@ -5,7 +5,7 @@ reversals and same-dtype conversions change no value: NumPy's result is the same
 however either lays them out. keras-hub's Gemma exporter builds its query projections with a
 reshape that splits axes where `hidden_dim != heads * head_dim` (Gemma2 9B), and its key and value
 projections with a slice (the first head): no rearrangement of the variable's blocks
-(`hub_tensors.Rearranged`), but such a chain. Replayed on the host (`replay`), the tensor exists
+(`hub_tensors.Rearranged`), but such a chain. Moved on the host (`on_host`), the tensor exists
 once; computed by XLA on CPU devices, its result was replicated on every device.
 """
 
