@@ -22,6 +22,9 @@ GEMMA = dict(
     head_dim=8,
     dtype="bfloat16",
 )
+# hidden_dim != heads * head_dim (as in Gemma2 9B: 3584 against 16 x 256) and two key/value heads:
+# keras-hub's exporter reshapes the query kernel across axes and slices the first key/value head.
+GEMMA_SPLIT = dict(GEMMA, hidden_dim=24, num_key_value_heads=2)
 # Untied embeddings: a CausalLM export writes `lm_head.weight` too.
 LLAMA3 = dict(
     vocabulary_size=64,

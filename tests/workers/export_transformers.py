@@ -7,6 +7,9 @@ args: {"action": ..., "directory": ...}
 - "memory" (1 process): a Llama3 backbone whose largest variable is 8 MiB, exported with a 1 MiB
   window; reports the peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of
   keras_orbax's export and of keras-hub's own.
+- "memory_moved" (1 process): a Gemma backbone whose hidden size is not heads x head_dim (its
+  query projections a reshape across axes, moved on the host), exported with a 1 MiB window;
+  reports the peak RSS growth and the largest query projection's bytes.
 - "multiprocess" (2 processes x 4 devices): Gemma and Llama3 backbones on a (2, 4) mesh of all 8
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
   Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
@@ -71,6 +74,23 @@ def memory(directory: Path) -> dict:
     theirs = peak_growth(lambda: backbone.export_to_transformers(str(directory / "keras_hub")))
     largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
     return {"ours": ours, "keras_hub": theirs, "largest_variable": largest}
+
+
+def memory_moved(directory: Path) -> dict:
+    keras.distribution.set_distribution(_hf_export.model_parallel("gemma"))
+    keras.utils.set_random_seed(0)
+    config = dict(_hf_export.GEMMA_SPLIT, vocabulary_size=1024, num_layers=2, hidden_dim=192)
+    backbone = _hf_export.backbone_class("gemma")(
+        **dict(config, head_dim=128, intermediate_dim=8192)
+    )
+    _hf_export.fill(backbone)
+    query = backbone.get_layer("decoder_block_0").attention.query_dense.kernel
+    largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in backbone.variables)
+    return {
+        "ours": _export_growth(backbone, directory),
+        "query": int(np.prod(query.shape)) * np.dtype(query.dtype).itemsize,
+        "largest_variable": largest,
+    }
 
 
 def _wide_llama3():  # type: ignore[no-untyped-def]
@@ -200,6 +220,8 @@ def main() -> None:
         write_result(disk_full(directory))
     elif action == "memory":
         write_result(memory(directory))
+    elif action == "memory_moved":
+        write_result(memory_moved(directory))
     elif action == "killed":
         write_result(killed(directory, ctx.process_id))
         exit_now(0)  # the peer is dead: no shutdown barrier

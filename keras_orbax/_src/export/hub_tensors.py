@@ -9,7 +9,11 @@ variables it reads and how:
 - a chain of transposes and reshapes that only merge or drop axes of one variable (almost every
   tensor): the tensor's C-order bytes are `variable.squeeze().transpose(permutation)`'s, so each
   host block of the variable's shards is transposed on the host and written where it belongs;
-- anything else (a LoRA merge): the traced operations run on the devices, one at a time as
+- any other chain of one variable that only moves bytes (a reshape that splits an axis, a static
+  slice: keras-hub's Gemma query, key and value projections): the variable is fetched to one host
+  array and the chain replayed on it with NumPy (`host_moves`), where both fit the window;
+- anything else (a LoRA merge), or a moved tensor too large for the window: the traced operations
+  run on the devices, one at a time as
   keras-hub's eager `keras.ops` do (so the values are the same bits), and the result's shards are
   written. Only that one tensor exists beside the model, placed as the operations place it.
 """
@@ -26,9 +30,10 @@ import keras
 import numpy as np
 from jax.extend import core as jax_core
 
+from keras_orbax._src.export import host_moves
+
 _SHAPE_ONLY = ("reshape", "squeeze", "expand_dims")
 _NESTED = ("jit", "pjit", "closed_call")
-_NO_OPS = ("copy", "copy_p")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +54,27 @@ class Computed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Moved:
+    """The tensor is `host_moves.replay(variable's value, moves)`: its bytes moved, no value
+    changed. `computed` gives the same tensor on the devices, where the variable and the tensor
+    do not fit the host window together."""
+
+    variable: keras.Variable
+    moves: tuple[host_moves.Move, ...]
+    computed: Computed
+
+
+Source = Rearranged | Moved | Computed
+
+
+@dataclasses.dataclass(frozen=True)
 class HubTensor:
     """One tensor of the export: its name, shape, dtype and how to obtain it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    source: Rearranged | Computed
+    source: Source
 
 
 def trace_tensors(
@@ -89,13 +108,18 @@ def trace_tensors(
         name = path[0].key
         chain = _chain_to_input(out, producer, arg_of)
         plan = None if chain is None else _rearrangement(*chain)
+        source: Source
         if plan is not None and chain is not None:
-            source: Rearranged | Computed = Rearranged(variables[arg_of[chain[0]]], plan)
+            source = Rearranged(variables[arg_of[chain[0]]], plan)
         else:
             needed = _needed(out, producer, jaxpr.eqns)
             source = Computed(
                 _evaluator(closed, needed, out, variables), "not a rearrangement of one variable"
             )
+            flat = None if chain is None else _flat(chain[1])
+            moves = None if flat is None else host_moves.moves_of(flat)
+            if moves is not None and chain is not None:
+                source = Moved(variables[arg_of[chain[0]]], moves, source)
         tensors.append(HubTensor(name, tuple(shape.shape), np.dtype(shape.dtype), source))
     return tensors
 
@@ -154,7 +178,7 @@ def _rearrangement(source: Any, eqns: list[Any]) -> tuple[int, ...] | None:
             axes = merged
         elif name == "convert_element_type" and eqn.params["new_dtype"] == eqn.invars[0].aval.dtype:
             continue
-        elif name not in _NO_OPS:
+        elif name not in host_moves.NO_OPS:
             return None
     order = [a for axis in axes for a in axis]
     source_atoms = sorted(atoms)

@@ -1,7 +1,8 @@
 """The regions of each Hugging Face tensor written at its offsets in a safetensors file.
 
-A tensor is a variable rearranged (`hub_tensors.Rearranged`: size-1 axes dropped, transposed) or
-computed by keras-hub's operations. A shard in host memory is written from its own buffer (no
+A tensor is a variable rearranged (`hub_tensors.Rearranged`: size-1 axes dropped, transposed),
+a variable's bytes otherwise moved (`hub_tensors.Moved`: fetched to one host array, the moves
+replayed there, where both fit the window) or computed by keras-hub's operations. A shard in host memory is written from its own buffer (no
 copy): an untransposed tensor's shards together, their runs merged into whole stretches of the
 file (`file_windows.FileWindows.write_boxes`); a transposed one band by band, each band of whole
 rows copied from the shards into one of two buffers while the other is written. A shard on an
@@ -18,8 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax._src.export import file_windows, host_transpose, regions
-from keras_orbax._src.export.hub_tensors import Computed, HubTensor
+from keras_orbax._src.export import file_windows, host_moves, host_transpose, regions
+from keras_orbax._src.export.hub_tensors import Computed, HubTensor, Moved, Rearranged
 from keras_orbax.errors import SaveFailedError
 
 # A transposed tensor's band: the copy of one overlaps the write of the one before.
@@ -41,11 +42,15 @@ class TensorWriter:
     ) -> list[str]:
         """Writes `tensor`'s regions here; their keys (in the array's coordinates)."""
         source = tensor.source
-        if isinstance(source, Computed):
-            array = source.compute()
+        on_devices = device_computed(tensor, self.window_bytes)
+        if isinstance(source, Moved) and on_devices is None:
+            return self._write_moved_on_host(fd, offset, tensor, source, written_from)
+        if on_devices is not None:
+            array = on_devices.compute()
             _check(tensor, array)
             kept, permutation = list(range(array.ndim)), tuple(range(array.ndim))
         else:
+            assert isinstance(source, Rearranged)
             array = source.variable.value
             kept = [axis for axis, n in enumerate(array.shape) if n != 1]
             permutation = source.permutation
@@ -82,6 +87,32 @@ class TensorWriter:
         elif boxes:
             self.files.write_boxes(fd, offset, view, boxes)
         return keys
+
+    def _write_moved_on_host(
+        self,
+        fd: int,
+        offset: int,
+        tensor: HubTensor,
+        source: Moved,
+        written_from: dict[str, tuple[Any, ...]],
+    ) -> list[str]:
+        """The variable fetched to one host array and moved there with NumPy
+        (`host_moves.on_host`), the result written whole: from its own buffer where it is
+        C-contiguous, else band by band. Process 0 writes it (every process holds the whole
+        variable: `device_computed`)."""
+        whole = tuple(slice(0, n) for n in tensor.shape)
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        written_from[tensor.name] = (tensor.shape, tensor.dtype, sharding, True, 1, True)
+        if jax.process_index() != 0:
+            return []
+        value = source.variable.value
+        result = host_moves.on_host(value, source.moves, self.window_bytes, self.files.copy)
+        _check(tensor, result)
+        if result.flags.c_contiguous:
+            self.files.write_boxes(fd, offset, tensor.shape, [(whole, result)])
+        else:
+            self._write_bands(fd, offset, tensor.shape, [(whole, result)])
+        return [regions.region_key(whole)]
 
     def _write_bands(
         self,
@@ -185,6 +216,21 @@ class TensorWriter:
         return buffer[:nbytes]
 
 
+def device_computed(tensor: HubTensor, window_bytes: int) -> Computed | None:
+    """The operations `TensorWriter.write` runs on the devices for `tensor`: a computed tensor's;
+    a moved one's where its variable spans other processes or the host would hold more than the
+    window (the variable, the tensor and two band buffers); None for a rearranged one."""
+    source = tensor.source
+    if not isinstance(source, Moved):
+        return source if isinstance(source, Computed) else None
+    value = source.variable.value
+    result = math.prod(tensor.shape) * tensor.dtype.itemsize
+    bands = 2 * min(window_bytes // 2, _BAND_BYTES, result)
+    held = math.prod(value.shape) * np.dtype(value.dtype).itemsize + result + bands
+    fits = value.is_fully_addressable and held <= window_bytes
+    return None if fits else source.computed
+
+
 def _record(
     written_from: dict[str, tuple[Any, ...]], name: str, array: jax.Array, window: int, whole: bool
 ) -> None:
@@ -204,7 +250,7 @@ def _own_regions(array: jax.Array, window_bytes: int, whole: bool) -> Any:
     return regions.shard_regions(array, regions.own_shards(array), max(1, window_bytes), whole)
 
 
-def _check(tensor: HubTensor, array: jax.Array) -> None:
+def _check(tensor: HubTensor, array: jax.Array | np.ndarray) -> None:
     if tuple(array.shape) != tensor.shape or np.dtype(array.dtype) != tensor.dtype:
         raise SaveFailedError(
             f"{tensor.name}: keras-hub's operations gave {np.dtype(array.dtype).name} "

@@ -30,7 +30,7 @@ from keras_orbax._src.export import (
     safetensors_writer,
     tensor_writer,
 )
-from keras_orbax._src.export.hub_tensors import Computed, HubTensor
+from keras_orbax._src.export.hub_tensors import HubTensor
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.runtime import host_memory
 from keras_orbax._src.storage import commit, locations
@@ -220,17 +220,18 @@ def _write_regions(
     with file_windows.FileWindows() as files:
         writer = tensor_writer.TensorWriter(files, window_bytes)
         for tensor in tensors:
+            on_devices = tensor_writer.device_computed(tensor, window_bytes)
             if error is not None:
-                if isinstance(tensor.source, Computed):
-                    tensor.source.compute()
+                if on_devices is not None:
+                    on_devices.compute()
                 continue
             layout = file_of[tensor.name]
             try:
                 fd = files.open(staging / layout.file_name)
                 keys = writer.write(fd, layout.offsets[tensor.name], tensor, written_from)
                 written += [f"{tensor.name}/{key}" for key in keys]
-                if isinstance(tensor.source, Computed):
-                    host_memory.release_freed()  # XLA's result, freed: its pages, not kept
+                if not isinstance(tensor.source, hub_tensors.Rearranged):
+                    host_memory.release_freed()  # XLA's result or NumPy's, freed: not kept
             except OSError as e:
                 where = staging / layout.file_name
                 error = SaveFailedError(f"Writing {tensor.name} into {where} failed: {e}")
