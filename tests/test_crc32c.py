@@ -68,6 +68,9 @@ def test_each_library_extends_the_same_crc32c_over_any_buffer(library):
         expected = google_crc32c.value(data[:n].tobytes())
         for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
             assert extend(0, buffer) == expected, (library, n)
+        # A region's own buffer: a writable memoryview of float32 items (its length in items).
+        words = data[: n - n % 4].view(np.float32).data
+        assert extend(0, words) == google_crc32c.value(data[: n - n % 4].tobytes()), (library, n)
         for cut in (1, n // 3, n - 5):
             if 0 <= cut <= n:
                 head = extend(0, memoryview(data)[:cut])
@@ -87,6 +90,9 @@ def test_isal_extends_zlibs_crc32_over_any_buffer():
             expected = zlib.crc32(data[:n].tobytes(), start)
             for buffer in (data[:n], memoryview(data)[:n].toreadonly(), bytes(data[:n])):
                 assert crc32_compat.extend(start, buffer) == expected, (n, start)
+            words = data[: n - n % 4].view(np.float32).data  # a writable view of float32 items
+            expected = zlib.crc32(data[: n - n % 4].tobytes(), start)
+            assert crc32_compat.extend(start, words) == expected, (n, start)
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,10 @@ def _google() -> tuple[Extend | None, Extend | None]:
     native.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
 
     def extend(crc: int, data: Any) -> int:
-        view = np.frombuffer(data, np.uint8)  # no copy; read-only or writable
-        if view.size < _COPY_BELOW:
-            return by_copy(crc, view.tobytes())
-        return int(native(crc, view.ctypes.data, view.size))
+        address, size = crc32_compat.address(data)  # no copy; read-only or writable
+        if size < _COPY_BELOW:
+            return by_copy(crc, np.frombuffer(data, np.uint8).tobytes())
+        return int(native(crc, address, size))
 
     return extend, copied
 
@@ -76,13 +76,13 @@ def _isal(small: Extend | None) -> Extend | None:
         return None
 
     def extend(crc: int, data: Any) -> int:
-        view = np.frombuffer(data, np.uint8)  # no copy; read-only or writable
-        if small is not None and view.size < _ISAL_COPY_BELOW:
-            return small(crc, view)
+        address, size = crc32_compat.address(data)  # no copy; read-only or writable
+        if small is not None and size < _ISAL_COPY_BELOW:
+            return small(crc, data)
         # ISA-L's iSCSI CRC is the CRC-32C without its initial and final inversion.
-        crc, address = ~crc & _MASK, view.ctypes.data
-        for start in range(0, view.size, _ISAL_MAX_CALL):
-            crc = native(address + start, min(_ISAL_MAX_CALL, view.size - start), crc)
+        crc = ~crc & _MASK
+        for start in range(0, size, _ISAL_MAX_CALL):
+            crc = native(address + start, min(_ISAL_MAX_CALL, size - start), crc)
         return ~crc & _MASK
 
     return extend
