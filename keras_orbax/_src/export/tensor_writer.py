@@ -2,11 +2,11 @@
 
 A tensor is a variable rearranged (`hub_tensors.Rearranged`: size-1 axes dropped, transposed),
 a variable's bytes otherwise moved (`hub_tensors.Moved`: fetched to one host array, the moves
-replayed there, where both fit the window) or computed by keras-hub's operations. A shard in host memory is written from its own buffer (no
-copy): an untransposed tensor's shards together, their runs merged into whole stretches of the
-file (`file_windows.FileWindows.write_boxes`); a transposed one band by band, each band of whole
-rows copied from the shards into one of two buffers while the other is written. A shard on an
-accelerator is fetched a window at a time.
+replayed there, where both fit the window) or computed by keras-hub's operations. A shard in host
+memory is written from its own buffer (no copy): an untransposed tensor's shards together, their
+runs merged into whole stretches of the file (`file_windows.FileWindows.write_boxes`); a
+transposed one band by band, each band of whole rows copied from the shards into one of two
+buffers while the other is written. A shard on an accelerator is fetched a window at a time.
 """
 
 from __future__ import annotations
