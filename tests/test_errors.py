@@ -255,3 +255,19 @@ def test_a_removed_middle_layer_is_named_on_both_sides(tmp_path, distribution):
     assert (
         "layers/dense_2/vars/0 (checkpoint: head/kernel): in the checkpoint, not in the model"
     ) in problems
+
+
+def test_a_save_error_names_the_error_it_was_raised_while_handling():
+    """Orbax's manager meets the other processes once more in a `finally` after a failed save; a
+    process lost there too raises that barrier's error, and the first one must not be lost."""
+    from keras_orbax._src.write.step_writer import described_error
+
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise TimeoutError("Barrier timed out: set_value_end")  # noqa: B904 (as Orbax's)
+    except TimeoutError as late:
+        text = described_error(late)
+    assert text.startswith("TimeoutError: Barrier timed out")
+    assert "raised while handling OSError: [Errno 28] No space left on device" in text

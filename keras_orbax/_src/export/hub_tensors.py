@@ -12,10 +12,10 @@ variables it reads and how:
 - any other chain of one variable that only moves bytes (a reshape that splits an axis, a static
   slice: keras-hub's Gemma query, key and value projections): the variable is fetched to one host
   array and the chain replayed on it with NumPy (`host_moves`), where both fit the window;
-- anything else (a LoRA merge), or a moved tensor too large for the window: the traced operations
-  run on the devices, one at a time as
-  keras-hub's eager `keras.ops` do (so the values are the same bits), and the result's shards are
-  written. Only that one tensor exists beside the model, placed as the operations place it.
+- anything else (a LoRA merge), or a moved tensor too large for the window: the traced
+  operations run on the devices, one at a time as keras-hub's eager `keras.ops` do (so the values
+  are the same bits), and the result's shards are written. Only that one tensor exists beside the
+  model, placed as the operations place it.
 """
 
 from __future__ import annotations

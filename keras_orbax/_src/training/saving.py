@@ -261,7 +261,9 @@ class Saves:
 
     def fail(self, what: str, error: BaseException) -> NoReturn:
         """Raises SaveFailedError, naming the last committed step, after closing."""
-        failure = SaveFailedError(f"{what}: {type(error).__name__}: {error}. {self.intact_note()}")
+        failure = SaveFailedError(
+            f"{what}: {step_writer.described_error(error)}. {self.intact_note()}"
+        )
         self.close(failing=True)
         raise failure from error
 

@@ -129,7 +129,7 @@ def save(
         if not overwrite and root.has_committed(step):
             # A process lost at Orbax's last barrier, after process 0 had renamed the step.
             raise SaveFailedError(
-                f"Saving step {step} to '{root}' failed: {_described(error)}. Process 0 had "
+                f"Saving step {step} to '{root}' failed: {described_error(error)}. Process 0 had "
                 f"renamed step {step} into place (every process had agreed on its writes), but "
                 "it was not made durable: a restore checks it, and `keras-orbax verify` tells "
                 "whether it is whole."
@@ -138,12 +138,12 @@ def save(
         intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
         raise SaveFailedError(
             f"Saving step {step} to '{root}' failed: "
-            f"{_described(error)}. Nothing was committed.{intact}"
+            f"{described_error(error)}. Nothing was committed.{intact}"
         ) from error
     return root.step_dir(step)
 
 
-def _described(error: BaseException) -> str:
+def described_error(error: BaseException) -> str:
     """`error`, and the error it was raised while handling: Orbax's manager meets the other
     processes once more after a failed save (a barrier in a `finally`), and a process lost there
     too replaces the first error with that barrier's."""
