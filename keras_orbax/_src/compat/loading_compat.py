@@ -41,6 +41,16 @@ class _TracingStore(_H5IOStore):
         self.mode = "r"
         self._placeholders = placeholders
         self._group = "vars"
+        # Each group's entries and every path above an entry, indexed once: Keras asks for a
+        # layer's keys and paths once per layer, and a scan per call is quadratic in the layers
+        # (5000 variables: 2.7 s).
+        self._keys: dict[str, list[str]] = {}
+        self._paths: set[str] = set()
+        for name in placeholders:
+            group, _, key = name.rpartition("/")
+            self._keys.setdefault(group, []).append(key)
+            parts = name.split("/")
+            self._paths.update("/".join(parts[:i]) for i in range(1, len(parts)))
 
     def __bool__(self) -> bool:
         return True
@@ -50,15 +60,10 @@ class _TracingStore(_H5IOStore):
         return self
 
     def has_path(self, path: str) -> bool:
-        return any(name.startswith(f"{path}/") for name in self._placeholders)
+        return path in self._paths
 
     def keys(self) -> list[str]:
-        prefix = f"{self._group}/"
-        return [
-            name[len(prefix) :]
-            for name in self._placeholders
-            if name.startswith(prefix) and "/" not in name[len(prefix) :]
-        ]
+        return list(self._keys.get(self._group, ()))
 
     def __len__(self) -> int:
         return len(self.keys())

@@ -123,12 +123,13 @@ def replay(
     with tempfile.TemporaryDirectory(prefix="keras_orbax_assets_") as folder:
         files = _under_aliases(saved.assets, aliases) if saved is not None else {}
         assets = _assets_store(folder, files) if files else None
+        store = loading_compat.tracing_store(entries)  # indexed once for every object
         for group, obj in objects.items():
             if any(obj is other for other in skip):
                 continue
             try:
                 if hasattr(obj, "load_own_variables"):
-                    _load_own_variables(obj, group, entries)
+                    _load_own_variables(obj, group, store)
                 if assets is not None and hasattr(obj, "load_assets"):
                     obj.load_assets(assets(group))
             except Exception as error:  # named with its group, raised below
@@ -156,14 +157,14 @@ def _under_aliases(
     return found
 
 
-def _load_own_variables(obj: Any, group: str, entries: dict[str, Any]) -> None:
+def _load_own_variables(obj: Any, group: str, store: Any) -> None:
     """`obj.load_own_variables` over what its `save_own_variables` stored; where Keras's loader
     refuses that, over its variables in the order of its `variable_serialization_spec`, the order
     Keras declares both methods follow. (Keras 3.15's `Dense` and `EinsumDense` store no
     zero point in `gptq` and `awq` mode, which their loaders then expect: Keras cannot load
     such a layer's own `.weights.h5`. docs/coming-from-keras.md has the reproduction.)"""
     try:
-        obj.load_own_variables(loading_compat.tracing_store(entries).get(group))
+        obj.load_own_variables(store.get(group))
     except Exception:
         in_spec_order = _in_spec_order(obj)
         if in_spec_order is None:
