@@ -24,6 +24,7 @@ from keras_orbax._src.compat import (
     hub_compat,
     keras_compat,
     loading_compat,
+    orbax_barriers,
     orbax_compat,
     saving_compat,
 )
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_declared_private_symbol_resolves_in_the_installed_versions():
-    assert {keras_compat, loading_compat, orbax_compat, hub_compat, saving_compat}  # declared
+    assert {keras_compat, loading_compat, orbax_compat, orbax_barriers, hub_compat, saving_compat}
     by_distribution: dict[str, list[Private]] = {}
     for symbol in DECLARED:
         by_distribution.setdefault(symbol.distribution, []).append(symbol)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from keras_orbax import errors
-from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.compat import orbax_barriers, orbax_compat
 from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ def _client() -> Any:
 def orbax_barriers_follow() -> None:
     """Makes Orbax's barriers outside keras-orbax's handler wait at most `DEFAULT_TIMEOUT_S`
     (`KERAS_ORBAX_SYNC_TIMEOUT_S`) for a process that does not arrive, under `jax.distributed`
-    (`orbax_compat.set_barrier_timeout`).
+    (`orbax_barriers.set_barrier_timeout`).
 
     Process-wide, for every Orbax call of the process (Keras's `OrbaxCheckpoint` too): Orbax keeps
     one constant and one flag. Also without the variable: Orbax's default barrier is a collective
@@ -53,7 +53,7 @@ def orbax_barriers_follow() -> None:
         return
     with _following:  # Orbax's background thread makes collective calls too
         if not _followed:
-            orbax_compat.set_barrier_timeout(DEFAULT_TIMEOUT_S)
+            orbax_barriers.set_barrier_timeout(DEFAULT_TIMEOUT_S)
             _followed.append(True)
 
 

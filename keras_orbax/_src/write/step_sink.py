@@ -17,7 +17,7 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
 3. **rename**: Orbax's finalize (its barriers, metadata and rename), bounded from the agreement on
    by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
    (`orbax_compat.pytree_handler_with_array_writer`), then the `AsyncCheckpointer`'s two around
-   process 0's rename (`orbax_compat.bound_commit_barriers`).
+   process 0's rename (`orbax_barriers.bound_commit_barriers`).
 4. **fsync**: every file and directory of the renamed step, and its root (`DurableResponse`).
 5. **prune**: `ModelCheckpoint`'s retention, once the step is durable (`training/retention.py`).
 
@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import orbax.checkpoint.experimental.v1 as ocp
 
-from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.compat import orbax_barriers, orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
@@ -99,7 +99,9 @@ class StepSink(commit.Sink):
             context.async_options.timeout_secs = commit_timeout_s
         # Orbax's last two barriers of a save (after every process agreed, around process 0's
         # rename) wait `KERAS_ORBAX_SYNC_TIMEOUT_S` at most, not what is left of `timeout_secs`.
-        orbax_compat.bound_commit_barriers(context, multihost.DEFAULT_TIMEOUT_S, commit.fault_point)
+        orbax_barriers.bound_commit_barriers(
+            context, multihost.DEFAULT_TIMEOUT_S, commit.fault_point
+        )
         for option, value in FORMATS[self.format].items():
             setattr(context.array.saving, option, value)
         # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way
