@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import keras_hub
@@ -115,39 +116,16 @@ def test_a_step_whose_shard_file_disappears_before_the_commit_is_refused(tmp_pat
     """A shard file gone between its write and the commit: the step's region check (against the
     files each process was due to write, from the shardings) refuses it, and the previous step is
     untouched and restores exactly."""
-    import keras
 
-    from keras_orbax._src.format import step_dirs
+    def remove_a_shard_file(state: Path) -> Path:
+        return _shard_files(state)[-1]
 
-    root = tmp_path / "ckpt"
-    model = _faults.built_sharded("step.fast")  # kernels split over 8 devices: many shard files
-    try:
-        previous = _faults.fill(model, _faults.PREVIOUS)
-        keras_orbax.save(model, root, step=1)
-        before = _faults.files(root / "1")
-        _faults.fill(model, _faults.NEW)
-        removed = []
-
-        def remove_a_shard_file(stage: str) -> None:
-            if stage == "regions":
-                (state,) = root.glob("2.orbax-checkpoint-tmp*/state*")  # Orbax's temporary names
-                shard = _shard_files(state)[-1]
-                shard.unlink()
-                removed.append(shard.name)
-
-        with (
-            commit.on_stage(remove_a_shard_file),
-            pytest.raises(SaveFailedError, match=r"Not every region.*process 0: wrote \d+ regions"),
-        ):
-            keras_orbax.save(model, root, step=2)
-        assert removed  # the fault was injected where the check runs
-        assert step_dirs.committed_steps(root) == [1]
-        assert _faults.files(root / "1") == before
-        restored = _faults.built_sharded("step.fast")
-        keras_orbax.restore_sharded(restored, root)
-        _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
-    finally:
-        keras.distribution.set_distribution(None)
+    _refused_at_regions(  # kernels split over 8 devices: many shard files
+        tmp_path,
+        "step.fast",
+        remove_a_shard_file,
+        r"Not every region.*process 0: wrote \d+ regions",
+    )
 
 
 @pytest.mark.parametrize("removed", ["manifest.ocdbt", "a data file"])
@@ -158,41 +136,54 @@ def test_a_compact_step_whose_database_file_disappears_before_the_commit_is_refu
     database (`ocdbt.process_<i>/manifest.ocdbt`) and every data file it references, each looked
     up by name. One of them gone between the write and the commit: the step is refused, and the
     previous step is untouched and restores exactly."""
+
+    def remove_a_database_file(state: Path) -> Path:
+        database = state / "ocdbt.process_0"
+        if removed == "manifest.ocdbt":
+            return database / "manifest.ocdbt"
+        return sorted((database / "d").iterdir())[0]
+
+    match = (
+        r"Not every region.*process 0: wrote 0 regions, was due 1"
+        if removed == "manifest.ocdbt"
+        else r"A data file of the OCDBT database .* is missing"
+    )
+    _refused_at_regions(tmp_path, "step.compact", remove_a_database_file, match)
+
+
+def _refused_at_regions(
+    tmp_path: Path, sink: str, file_to_remove: Callable[[Path], Path], match: str
+) -> None:
+    """Step 1 saved; step 2 saved with `file_to_remove(its staged state/)` deleted at the region
+    check: `SaveFailedError` matching `match`, step 1 byte for byte as before and restoring
+    exactly."""
     import keras
 
     from keras_orbax._src.format import step_dirs
 
+    format = "compact" if sink == "step.compact" else "fast"
     root = tmp_path / "ckpt"
-    model = _faults.built_sharded("step.compact")
+    model = _faults.built_sharded(sink)
     try:
         previous = _faults.fill(model, _faults.PREVIOUS)
-        keras_orbax.save(model, root, step=1, format="compact")
+        keras_orbax.save(model, root, step=1, format=format)
         before = _faults.files(root / "1")
         _faults.fill(model, _faults.NEW)
         gone = []
 
-        def remove_a_database_file(stage: str) -> None:
+        def remove(stage: str) -> None:
             if stage == "regions":
                 (state,) = root.glob("2.orbax-checkpoint-tmp*/state*")  # Orbax's temporary names
-                database = state / "ocdbt.process_0"
-                if removed == "manifest.ocdbt":
-                    path = database / "manifest.ocdbt"
-                else:
-                    path = sorted((database / "d").iterdir())[0]
+                path = file_to_remove(state)
                 path.unlink()
                 gone.append(path.name)
 
-        match = (
-            r"Not every region.*process 0: wrote 0 regions, was due 1"
-            if removed == "manifest.ocdbt"
-            else r"A data file of the OCDBT database .* is missing"
-        )
-        with commit.on_stage(remove_a_database_file), pytest.raises(SaveFailedError, match=match):
-            keras_orbax.save(model, root, step=2, format="compact")
+        with commit.on_stage(remove), pytest.raises(SaveFailedError, match=match):
+            keras_orbax.save(model, root, step=2, format=format)
         assert gone  # the fault was injected where the check runs
         assert step_dirs.committed_steps(root) == [1]
         assert _faults.files(root / "1") == before
-        restored = _faults.built_sharded("step.compact")
+        restored = _faults.built_sharded(sink)
         keras_orbax.restore_sharded(restored, root)
         _faults.assert_values({i: w.numpy() for i, w in enumerate(restored.weights)}, previous)
     finally:
