@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -28,6 +29,23 @@ def target_sharding(variable: keras.Variable) -> Sharding:
     if keras_compat.is_allocated(variable):
         return keras_compat.current_value(variable).sharding
     return SingleDeviceSharding(jax.local_devices()[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def replica_zero(
+    sharding: Sharding, shape: tuple[int, ...]
+) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """(process, bounds) of replica 0 of each distinct shard of an array of `shape`: the copy a
+    checkpoint writes (JAX numbers a shard's replicas in the order of `devices_indices_map`).
+    Computed once per layout: a model's thousands of arrays have a few."""
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    found = []
+    for device, index in sharding.devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        if bounds not in seen:
+            seen.add(bounds)
+            found.append((int(device.process_index), bounds))  # type: ignore[attr-defined]
+    return tuple(found)
 
 
 def layout_error(sharding: Sharding, shape: tuple[int, ...]) -> str | None:

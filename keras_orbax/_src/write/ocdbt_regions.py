@@ -18,7 +18,6 @@ names = databases_found(state_dir, process)   # ["ocdbt.process_1"], or [] if it
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from collections.abc import Awaitable, Sequence
@@ -27,6 +26,7 @@ from typing import Any
 import jax
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.model import shardings
 from keras_orbax._src.storage import locations
 
 _MANIFEST = "manifest.ocdbt"
@@ -68,20 +68,11 @@ def take_arrays(directory: Any) -> list[tuple[tuple[int, ...], Any]] | None:
 def processes_due(arrays: list[tuple[tuple[int, ...], Any]]) -> set[int]:
     """The processes holding replica 0 of some shard of some array: each writes data (Orbax writes
     replica 0's part, with replica-parallel writes others' too), so each must have a database."""
-    return {process for shape, sharding in arrays for process in _writers(sharding, shape)}
-
-
-@functools.lru_cache(maxsize=1024)
-def _writers(sharding: Any, shape: tuple[int, ...]) -> frozenset[int]:
-    """The processes of replica 0 of each distinct shard (JAX numbers the replicas of a shard in
-    the order of `devices_indices_map`): computed once per layout."""
-    seen, writers = set(), set()
-    for device, index in sharding.devices_indices_map(shape).items():
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-        if bounds not in seen:
-            seen.add(bounds)
-            writers.add(device.process_index)
-    return frozenset(writers)
+    return {
+        process
+        for shape, sharding in arrays
+        for process, _ in shardings.replica_zero(sharding, shape)
+    }
 
 
 def databases_found(directory: Any, process: int) -> list[str]:

@@ -42,6 +42,7 @@ from keras_orbax._src.compat import orbax_barriers, orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
+from keras_orbax._src.model import shardings
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
 from keras_orbax._src.write import data_state_writer, files_writer, ocdbt_regions, shard_writer
@@ -200,20 +201,14 @@ def _due_chunks(
 ) -> tuple[str, ...]:
     """The chunk keys `process` writes of an array of `shape` and `sharding`: computed once per
     layout (a model's thousands of arrays have a few)."""
-    devices = sharding.devices_indices_map(shape)
     if packed:
-        holder = next(iter(devices)).process_index
+        holder = next(iter(sharding.devices_indices_map(shape))).process_index
         return (chunk_key((0,) * len(shape), ONE_FILE_SEPARATOR),) if holder == process else ()
-    seen, due = set(), []
-    for device, index in devices.items():
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
-        if bounds in seen:
-            continue
-        seen.add(bounds)
-        if device.process_index == process:
-            coords = tuple(a // n if n else 0 for (a, _), n in zip(bounds, chunk, strict=True))
-            due.append(chunk_key(coords))
-    return tuple(due)
+    return tuple(
+        chunk_key(tuple(a // n if n else 0 for (a, _), n in zip(bounds, chunk, strict=True)))
+        for writer, bounds in shardings.replica_zero(sharding, shape)
+        if writer == process
+    )
 
 
 def _still_there(directory: Any, names: list[str]) -> list[str]:
