@@ -1,4 +1,5 @@
-"""Handing freed host memory back to the kernel (glibc's `malloc_trim`), where glibc allocates.
+"""Host memory outside NumPy's allocator: freed pages handed back to the kernel (glibc's
+`malloc_trim`), and the unused end of a mapping closed to faults (`mprotect`).
 
 glibc raises its `mmap` threshold each time a block it had `mmap`ed is freed (up to 32 MiB), so
 later blocks of that size come from its heaps, one per thread, where freed pages stay resident. A
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 from collections.abc import Callable
 
 
@@ -34,3 +36,31 @@ def release_freed() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _mprotect() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mprotect
+    except (OSError, AttributeError):  # no C library to call (not POSIX)
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def close_to_faults(address: int, length: int) -> bool:
+    """Makes `length` bytes of a mapping, from the page-aligned `address`, inaccessible
+    (`PROT_NONE`): a part never used, split off so that no page of it is ever backed. Where
+    memory is backed in 2 MiB units (transparent huge pages set to `always`; gVisor backs private
+    memory so), a fault in the last partial unit of a buffer would otherwise back the whole unit.
+    Returns whether it was done.
+
+    ```python
+    close_to_faults(base + used, mapping_length - used)
+    ```
+    """
+    protect = _mprotect()
+    if protect is None or length <= 0:
+        return False
+    return protect(address, length, getattr(mmap, "PROT_NONE", 0)) == 0

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from keras_orbax._src.runtime import host_memory
 from keras_orbax.errors import CorruptCheckpointError
 
 Index = tuple[slice, ...]
@@ -246,12 +247,16 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 def _huge_mapping(nbytes: int) -> np.ndarray:
     """`nbytes` of a private anonymous mapping, from a huge-page boundary, advised huge pages.
 
-    The mapping is one huge page longer than asked (address space only: the unused part is never
-    touched, so never backed) so that the buffer can start on a boundary where the kernel does
-    not align the mapping itself (before Linux 6.7)."""
+    The mapping is one huge page longer than asked, so that the buffer can start on a boundary
+    where the kernel does not align the mapping itself. The part after the buffer is closed to
+    faults: where memory is backed 2 MiB at a time (transparent huge pages `always`, gVisor), the
+    buffer's last bytes would otherwise back a whole 2 MiB (a 9B load peaked at 1.14 x its
+    resident bytes under gVisor, 1.01 x with it closed: docs/benchmarks.md, "The seed case")."""
     mapping = mmap.mmap(-1, nbytes + HUGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mapping, dtype=np.uint8)
     start = (-whole.ctypes.data) % HUGE_BYTES
+    end = start + -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    host_memory.close_to_faults(whole.ctypes.data + end, len(mapping) - end)
     if _HUGEPAGE is not None:
         with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, as before
             mapping.madvise(_HUGEPAGE, start, nbytes // mmap.PAGESIZE * mmap.PAGESIZE)
