@@ -1,10 +1,12 @@
 """The seed case's exports: the loaded 9B model written by each export route, against the durable
 write floor of the same shards measured beside it (`seed_case.py --export`).
 
-For each route, in alternating order (floor first in even rounds), with `os.sync()` untimed before
-each: the floor (every distinct shard written to its own new file by 8 threads and fsynced,
-`bench_model.write_all`) and the export into a new directory. Both are deleted before the next
-route, so the disk holds at most the preset and two copies of the model.
+For each route, in alternating order (floors first in even rounds), with `os.sync()` untimed
+before each: the floor (every distinct shard written to its own new file by 8 threads and fsynced,
+`bench_model.write_all`), the one-file floor (the same shards back to back in one new file, 8
+threads, `bench_model.write_one_file`: what a format of one file pays, the filesystem serializing
+writes to one inode) and the export into a new directory. Each is deleted once written, so the disk
+holds at most the preset and one copy of the model.
 """
 
 from __future__ import annotations
@@ -52,19 +54,29 @@ def export_routes(
             def case(route=route, path=paths["case"], peak=peak) -> None:
                 peak["growth"] = bm.peak_growth(partial(_export, route, model, path, window))
 
-            writes = {"floor": partial(bm.write_all, shards, paths["floor"]), "case": case}
-            order = ["case", "floor"] if round_ % 2 else ["floor", "case"]
-            times = {}
-            for name in order:
+            one_file = os.path.join(scratch, "one_file")
+            writes = {
+                "floor": partial(bm.write_all, shards, paths["floor"]),
+                "one_file": partial(bm.write_one_file, shards, one_file),
+                "case": case,
+            }
+            order = ["floor", "one_file", "case"]
+            times, written = {}, 0
+            for name in order[::-1] if round_ % 2 else order:
                 os.sync()
                 start = bm.clock()
                 writes[name]()
                 times[name] = bm.since(start)
-            written = sum(
-                os.path.getsize(os.path.join(root, f))
-                for root, _, files in os.walk(paths["case"])
-                for f in files
-            )
+                if name == "case":
+                    written = sum(
+                        os.path.getsize(os.path.join(root, f))
+                        for root, _, files in os.walk(paths["case"])
+                        for f in files
+                    )
+                if name == "one_file":
+                    os.unlink(one_file)
+                else:
+                    shutil.rmtree(paths[name])
             results.append(
                 {
                     "route": route,
@@ -72,7 +84,10 @@ def export_routes(
                     "seconds": times["case"][0],
                     "cpu_s": times["case"][1],
                     "floor_s": times["floor"][0],
+                    "floor_cpu_s": times["floor"][1],
                     "ratio": times["case"][0] / times["floor"][0],
+                    "one_file_s": times["one_file"][0],
+                    "one_file_cpu_s": times["one_file"][1],
                     "written_gb": written / 1e9,
                     "peak_over_resident_mib": None
                     if peak["growth"] is None
@@ -87,15 +102,23 @@ def export_routes(
 def markdown(results: list[dict]) -> str:
     """The exports' table."""
     lines = [
-        "| route | export s | floor s (same process) | ratio | written GB | peak over resident MiB |",
-        "|---|---|---|---|---|---|",
+        "| route | export s | CPU s | floor s (same process) | CPU s | ratio | one-file floor s | CPU s"
+        " | x that | written GB | peak over resident MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         peak = (
             "n/a" if r["peak_over_resident_mib"] is None else f"{r['peak_over_resident_mib']:.0f}"
         )
+        one = r.get("one_file_s")
+        one_file = (
+            "- | - | -"
+            if one is None
+            else f"{one:.1f} | {r['one_file_cpu_s']:.1f} | {r['seconds'] / one:.2f} x"
+        )
         lines.append(
-            f"| `{r['route']}` | {r['seconds']:.1f} | {r['floor_s']:.1f} | {r['ratio']:.2f} x"
+            f"| `{r['route']}` | {r['seconds']:.1f} | {r['cpu_s']:.1f} | {r['floor_s']:.1f}"
+            f" | {r.get('floor_cpu_s', float('nan')):.1f} | {r['ratio']:.2f} x | {one_file}"
             f" | {r['written_gb']:.2f} | {peak} |"
         )
     return "\n".join(lines)

@@ -230,6 +230,34 @@ def write_all(buffers, directory: str, threads: int = 8) -> None:
         list(pool.map(write, enumerate(buffers)))
 
 
+def write_one_file(buffers, path: str, threads: int = 8) -> None:
+    """The buffers back to back in one new file, each written at its offset by one of `threads`
+    threads, then fsync-ed: the durable write floor of a format that is one file (a `.weights.h5`,
+    a `model.safetensors`), where the filesystem serializes writes to one inode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    views = [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8).data) for b in buffers]
+    offsets = [0]
+    for view in views[:-1]:
+        offsets.append(offsets[-1] + len(view))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+    def write(job) -> None:
+        view, offset = job
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, zip(views, offsets, strict=True)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def peak_growth(action) -> int | None:
     """The rise of peak RSS over RSS while `action()` ran (`tests._rss.peak_growth`); None where
     the kernel does not let the peak be reset (gVisor has no `clear_refs`): the action still runs."""
