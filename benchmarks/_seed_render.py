@@ -50,9 +50,12 @@ def summarize(report: dict, out_dir: str) -> list[dict]:
             row["peak_x"] = (row["peak"] - row["rss_import"]) / row["resident_bytes"]
             row["ko_cpu_s"] = median([r["load_cpu_s"] for r in loaded if "load_cpu_s" in r])
             if row["read_s"]:
-                row["time_x"] = row["ko_s"] / row["read_s"]
-            if row["read_kept_s"]:
-                row["kept_x"] = row["ko_s"] / row["read_kept_s"]
+                row["read_x"] = row["ko_s"] / row["read_s"]
+            # The issue's floor is the read into kept huge-page memory; the plain cold read where
+            # that was not run (`--no-kept-read`).
+            row["floor_s"] = row["read_kept_s"] or row["read_s"]
+            if row["floor_s"]:
+                row["time_x"] = row["ko_s"] / row["floor_s"]
         if good:
             row["peak_end"] = max(r["peak_end"] for r in good)
             row["forward_s"] = median([r["forward_s"] for r in good])
@@ -114,7 +117,7 @@ def markdown(report: dict) -> str:
         "",
         "**keras-orbax** `from_preset`:",
         "",
-        "| mesh | load s | of it building | cold read s | x read | target | met | peak GiB "
+        "| mesh | load s | of it building | floor s | x floor | target | met | peak GiB "
         "| peak - import GiB | resident GiB | x resident | target | met | forward pass | n |",
         "|---|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|:-:|---|---:|",
     ]
@@ -129,7 +132,7 @@ def markdown(report: dict) -> str:
             forward = r["ko_outcome"]
         lines.append(
             f"| {r['mesh']} | {r['ko_s']:.1f} | {fmt(r['build_s'], '.1f')} "
-            f"| {fmt(r['read_s'], '.1f')} | {fmt(r.get('time_x'), '.2f')} | {TARGETS['time']} "
+            f"| {fmt(r.get('floor_s'), '.1f')} | {fmt(r.get('time_x'), '.2f')} | {TARGETS['time']} "
             f"| {met(r.get('time_x'), TARGETS['time'])} | {r['peak'] / GIB:.2f} "
             f"| {(r['peak'] - r['rss_import']) / GIB:.2f} | {r['resident_bytes'] / GIB:.2f} "
             f"| {r['peak_x']:.2f} | {TARGETS['peak']} | {met(r['peak_x'], TARGETS['peak'])} "
@@ -138,18 +141,18 @@ def markdown(report: dict) -> str:
     if any(r.get("read_kept_s") or r.get("ko_cpu_s") for r in rows):
         lines += [
             "",
-            "The same loads against a cold read into new memory that is kept, and CPU seconds "
+            "The same loads against the plain cold read (into reused buffers), and CPU seconds "
             "(user and system, all threads):",
             "",
-            "| mesh | load s | cold read into kept memory s | x that | load CPU s "
+            "| mesh | load s | cold read s | x that | load CPU s "
             "| cold read CPU s | into kept memory CPU s |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             if "ko_s" in r:
                 lines.append(
-                    f"| {r['mesh']} | {r['ko_s']:.1f} | {fmt(r.get('read_kept_s'), '.1f')} "
-                    f"| {fmt(r.get('kept_x'), '.2f')} | {fmt(r.get('ko_cpu_s'), '.1f')} "
+                    f"| {r['mesh']} | {r['ko_s']:.1f} | {fmt(r.get('read_s'), '.1f')} "
+                    f"| {fmt(r.get('read_x'), '.2f')} | {fmt(r.get('ko_cpu_s'), '.1f')} "
                     f"| {fmt(r.get('read_cpu_s'), '.1f')} "
                     f"| {fmt(r.get('read_kept_cpu_s'), '.1f')} |"
                 )
@@ -188,11 +191,11 @@ def markdown(report: dict) -> str:
         "before the machine ran out or by the kernel); `- import`: less its RSS once JAX and its 8 "
         "devices were up; `resident`: the bytes of the distinct device buffers (replicas sharing "
         "one host buffer counted once). `forward pass`: a (2, 8) token batch through the backbone, "
-        "called eagerly, and the process's peak RSS by its end. `cold read into kept memory`: "
-        "the same read into a new 16 MiB buffer per read, 2 MiB-aligned and advised "
-        "`MADV_HUGEPAGE` (the issue's floor), all kept to the end, as a load keeps its arrays "
-        "(every page zeroed by the kernel when first touched); run between the cold read and the "
-        "load.",
+        "called eagerly, and the process's peak RSS by its end. `floor` (the issue's): "
+        "the same cold read into a new 16 MiB buffer per read, 2 MiB-aligned and advised "
+        "`MADV_HUGEPAGE`, all kept to the end, as a load keeps its arrays (every page zeroed by "
+        "the kernel when first touched), run between the cold read and the load; the cold read "
+        "itself where that was not run.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -225,7 +228,7 @@ def plot(report: dict, path: str) -> bool:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 2.2 + 0.5 * len(rows)))
     labels, values, targets = [], [], []
     for r in rows:
-        for what, key in (("time / cold read", "time_x"), ("peak / resident", "peak_x")):
+        for what, key in (("time / floor", "time_x"), ("peak / resident", "peak_x")):
             if r.get(key) is not None:
                 labels.append(f"{r['mesh']} {what}")
                 values.append(r[key])

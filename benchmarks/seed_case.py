@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
 
         with open(args.render) as f:
             report = json.load(f)
+        report["summary"] = render.summarize(report, args.out_dir)  # by this renderer's rules
         text = render.markdown(report)
         print(text)
         if args.write_docs:
