@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from keras_orbax._src.runtime import multihost
+from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import durable, replace
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError
 
@@ -154,6 +154,14 @@ def write(sink: ExportSink, name: str) -> Path:
         SaveFailedError: any stage failed on any process; the previous export is untouched.
         ProcessSyncError: a process did not reach a stage within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
     """
+    # Exports hold hundreds of thousands of small objects while they write (a column-cut kernel
+    # is a run per row): without the pause, 18 full collections took 3.0 s of a 15.5 s 9B
+    # `save_weights` (docs/benchmarks.md, "Exports"). See gc_pause.hold.
+    with gc_pause.paused():
+        return _write(sink, name)
+
+
+def _write(sink: ExportSink, name: str) -> Path:
     if sink.whole_directory and sink.destination.is_symlink():  # swap the directory, not the link
         sink.destination = sink.destination.resolve()
     staging = staging_path(sink)
