@@ -4,6 +4,7 @@ and from 2 MiB on their own mapping from a huge-page boundary, advised `MADV_HUG
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import jax
@@ -65,9 +66,9 @@ def test_nothing_past_a_large_buffer_can_be_backed(nbytes):
     of it: a 9B load peaked at 1.14 x its resident bytes so."""
     buffer = aligned_empty(nbytes)
     buffer[:] = 1
-    last_page = (buffer.ctypes.data + nbytes - 1) // 4096 * 4096
+    last_page = (buffer.ctypes.data + nbytes - 1) // mmap.PAGESIZE * mmap.PAGESIZE
     assert _mapping_permissions(last_page) == "rw-p"
-    assert _mapping_permissions(last_page + 4096) in ("---p", None)
+    assert _mapping_permissions(last_page + mmap.PAGESIZE) in ("---p", None)
 
 
 def test_small_buffers_are_64_byte_aligned():
