@@ -63,7 +63,7 @@ def test_nothing_past_a_large_buffer_can_be_backed(nbytes):
     """A large buffer's mapping is one huge page longer than the buffer (to start it on a
     boundary); past the buffer's last page it takes no fault. Where memory is backed 2 MiB at a
     time (THP `always`, gVisor), a fault in the buffer's last partial 2 MiB would otherwise back all
-    of it: a 9B load peaked at 1.14 x its resident bytes so."""
+    of it, per buffer: a load's peak rose so (docs/benchmarks.md, "The 13-core host again")."""
     buffer = aligned_empty(nbytes)
     buffer[:] = 1
     last_page = (buffer.ctypes.data + nbytes - 1) // mmap.PAGESIZE * mmap.PAGESIZE

@@ -114,7 +114,8 @@ def test_holds_overlap_across_threads_and_the_last_release_resumes():
 
 def test_an_export_runs_no_collection(tmp_path, distribution):
     """An export holds a run per row of each column-cut kernel while it writes: without the pause,
-    ~40 collections ran during this one (18 full ones, 3.0 s of a 15.5 s 9B `save_weights`)."""
+    ~40 collections ran during this one, and at 9B the full ones were a fifth of `save_weights`
+    (docs/benchmarks.md)."""
     distribution(_models.model_parallel((1, 8)))
     inputs = keras.Input((4096,))
     x = inputs

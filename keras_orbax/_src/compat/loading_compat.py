@@ -43,7 +43,7 @@ class _TracingStore(_H5IOStore):
         self._group = "vars"
         # Each group's entries and every path above an entry, indexed once: Keras asks for a
         # layer's keys and paths once per layer, and a scan per call is quadratic in the layers
-        # (5000 variables: 2.7 s).
+        # (docs/benchmarks.md, "Speed report").
         self._keys: dict[str, list[str]] = {}
         self._paths: set[str] = set()
         for name in placeholders:

@@ -29,7 +29,7 @@ def copy(
     if to.dtype.itemsize in (1, 2, 4, 8):
         # A copy moves bytes: NumPy's own loops for unsigned integers of the element's size,
         # not a custom dtype's (ml_dtypes' bfloat16 is copied element by element through its
-        # own functions: 1.3 x slower here).
+        # own functions; docs/benchmarks.md, "Where the exports' time went").
         bytes_of = np.dtype(f"u{to.dtype.itemsize}")
         to, source = to.view(bytes_of), source.view(bytes_of)
     axis = next((a for a, n in enumerate(to.shape) if n > 1), 0)
@@ -51,8 +51,7 @@ def _copy_slab(to: np.ndarray, source: np.ndarray, slab: Index) -> None:
 # A transposed copy reads 16 rows of 1024 contiguous elements of the source at a time: both the
 # tile's source lines and its destination lines stay in the cache (a plain `copyto` walks the
 # source a whole stride apart per element). Taller tiles lose to the cache's associativity where
-# the rows are a power of two apart (64 x 256: 0.67 GB/s for a (3584, 4096) bfloat16 kernel, 16 x
-# 1024: 1.44; docs/benchmarks.md, "Exports").
+# the rows are a power of two apart (docs/benchmarks.md, "Where the exports' time went").
 _TILE_STRIDED, _TILE_CONTIGUOUS = 16, 1024
 
 

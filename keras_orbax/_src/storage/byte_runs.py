@@ -250,8 +250,8 @@ def _huge_mapping(nbytes: int) -> np.ndarray:
     The mapping is one huge page longer than asked, so that the buffer can start on a boundary
     where the kernel does not align the mapping itself. The part after the buffer is closed to
     faults: where memory is backed 2 MiB at a time (transparent huge pages `always`, gVisor), the
-    buffer's last bytes would otherwise back a whole 2 MiB (a 9B load peaked at 1.14 x its
-    resident bytes under gVisor, 1.01 x with it closed: docs/benchmarks.md, "The seed case")."""
+    buffer's last bytes would otherwise back a whole 2 MiB past it, a load's peak rising by up to
+    that much per buffer (docs/benchmarks.md, "The 13-core host again")."""
     mapping = mmap.mmap(-1, nbytes + HUGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mapping, dtype=np.uint8)
     start = (-whole.ctypes.data) % HUGE_BYTES

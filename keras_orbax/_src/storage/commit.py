@@ -155,8 +155,9 @@ def write(sink: ExportSink, name: str) -> Path:
         ProcessSyncError: a process did not reach a stage within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
     """
     # Exports hold hundreds of thousands of small objects while they write (a column-cut kernel
-    # is a run per row): without the pause, 18 full collections took 3.0 s of a 15.5 s 9B
-    # `save_weights` (docs/benchmarks.md, "Exports"). See gc_pause.hold.
+    # is a run per row): each full collection would walk every object the process holds, the
+    # loaded model's included (docs/benchmarks.md, "Where the exports' time went"). See
+    # gc_pause.hold.
     with gc_pause.paused():
         return _write(sink, name)
 
