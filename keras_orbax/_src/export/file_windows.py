@@ -1,12 +1,15 @@
-"""Bytes written at known offsets of files laid out in advance, one window at a time, by 8 threads.
+"""Bytes written at known offsets of files laid out in advance, one window at a time.
 
 Every export whose layout is fixed before its data (a safetensors file, an h5 file whose datasets
-are allocated up front) writes through this: each window's pieces are split by bytes over
-`THREADS` threads, each `pwrite`s its share whole and starts its writeback at once
-(`sync_file_range`, Linux; elsewhere the writeback waits for the `fsync`), and `write` returns
-once the window is written, so that its buffers can go before the next window is fetched. `sync`
-fsyncs every file (in parallel) when the last window is in: the data is on disk before the commit
-protocol (`storage.commit`) renames anything into place.
+are allocated up front) writes through this. Each file is written by one thread at a time, in file
+order, and the writeback of each stretch starts as soon as it is written (`sync_file_range`,
+Linux; elsewhere the writeback waits for the `fsync`); distinct files are written side by side by
+up to `THREADS` threads. A local filesystem serializes buffered writes to one file on its inode
+lock: more threads on one file copied no faster and spun on the lock, taking the cores that the
+kernel's writeback and the exports' own copies need (docs/benchmarks.md, "Where the exports' time
+went"). `write` returns once the window is written, so that its buffers can go before the next
+window is fetched. `sync` fsyncs every file (in parallel) when the last window is in: the data is
+on disk before the commit protocol (`storage.commit`) renames anything into place.
 
 The shards of one array are written together (`write_boxes`): a shard cut across columns is one
 short run per row, but the array's shards together cover whole rows, so their runs are merged in
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -36,9 +38,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-THREADS = 8
-# A piece larger than this is split between threads (several threads write one large run).
-_SPLIT_BYTES = 1 << 20
+THREADS = 8  # files written at once (each by one thread)
+# The most bytes one system call writes: each stretch's writeback starts once it is written, so
+# the disk gets its data while the rest is copied into the page cache.
+_STRETCH_BYTES = 8 << 20
 _MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
 
 Box = tuple[tuple[slice, ...], np.ndarray]  # (index into the array, the block it names)
@@ -56,7 +59,7 @@ class FileWindows:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_windows")
         # Copies are CPU work: more threads than cores only take cores from the writing threads.
-        self.copy_threads = max(1, min(self.threads, os.cpu_count() or 1))
+        self.copy_threads = max(1, min(THREADS, os.cpu_count() or 1))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
 
@@ -73,7 +76,7 @@ class FileWindows:
         return self._fds[path]
 
     def write(self, pieces: Iterable[Piece]) -> int:
-        """Writes every piece whole at its offset, split over the threads; returns the bytes
+        """Writes every piece whole at its offset, each file's by one thread; returns the bytes
         written once all are (the first error, if any, is raised after every thread is done)."""
         return self.write_later(pieces)()
 
@@ -81,7 +84,7 @@ class FileWindows:
         """Starts writing the pieces as `write` does and returns at once: the function returned
         waits until every piece is written and returns the bytes (or raises the first error, once
         every thread is done). The pieces' buffers must stay as they are until then."""
-        shares = _shares([_as_bytes(data) for data in pieces], self.threads)
+        shares = _by_file([_as_bytes(data) for data in pieces])
         futures = [self._pool.submit(_write_share, share) for share in shares]
         total = sum(len(view) for share in shares for _, _, view in share)
 
@@ -136,10 +139,8 @@ class FileWindows:
         views = [
             memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8).data) for _, b in boxes
         ]
-        total = int(length.sum())
-        bounds = _byte_bounds(length, self.threads)
-        self.map(_write_gathered, [(fd, views, runs, a, b) for a, b in itertools.pairwise(bounds)])
-        return total
+        _write_gathered(fd, views, runs)  # one file: one thread (the module's docstring)
+        return int(length.sum())
 
     def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
         """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
@@ -177,35 +178,20 @@ def _as_bytes(piece: Piece) -> tuple[int, int, memoryview]:
     return fd, offset, memoryview(data).cast("B")
 
 
-def _shares(
-    pieces: list[tuple[int, int, memoryview]], threads: int
-) -> list[list[tuple[int, int, memoryview]]]:
-    """The pieces in `threads` shares of about equal bytes, a large piece cut between shares
-    (in file order, so each thread writes neighbouring bytes)."""
-    total = sum(len(view) for _, _, view in pieces)
-    quota = max(_SPLIT_BYTES, -(-total // threads))
-    shares: list[list[tuple[int, int, memoryview]]] = []
-    current: list[tuple[int, int, memoryview]] = []
-    room = quota
-    for fd, offset, view in pieces:
-        while len(view) > room:
-            if room:
-                current.append((fd, offset, view[:room]))
-                offset, view = offset + room, view[room:]
-            shares.append(current)
-            current, room = [], quota
-        if len(view):
-            current.append((fd, offset, view))
-            room -= len(view)
-    if current:
-        shares.append(current)
-    return shares
+def _by_file(pieces: list[tuple[int, int, memoryview]]) -> list[list[tuple[int, int, memoryview]]]:
+    """The pieces of each file, in file order: one thread's share each."""
+    files: dict[int, list[tuple[int, int, memoryview]]] = {}
+    for piece in pieces:
+        files.setdefault(piece[0], []).append(piece)
+    return [sorted(share, key=lambda piece: piece[1]) for share in files.values()]
 
 
 def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
     for fd, offset, view in share:
-        _pwrite_all(fd, view, offset)
-        start_writeback(fd, offset, len(view))
+        for at in range(0, len(view), _STRETCH_BYTES):
+            stretch = view[at : at + _STRETCH_BYTES]
+            _pwrite_all(fd, stretch, offset + at)
+            start_writeback(fd, offset + at, len(stretch))
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -256,8 +242,8 @@ Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # file offset, box
 
 def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | None:
     """Every contiguous run of the file the boxes cover, in file order: (file offset, box number,
-    byte offset in the box's block, bytes) each; a run longer than `_SPLIT_BYTES` cut in pieces of
-    it (so the threads share a box that is one long run)."""
+    byte offset in the box's block, bytes) each; a run longer than `_STRETCH_BYTES` cut in pieces
+    of it."""
     parts = []
     for number, (index, block) in enumerate(boxes):
         itemsize = block.dtype.itemsize
@@ -266,17 +252,14 @@ def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | No
             continue
         src, dst = runs.between(0, runs.count)
         nbytes = runs.length * itemsize
-        pieces = -(-nbytes // _SPLIT_BYTES)
-        cut = np.arange(pieces, dtype=np.int64) * _SPLIT_BYTES
+        cut = np.arange(-(-nbytes // _STRETCH_BYTES), dtype=np.int64) * _STRETCH_BYTES
         at = (offset + src * itemsize)[:, None] + cut
-        start = (dst * itemsize)[:, None] + cut
-        size = np.minimum(nbytes - cut, _SPLIT_BYTES)
         parts.append(
             (
                 at.reshape(-1),
                 np.full(at.size, number, np.int64),
-                start.reshape(-1),
-                np.broadcast_to(size, at.shape).reshape(-1),
+                ((dst * itemsize)[:, None] + cut).reshape(-1),
+                np.broadcast_to(np.minimum(nbytes - cut, _STRETCH_BYTES), at.shape).reshape(-1),
             )
         )
     if not parts:
@@ -298,37 +281,30 @@ def _rows(boxes: Boxes, first: int, stop: int) -> list[Box]:
     return parts
 
 
-def _byte_bounds(length: np.ndarray, threads: int) -> list[int]:
-    """Run numbers cutting `length`'s runs into `threads` ranges of about equal bytes."""
-    ends = np.cumsum(length)
-    total = int(ends[-1]) if len(ends) else 0
-    cuts = np.searchsorted(ends, [total * i / threads for i in range(1, threads)], side="left")
-    return sorted({0, *(int(c) + 1 for c in cuts if c + 1 < len(length)), len(length)})
-
-
 # Pieces one `pwritev` takes at most (Linux's `UIO_MAXIOV`).
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 
-def _write_gathered(job: tuple[int, list[memoryview], Runs, int, int]) -> None:
-    """Writes runs a..b-1 (in file order): each stretch of back-to-back runs by `pwritev`, then
-    starts the writeback of the whole range."""
-    fd, views, (at, which, start, length), a, b = job
-    if b <= a:
-        return
-    file_at = at[a:b].tolist()
-    boxes, starts, sizes = which[a:b].tolist(), start[a:b].tolist(), length[a:b].tolist()
-    i, n = 0, b - a
+def _write_gathered(fd: int, views: list[memoryview], runs: Runs) -> None:
+    """Writes the runs (in file order): each stretch of back-to-back runs by `pwritev`, whose
+    writeback then starts."""
+    file_at, boxes, starts, sizes = (column.tolist() for column in runs)
+    i, n = 0, len(file_at)
     while i < n:
         first, end = file_at[i], file_at[i] + sizes[i]
         batch = [views[boxes[i]][starts[i] : starts[i] + sizes[i]]]
         i += 1
-        while i < n and file_at[i] == end and len(batch) < _IOV_MAX:
+        while (
+            i < n
+            and file_at[i] == end
+            and len(batch) < _IOV_MAX
+            and end + sizes[i] - first <= _STRETCH_BYTES
+        ):
             batch.append(views[boxes[i]][starts[i] : starts[i] + sizes[i]])
             end += sizes[i]
             i += 1
         _pwritev_all(fd, batch, first)
-    start_writeback(fd, file_at[0], file_at[-1] + sizes[-1] - file_at[0])
+        start_writeback(fd, first, end - first)
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
