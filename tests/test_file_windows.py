@@ -1,6 +1,6 @@
-"""`file_windows`: regions written whole by several threads at known offsets, and the exports that
-write through it (`.weights.h5` datasets allocated up front and written by offset after h5py has
-closed the file; safetensors).
+"""`file_windows`: regions written whole at known offsets, each file by one thread at a time, and
+the exports that write through it (`.weights.h5` datasets allocated up front and written by offset
+after h5py has closed the file; safetensors).
 
 The oracles: NumPy's own C-order bytes of the whole array at the offset, h5py's reader, Keras's
 `load_weights`, and the previous export's bytes after a real write failure (the kernel's EFBIG).
@@ -9,12 +9,13 @@ The oracles: NumPy's own C-order bytes of the whole array at the offset, h5py's 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import resource
 import signal
+import threading
 from pathlib import Path
 
 import h5py
+import jax
 import keras
 import numpy as np
 import pytest
@@ -66,8 +67,8 @@ def _stored(path: Path, array: np.ndarray) -> np.ndarray:
                 (slice(3, 6), slice(5, 10), slice(7, 12)),
             ],
         ),
-        # one contiguous run of 4 MiB, cut between the threads by bytes
-        ((1024, 1024), [(slice(0, 1024), slice(0, 1024))]),
+        # one contiguous run of 20 MiB, written in stretches
+        ((5 << 10, 1 << 10), [(slice(0, 5 << 10), slice(0, 1 << 10))]),
     ],
 )
 def test_every_box_lands_at_its_offset(tmp_path, shape, boxes):
@@ -104,8 +105,8 @@ def _write_together(path: Path, shape: tuple[int, ...], boxes: list[tuple[slice,
                 (slice(3, 6), slice(5, 10), slice(7, 12)),
             ],
         ),
-        # long runs (4 MiB rows, each cut between threads) and one short one
-        ((3, 1 << 20), [(slice(0, 2), slice(0, 1 << 20)), (slice(2, 3), slice(0, 1 << 20))]),
+        # long runs (12 MiB rows, each written in stretches) and one short one
+        ((3, 3 << 20), [(slice(0, 2), slice(0, 3 << 20)), (slice(2, 3), slice(0, 3 << 20))]),
     ],
 )
 @pytest.mark.parametrize("max_runs", [None, 7])
@@ -192,18 +193,53 @@ def _counted(real, calls: list[int]):
     return counted
 
 
-def test_pieces_are_shared_whole_between_threads():
-    """Every byte of every piece is in exactly one share, in file order, and a large run is cut
-    between shares."""
-    data = memoryview(bytes(range(256)) * (40 << 10))  # 10 MiB
-    pieces = [(3, 0, data[:100]), (3, 1000, data[100 : 9 << 20]), (4, 0, data[9 << 20 :])]
-    shares = file_windows._shares(pieces, 8)
-    assert 4 <= len(shares) <= 9
-    flat = [piece for share in shares for piece in share]
-    for (fd, offset, view), (fd2, offset2, _) in itertools.pairwise(flat):
-        if fd == fd2 and offset2 != 1000:
-            assert offset2 == offset + len(view)
-    assert b"".join(bytes(v) for _, _, v in flat) == bytes(data)
+def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
+    """A local filesystem serializes writes to one file: a window's pieces of one file are written
+    by one thread at a time, in file order, while another file's are written beside them; every
+    byte lands where it belongs."""
+    real_pwrite, real_pwritev = file_windows.os.pwrite, file_windows.os.pwritev
+    lock = threading.Lock()
+    busy: dict[int, int] = {}
+    most: dict[int, int] = {}
+    order: dict[int, list[int]] = {}
+
+    def watched(real):
+        def write(fd, data, offset):  # the real write, its overlap with others on `fd` counted
+            with lock:
+                busy[fd] = busy.get(fd, 0) + 1
+                most[fd] = max(most.get(fd, 0), busy[fd])
+                order.setdefault(fd, []).append(offset)
+            try:
+                threading.Event().wait(0.002)  # long enough for other threads to overlap it
+                return real(fd, data, offset)
+            finally:
+                with lock:
+                    busy[fd] -= 1
+
+        return write
+
+    monkeypatch.setattr(file_windows.os, "pwrite", watched(real_pwrite))
+    monkeypatch.setattr(file_windows.os, "pwritev", watched(real_pwritev))
+    size = 3 * file_windows._STRETCH_BYTES + 5
+    data = np.random.default_rng(0).integers(0, 255, 2 * size, dtype=np.uint8)
+    paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for path in paths:
+        path.write_bytes(bytes(size))
+    with file_windows.FileWindows() as files:
+        fds = [files.open(path) for path in paths]
+        half = size // 2
+        pieces = [
+            (fd, at, data[i * size + at : i * size + end])
+            for i, fd in enumerate(fds)
+            for at, end in ((half, size), (0, half))
+        ]
+        assert files.write(pieces) == 2 * size
+        files.sync()
+    assert most == {fd: 1 for fd in fds}
+    for fd in fds:
+        assert order[fd] == sorted(order[fd]) and len(order[fd]) >= 4  # stretches, file order
+    for i, path in enumerate(paths):
+        assert path.read_bytes() == data[i * size : (i + 1) * size].tobytes()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -269,14 +305,26 @@ def test_a_write_failing_part_way_leaves_the_previous_export(tmp_path, distribut
 
 @pytest.mark.parametrize(
     "shape, permutation",
-    [((512, 1024), (1, 0)), ((256, 8, 64), (1, 2, 0)), ((8, 64, 512), (2, 0, 1)), ((5, 3), (1, 0))],
+    [
+        ((512, 1024), (1, 0)),
+        ((256, 8, 64), (1, 2, 0)),
+        ((8, 64, 512), (2, 0, 1)),
+        ((5, 3), (1, 0)),
+        # the source's contiguous axis not a multiple of the elements moved together (16 bytes)
+        ((515, 1030), (1, 0)),
+        ((7, 300, 97), (2, 1, 0)),
+    ],
 )
-def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation):
-    """Tiles and slabs cover the buffer once: every element equals NumPy's transpose (odd sizes
-    leave partial tiles at every edge)."""
-    source = np.arange(np.prod(shape), dtype=np.uint16).reshape(shape) * 7 + 3
-    view = source.transpose(permutation)[:, 1:]
-    to = np.zeros(view.shape, view.dtype)
-    with file_windows.FileWindows() as files:
-        host_transpose.copy(to, view, files.map, files.threads)
-    np.testing.assert_array_equal(to, view)
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16", "float32", "float64", "complex128"])
+def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation, dtype):
+    """Tiles and slabs cover the buffer once: every byte equals NumPy's transpose's (odd sizes
+    leave partial tiles at every edge; random bytes: NaN payloads included)."""
+    dtype = np.dtype(jax.numpy.dtype(dtype))
+    count = int(np.prod(shape)) * dtype.itemsize
+    raw = np.random.default_rng(1).integers(0, 256, count, dtype=np.uint8)
+    source = raw.view(dtype).reshape(shape)
+    for view in (source.transpose(permutation)[:, 1:], source[..., ::2].transpose(permutation)):
+        to = np.zeros(view.shape, view.dtype)
+        with file_windows.FileWindows() as files:
+            host_transpose.copy(to, view, files.map, files.copy_threads)
+        assert to.tobytes() == np.ascontiguousarray(view).tobytes()

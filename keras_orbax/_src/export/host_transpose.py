@@ -48,10 +48,14 @@ def _copy_slab(to: np.ndarray, source: np.ndarray, slab: Index) -> None:
     _tiled_copy(to[slab], source[slab])
 
 
-# A transposed copy reads 16 rows of 1024 contiguous elements of the source at a time: both the
-# tile's source lines and its destination lines stay in the cache (a plain `copyto` walks the
-# source a whole stride apart per element). Taller tiles lose to the cache's associativity where
-# the rows are a power of two apart (docs/benchmarks.md, "Where the exports' time went").
+# A transposed copy moves 16 bytes per element: a narrower element's neighbours along the source's
+# contiguous axis travel together as one `V16` (NumPy's loops cost about the same per element
+# whatever its size), and are spread back apart inside a tile that is still in the cache. Tiles
+# of 64 x 512 wide elements; 16 x 1024 for the narrow copy of what is left over (taller ones lose
+# to the cache's associativity where rows are a power of two apart). docs/benchmarks.md, "Where the
+# exports' time went".
+_WIDE_BYTES = 16
+_TILE_WIDE, _TILE_ACROSS = 64, 512
 _TILE_STRIDED, _TILE_CONTIGUOUS = 16, 1024
 
 
@@ -69,6 +73,56 @@ def _tiled_copy(to: np.ndarray, source: np.ndarray) -> None:
     if inner == last:
         np.copyto(to, source)
         return
+    together = _WIDE_BYTES // to.dtype.itemsize
+    head = to.shape[inner] // together * together
+    if together > 1 and head and source.strides[inner] == to.dtype.itemsize:
+        _wide_copy(_cut(to, inner, 0, head), _cut(source, inner, 0, head), inner, together)
+        to, source = _cut(to, inner, head, to.shape[inner]), _cut(source, inner, head, None)
+    _narrow_copy(to, source, inner)
+
+
+def _cut(array: np.ndarray, axis: int, start: int, stop: int | None) -> np.ndarray:
+    return array[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def _wide_copy(to: np.ndarray, source: np.ndarray, inner: int, together: int) -> None:
+    """`_tiled_copy` where `source` is contiguous along `inner` and `together` elements of it
+    make 16 bytes: those move as one `V16`, then are spread along `to`'s `inner` axis, a tile
+    at a time."""
+    last = to.ndim - 1
+    memory_order = [*(a for a in range(to.ndim) if a != inner), inner]
+    wide = source.transpose(memory_order).view(f"V{_WIDE_BYTES}")
+    wide = wide.transpose(np.argsort(memory_order))  # `source`'s axes, `inner` / together
+    # `to` with `inner` split into (its wide elements, `together`): a view of `to`
+    split = np.lib.stride_tricks.as_strided(
+        to,
+        (*to.shape[:inner], to.shape[inner] // together, together, *to.shape[inner + 1 :]),
+        (*to.strides[:inner], to.strides[inner] * together, *to.strides[inner:]),
+    )
+    # A tile, held in a scratch buffer of at most an eighth of what this call copies (the
+    # exports' window bounds their memory: a small window's slabs get smaller tiles).
+    across = min(_TILE_ACROSS, wide.shape[last])
+    steps = [1] * to.ndim
+    steps[inner] = max(1, min(_TILE_WIDE, wide.size // 8 // across))
+    steps[last] = across
+    scratch = np.empty(steps[inner] * across, wide.dtype)
+    starts = [range(0, n, step) for n, step in zip(wide.shape, steps, strict=True)]
+    for corner in itertools.product(*starts):
+        tile = tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
+        part = wide[tile]
+        held = scratch[: part.size].reshape(part.shape)
+        np.copyto(held, part)
+        # each wide element back to its `together` elements, along `inner`
+        spread = held.view(to.dtype).reshape(*part.shape, together)
+        np.copyto(
+            split[(*tile[: inner + 1], slice(None), *tile[inner + 1 :])],
+            np.moveaxis(spread, -1, inner + 1),
+        )
+
+
+def _narrow_copy(to: np.ndarray, source: np.ndarray, inner: int) -> None:
+    """`_tiled_copy` an element at a time, in tiles of 16 x 1024."""
+    last = to.ndim - 1
     steps = [1] * to.ndim
     steps[last], steps[inner] = _TILE_STRIDED, _TILE_CONTIGUOUS
     starts = [range(0, n, step) for n, step in zip(to.shape, steps, strict=True)]
