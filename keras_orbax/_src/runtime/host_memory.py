@@ -11,17 +11,9 @@ at a time, on XLA's threads): their freed pages piled up beside the model, tenso
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
-from collections.abc import Callable
 
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # the process's own C library
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to hand back this way
-        return None
+from keras_orbax._src.runtime import libc
 
 
 def release_freed() -> None:
@@ -33,20 +25,9 @@ def release_freed() -> None:
     release_freed()
     ```
     """
-    trim = _malloc_trim()
+    trim = libc.function("malloc_trim", ctypes.c_int, ctypes.c_size_t)  # glibc's own
     if trim is not None:
         trim(0)
-
-
-@functools.cache
-def _mprotect() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mprotect
-    except (OSError, AttributeError):  # no C library to call (not POSIX)
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def close_to_faults(address: int, length: int) -> bool:
@@ -60,7 +41,9 @@ def close_to_faults(address: int, length: int) -> bool:
     close_to_faults(base + used, mapping_length - used)
     ```
     """
-    protect = _mprotect()
+    protect = libc.function(
+        "mprotect", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    )
     if protect is None or length <= 0:
         return False
     return protect(address, length, getattr(mmap, "PROT_NONE", 0)) == 0
