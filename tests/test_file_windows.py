@@ -8,6 +8,7 @@ The oracles: NumPy's own C-order bytes of the whole array at the offset, h5py's 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import resource
 import signal
@@ -138,20 +139,18 @@ def test_boxes_written_together_leave_the_gaps_between_them_untouched(tmp_path):
 def test_a_short_pwritev_is_resumed_where_it_stopped(tmp_path, monkeypatch):
     """The kernel may write part of a `pwritev` (a signal, a file size limit): the rest, from the
     middle of a piece, is written by the next call."""
-    real = file_windows.os.pwritev
+    real = file_windows._pwritev
     calls = []
 
-    def at_most_1000_bytes(fd, views, offset):  # a real write, cut short as the kernel may
-        calls.append(len(views))
-        kept, room = [], 1000
-        for view in views:
-            if room <= 0:
-                break
-            kept.append(memoryview(view)[:room])
-            room -= len(kept[-1])
-        return real(fd, kept, offset)
+    def at_most_1000_bytes(fd, address, count, offset):  # a real write, cut short as the kernel may
+        calls.append(count)
+        iovecs = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(address))
+        kept = iovecs.reshape(count, 2).copy()
+        kept[:, 1] = np.diff(np.minimum(np.cumsum(kept[:, 1]), 1000), prepend=0)
+        kept = kept[kept[:, 1] > 0]
+        return real(fd, kept.ctypes.data, len(kept), offset)
 
-    monkeypatch.setattr(file_windows.os, "pwritev", at_most_1000_bytes)
+    monkeypatch.setattr(file_windows, "_pwritev", at_most_1000_bytes)
     path = tmp_path / "f.bin"
     shape = (50, 40)
     array = _write_together(path, shape, [(slice(0, 50), slice(c, c + 8)) for c in range(0, 40, 8)])
@@ -163,8 +162,8 @@ def test_column_split_shards_are_written_in_few_system_calls(tmp_path, distribut
     """An export of an array split across its columns writes whole stretches of rows: far fewer
     write calls than the shards have runs (one `pwrite` per run before), and Keras reads it back."""
     calls = []
-    for name in ("pwrite", "pwritev"):
-        monkeypatch.setattr(file_windows.os, name, _counted(getattr(file_windows.os, name), calls))
+    monkeypatch.setattr(file_windows.os, "pwrite", _counted(file_windows.os.pwrite, calls))
+    monkeypatch.setattr(file_windows, "_pwritev", _counted(file_windows._pwritev, calls))
     distribution(_models.model_parallel((2, 4)))
 
     def wide() -> keras.Model:
@@ -197,21 +196,21 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
     """A local filesystem serializes writes to one file: a window's pieces of one file are written
     by one thread at a time, in file order, while another file's are written beside them; every
     byte lands where it belongs."""
-    real_pwrite, real_pwritev = file_windows.os.pwrite, file_windows.os.pwritev
+    real_pwrite, real_pwritev = file_windows.os.pwrite, file_windows._pwritev
     lock = threading.Lock()
     busy: dict[int, int] = {}
     most: dict[int, int] = {}
     order: dict[int, list[int]] = {}
 
     def watched(real):
-        def write(fd, data, offset):  # the real write, its overlap with others on `fd` counted
+        def write(fd, *args):  # the real write, its overlap with others on `fd` counted
             with lock:
                 busy[fd] = busy.get(fd, 0) + 1
                 most[fd] = max(most.get(fd, 0), busy[fd])
-                order.setdefault(fd, []).append(offset)
+                order.setdefault(fd, []).append(args[-1])  # the offset
             try:
                 threading.Event().wait(0.002)  # long enough for other threads to overlap it
-                return real(fd, data, offset)
+                return real(fd, *args)
             finally:
                 with lock:
                     busy[fd] -= 1
@@ -219,7 +218,7 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
         return write
 
     monkeypatch.setattr(file_windows.os, "pwrite", watched(real_pwrite))
-    monkeypatch.setattr(file_windows.os, "pwritev", watched(real_pwritev))
+    monkeypatch.setattr(file_windows, "_pwritev", watched(real_pwritev))
     size = 3 * file_windows._STRETCH_BYTES + 5
     data = np.random.default_rng(0).integers(0, 255, 2 * size, dtype=np.uint8)
     paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
@@ -328,3 +327,22 @@ def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation, 
         with file_windows.FileWindows() as files:
             host_transpose.copy(to, view, files.map, files.copy_threads)
         assert to.tobytes() == np.ascontiguousarray(view).tobytes()
+
+
+def test_stretches_are_back_to_back_runs_within_the_limits(monkeypatch):
+    """Each `pwritev` takes back-to-back runs only, at most `_IOV_MAX` of them, and a new one
+    starts every `_STRETCH_BYTES` into a stretch (so its writeback starts); together they take
+    every run once, in order."""
+    monkeypatch.setattr(file_windows, "_IOV_MAX", 5)
+    monkeypatch.setattr(file_windows, "_STRETCH_BYTES", 100)
+    length = np.array([10] * 12 + [60, 60, 60] + [7, 7], np.int64)
+    at = np.concatenate([[0], np.cumsum(length)[:-1]])
+    at[15:] += 1000  # a gap before the last two runs
+    stretches = file_windows._stretches(at, length)
+    assert [r for a, b in stretches for r in range(a, b)] == list(range(len(at)))
+    for a, b in stretches:
+        assert b - a <= 5
+        assert all(at[i + 1] == at[i] + length[i] for i in range(a, b - 1))
+        assert at[b - 1] + length[b - 1] - at[a] < 2 * 100  # the limit, plus one run begun in it
+    # 5 runs at most; a new one at byte 200 of the stretch (run 14); the gap before run 15
+    assert stretches == [(0, 5), (5, 10), (10, 14), (14, 15), (15, 17)]

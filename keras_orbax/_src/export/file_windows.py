@@ -38,6 +38,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from keras_orbax._src.runtime import libc
+
 THREADS = 8  # files written at once (each by one thread)
 # The most bytes one system call writes: each stretch's writeback starts once it is written, so
 # the disk gets its data while the rest is copied into the page cache.
@@ -58,8 +60,10 @@ class FileWindows:
     def __init__(self, threads: int = THREADS) -> None:
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "keras_orbax_file_windows")
-        # Copies are CPU work: more threads than cores only take cores from the writing threads.
-        self.copy_threads = max(1, min(THREADS, os.cpu_count() or 1))
+        # Copies are CPU work: one core is left to the writing thread and the kernel's writeback
+        # (on 2 cores, a second copy thread made exports slower: docs/benchmarks.md, "Where the
+        # exports' time went").
+        self.copy_threads = max(1, min(THREADS, (os.cpu_count() or 1) - 1))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
 
@@ -135,12 +139,9 @@ class FileWindows:
         runs = _merged_runs(offset, shape, boxes)
         if runs is None:
             return 0
-        length = runs[3]
-        views = [
-            memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8).data) for _, b in boxes
-        ]
-        _write_gathered(fd, views, runs)  # one file: one thread (the module's docstring)
-        return int(length.sum())
+        blocks = [np.ascontiguousarray(b) for _, b in boxes]
+        _write_gathered(fd, blocks, runs)  # one file: one thread (the module's docstring)
+        return int(runs[3].sum())
 
     def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
         """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
@@ -283,59 +284,70 @@ def _rows(boxes: Boxes, first: int, stop: int) -> list[Box]:
 
 # Pieces one `pwritev` takes at most (Linux's `UIO_MAXIOV`).
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+# The C library's own: its pieces are an array of `struct iovec` that NumPy builds for thousands
+# of runs at once, where `os.pwritev` needs a Python buffer per run, which cost whole CPU seconds
+# of a large export (docs/benchmarks.md, "Where the exports' time went").
+_pwritev = libc.function(
+    "pwritev", ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+)
 
 
-def _write_gathered(fd: int, views: list[memoryview], runs: Runs) -> None:
-    """Writes the runs (in file order): each stretch of back-to-back runs by `pwritev`, whose
-    writeback then starts."""
-    file_at, boxes, starts, sizes = (column.tolist() for column in runs)
-    i, n = 0, len(file_at)
-    while i < n:
-        first, end = file_at[i], file_at[i] + sizes[i]
-        batch = [views[boxes[i]][starts[i] : starts[i] + sizes[i]]]
-        i += 1
-        while (
-            i < n
-            and file_at[i] == end
-            and len(batch) < _IOV_MAX
-            and end + sizes[i] - first <= _STRETCH_BYTES
-        ):
-            batch.append(views[boxes[i]][starts[i] : starts[i] + sizes[i]])
-            end += sizes[i]
-            i += 1
-        _pwritev_all(fd, batch, first)
-        start_writeback(fd, first, end - first)
-
-
-def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """`pwritev` until every view is written (a short write resumes where it stopped)."""
-    if not hasattr(os, "pwritev"):
-        for view in views:
-            _pwrite_all(fd, view, offset)
-            offset += len(view)
+def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
+    """Writes the runs (in file order, from the C-contiguous `blocks`): each stretch of
+    back-to-back runs by one `pwritev`, whose writeback then starts."""
+    at, which, start, length = runs
+    if _pwritev is None:  # no C library to call: a `pwrite` per run
+        views = [memoryview(b.reshape(-1).view(np.uint8).data) for b in blocks]
+        for offset, number, first, size in zip(*(column.tolist() for column in runs), strict=True):
+            _pwrite_all(fd, views[number][first : first + size], offset)
         return
-    first = 0
-    while first < len(views):
-        written = os.pwritev(fd, views[first:] if first else views, offset)
-        offset += written
-        while first < len(views) and written >= len(views[first]):
-            written -= len(views[first])
-            first += 1
-        if written:  # part of a view: the rest of it next
-            views[first] = views[first][written:]
+    iovecs = np.empty((len(at), 2), np.uint64)  # struct iovec {void *base; size_t length}
+    iovecs[:, 0] = np.array([b.ctypes.data for b in blocks], np.uint64)[which] + start
+    iovecs[:, 1] = length
+    for a, b in _stretches(at, length):
+        offset = int(at[a])
+        _pwritev_all(fd, iovecs[a:b], offset)
+        start_writeback(fd, offset, int(at[b - 1] + length[b - 1]) - offset)
 
 
-def _load_sync_file_range() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+def _stretches(at: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
+    """Run numbers [a, b) of each stretch one `pwritev` writes: back-to-back runs, at most
+    `_IOV_MAX` of them, starting a new one each `_STRETCH_BYTES` into a stretch of the file."""
+    n = len(at)
+    gap = np.ones(n, bool)
+    gap[1:] = at[1:] != at[:-1] + length[:-1]
+    first = np.flatnonzero(gap)[np.cumsum(gap) - 1]  # each run's first run of its stretch
+    bucket = (at - at[first]) // _STRETCH_BYTES
+    cut = gap.copy()
+    cut[1:] |= ((np.arange(1, n) - first[1:]) % _IOV_MAX == 0) | (bucket[1:] != bucket[:-1])
+    starts = np.flatnonzero(cut).tolist()
+    return list(zip(starts, [*starts[1:], n], strict=True))
 
 
-_sync_file_range = _load_sync_file_range()
+def _pwritev_all(fd: int, iovecs: np.ndarray, offset: int) -> None:
+    """`pwritev` of `iovecs` (rows of `struct iovec`, changed here) until every byte is written:
+    a short write resumes where it stopped."""
+    assert _pwritev is not None
+    remaining, first = int(iovecs[:, 1].sum()), 0
+    while remaining:
+        done = _pwritev(fd, iovecs[first:].ctypes.data, len(iovecs) - first, offset)
+        if done <= 0:
+            if done < 0 and ctypes.get_errno() == errno.EINTR:
+                continue
+            raise libc.last_error() if done < 0 else OSError(errno.EIO, "pwritev wrote nothing")
+        offset, remaining = offset + done, remaining - done
+        ends = np.cumsum(iovecs[first:, 1])
+        whole = int(np.searchsorted(ends, done, side="right"))  # runs written whole
+        if remaining and done > (int(ends[whole - 1]) if whole else 0):  # part of the next
+            part = done - (int(ends[whole - 1]) if whole else 0)
+            iovecs[first + whole, 0] += np.uint64(part)
+            iovecs[first + whole, 1] -= np.uint64(part)
+        first += whole
+
+
+_sync_file_range = libc.function(
+    "sync_file_range", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
