@@ -193,9 +193,9 @@ def _counted(real, calls: list[int]):
 
 
 def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
-    """A local filesystem serializes writes to one file: a window's pieces of one file are written
-    by one thread at a time, in file order, while another file's are written beside them; every
-    byte lands where it belongs."""
+    """A local filesystem serializes writes to one file: a window's pieces of each of two files
+    are written by one thread at a time, in file order (8 threads shared each file before), and
+    every byte lands where it belongs."""
     real_pwrite, real_pwritev = file_windows.os.pwrite, file_windows._pwritev
     lock = threading.Lock()
     busy: dict[int, int] = {}
@@ -219,7 +219,7 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(file_windows.os, "pwrite", watched(real_pwrite))
     monkeypatch.setattr(file_windows, "_pwritev", watched(real_pwritev))
-    size = 3 * file_windows._STRETCH_BYTES + 5
+    size = (8 << 20) + 5
     data = np.random.default_rng(0).integers(0, 255, 2 * size, dtype=np.uint8)
     paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
     for path in paths:
@@ -236,7 +236,7 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
         files.sync()
     assert most == {fd: 1 for fd in fds}
     for fd in fds:
-        assert order[fd] == sorted(order[fd]) and len(order[fd]) >= 4  # stretches, file order
+        assert order[fd] == sorted(order[fd]) and len(order[fd]) == 2  # in file order
     for i, path in enumerate(paths):
         assert path.read_bytes() == data[i * size : (i + 1) * size].tobytes()
 
@@ -329,20 +329,16 @@ def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation, 
         assert to.tobytes() == np.ascontiguousarray(view).tobytes()
 
 
-def test_stretches_are_back_to_back_runs_within_the_limits(monkeypatch):
-    """Each `pwritev` takes back-to-back runs only, at most `_IOV_MAX` of them, and a new one
-    starts every `_STRETCH_BYTES` into a stretch (so its writeback starts); together they take
-    every run once, in order."""
+def test_stretches_are_back_to_back_runs_within_the_limit(monkeypatch):
+    """Each `pwritev` takes back-to-back runs only, at most `_IOV_MAX` of them; together they
+    take every run once, in order."""
     monkeypatch.setattr(file_windows, "_IOV_MAX", 5)
-    monkeypatch.setattr(file_windows, "_STRETCH_BYTES", 100)
     length = np.array([10] * 12 + [60, 60, 60] + [7, 7], np.int64)
     at = np.concatenate([[0], np.cumsum(length)[:-1]])
     at[15:] += 1000  # a gap before the last two runs
     stretches = file_windows._stretches(at, length)
     assert [r for a, b in stretches for r in range(a, b)] == list(range(len(at)))
     for a, b in stretches:
-        assert b - a <= 5
         assert all(at[i + 1] == at[i] + length[i] for i in range(a, b - 1))
-        assert at[b - 1] + length[b - 1] - at[a] < 2 * 100  # the limit, plus one run begun in it
-    # 5 runs at most; a new one at byte 200 of the stretch (run 14); the gap before run 15
-    assert stretches == [(0, 5), (5, 10), (10, 14), (14, 15), (15, 17)]
+    # 5 runs at most; the gap before run 15 starts a new one
+    assert stretches == [(0, 5), (5, 10), (10, 15), (15, 17)]

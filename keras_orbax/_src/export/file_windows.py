@@ -2,14 +2,14 @@
 
 Every export whose layout is fixed before its data (a safetensors file, an h5 file whose datasets
 are allocated up front) writes through this. Each file is written by one thread at a time, in file
-order, and the writeback of each stretch starts as soon as it is written (`sync_file_range`,
-Linux; elsewhere the writeback waits for the `fsync`); distinct files are written side by side by
-up to `THREADS` threads. A local filesystem serializes buffered writes to one file on its inode
-lock: more threads on one file copied no faster and spun on the lock, taking the cores that the
-kernel's writeback and the exports' own copies need (docs/benchmarks.md, "Where the exports' time
-went"). `write` returns once the window is written, so that its buffers can go before the next
-window is fetched. `sync` fsyncs every file (in parallel) when the last window is in: the data is
-on disk before the commit protocol (`storage.commit`) renames anything into place.
+order; distinct files are written side by side by up to `THREADS` threads. A local filesystem
+serializes buffered writes to one file on its inode lock: more threads on one file copied no
+faster and spun on the lock, taking the cores that the kernel's writeback and the exports' own
+copies need. Nor does a writer start the writeback itself (`sync_file_range`): the kernel's own
+was as fast on ext4, and under gVisor each call waited on the disk (docs/benchmarks.md, "Where the
+exports' time went"). `write` returns once the window is written, so that its buffers can go
+before the next window is fetched. `sync` fsyncs every file (in parallel) when the last window is
+in: the data is on disk before the commit protocol (`storage.commit`) renames anything into place.
 
 The shards of one array are written together (`write_boxes`): a shard cut across columns is one
 short run per row, but the array's shards together cover whole rows, so their runs are merged in
@@ -41,14 +41,10 @@ import numpy as np
 from keras_orbax._src.runtime import libc
 
 THREADS = 8  # files written at once (each by one thread)
-# The most bytes one system call writes: each stretch's writeback starts once it is written, so
-# the disk gets its data while the rest is copied into the page cache.
-_STRETCH_BYTES = 8 << 20
 _MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
 
 Box = tuple[tuple[slice, ...], np.ndarray]  # (index into the array, the block it names)
 Boxes = Sequence[Box]
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, no wait
 
 Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
 T = TypeVar("T")
@@ -189,10 +185,7 @@ def _by_file(pieces: list[tuple[int, int, memoryview]]) -> list[list[tuple[int, 
 
 def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
     for fd, offset, view in share:
-        for at in range(0, len(view), _STRETCH_BYTES):
-            stretch = view[at : at + _STRETCH_BYTES]
-            _pwrite_all(fd, stretch, offset + at)
-            start_writeback(fd, offset + at, len(stretch))
+        _pwrite_all(fd, view, offset)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -243,8 +236,7 @@ Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # file offset, box
 
 def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | None:
     """Every contiguous run of the file the boxes cover, in file order: (file offset, box number,
-    byte offset in the box's block, bytes) each; a run longer than `_STRETCH_BYTES` cut in pieces
-    of it."""
+    byte offset in the box's block, bytes) each."""
     parts = []
     for number, (index, block) in enumerate(boxes):
         itemsize = block.dtype.itemsize
@@ -252,15 +244,12 @@ def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | No
         if runs.count == 0 or runs.length == 0:
             continue
         src, dst = runs.between(0, runs.count)
-        nbytes = runs.length * itemsize
-        cut = np.arange(-(-nbytes // _STRETCH_BYTES), dtype=np.int64) * _STRETCH_BYTES
-        at = (offset + src * itemsize)[:, None] + cut
         parts.append(
             (
-                at.reshape(-1),
-                np.full(at.size, number, np.int64),
-                ((dst * itemsize)[:, None] + cut).reshape(-1),
-                np.broadcast_to(np.minimum(nbytes - cut, _STRETCH_BYTES), at.shape).reshape(-1),
+                offset + src * itemsize,
+                np.full(len(src), number, np.int64),
+                dst * itemsize,
+                np.full(len(src), runs.length * itemsize, np.int64),
             )
         )
     if not parts:
@@ -294,7 +283,7 @@ _pwritev = libc.function(
 
 def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
     """Writes the runs (in file order, from the C-contiguous `blocks`): each stretch of
-    back-to-back runs by one `pwritev`, whose writeback then starts."""
+    back-to-back runs by one `pwritev`."""
     at, which, start, length = runs
     if _pwritev is None:  # no C library to call: a `pwrite` per run
         views = [memoryview(b.reshape(-1).view(np.uint8).data) for b in blocks]
@@ -305,21 +294,18 @@ def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
     iovecs[:, 0] = np.array([b.ctypes.data for b in blocks], np.uint64)[which] + start
     iovecs[:, 1] = length
     for a, b in _stretches(at, length):
-        offset = int(at[a])
-        _pwritev_all(fd, iovecs[a:b], offset)
-        start_writeback(fd, offset, int(at[b - 1] + length[b - 1]) - offset)
+        _pwritev_all(fd, iovecs[a:b], int(at[a]))
 
 
 def _stretches(at: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
     """Run numbers [a, b) of each stretch one `pwritev` writes: back-to-back runs, at most
-    `_IOV_MAX` of them, starting a new one each `_STRETCH_BYTES` into a stretch of the file."""
+    `_IOV_MAX` of them."""
     n = len(at)
     gap = np.ones(n, bool)
     gap[1:] = at[1:] != at[:-1] + length[:-1]
     first = np.flatnonzero(gap)[np.cumsum(gap) - 1]  # each run's first run of its stretch
-    bucket = (at - at[first]) // _STRETCH_BYTES
     cut = gap.copy()
-    cut[1:] |= ((np.arange(1, n) - first[1:]) % _IOV_MAX == 0) | (bucket[1:] != bucket[:-1])
+    cut[1:] |= (np.arange(1, n) - first[1:]) % _IOV_MAX == 0
     starts = np.flatnonzero(cut).tolist()
     return list(zip(starts, [*starts[1:], n], strict=True))
 
@@ -343,22 +329,3 @@ def _pwritev_all(fd: int, iovecs: np.ndarray, offset: int) -> None:
             iovecs[first + whole, 0] += np.uint64(part)
             iovecs[first + whole, 1] -= np.uint64(part)
         first += whole
-
-
-_sync_file_range = libc.function(
-    "sync_file_range", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
-)
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Starts writing `length` bytes at `offset` back to disk, without waiting (so the `fsync` at
-    the end finds them on their way); a no-op where the system has no `sync_file_range`."""
-    global _sync_file_range
-    if _sync_file_range is None or length == 0:
-        return
-    if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
-        code = ctypes.get_errno()
-        if code in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
-            _sync_file_range = None  # this filesystem or kernel has none: the fsync does it all
-        elif code != errno.EINTR:
-            raise OSError(code, os.strerror(code))
