@@ -31,6 +31,7 @@ import ctypes
 import errno
 import math
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,6 +63,7 @@ class FileWindows:
         self.copy_threads = max(1, min(THREADS, (os.cpu_count() or 1) - 1))
         self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
+        self._locks: dict[int, threading.Lock] = {}  # one writer per file, windows in flight too
 
     def __enter__(self) -> FileWindows:
         return self
@@ -85,7 +87,9 @@ class FileWindows:
         waits until every piece is written and returns the bytes (or raises the first error, once
         every thread is done). The pieces' buffers must stay as they are until then."""
         shares = _by_file([_as_bytes(data) for data in pieces])
-        futures = [self._pool.submit(_write_share, share) for share in shares]
+        futures = [
+            self._pool.submit(_write_share, self._lock(share[0][0]), share) for share in shares
+        ]
         total = sum(len(view) for share in shares for _, _, view in share)
 
         def wait() -> int:
@@ -136,8 +140,12 @@ class FileWindows:
         if runs is None:
             return 0
         blocks = [np.ascontiguousarray(b) for _, b in boxes]
-        _write_gathered(fd, blocks, runs)  # one file: one thread (the module's docstring)
+        with self._lock(fd):  # one file: one thread (the module's docstring)
+            _write_gathered(fd, blocks, runs)
         return int(runs[3].sum())
+
+    def _lock(self, fd: int) -> threading.Lock:
+        return self._locks.setdefault(fd, threading.Lock())
 
     def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
         """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
@@ -183,9 +191,10 @@ def _by_file(pieces: list[tuple[int, int, memoryview]]) -> list[list[tuple[int, 
     return [sorted(share, key=lambda piece: piece[1]) for share in files.values()]
 
 
-def _write_share(share: list[tuple[int, int, memoryview]]) -> None:
-    for fd, offset, view in share:
-        _pwrite_all(fd, view, offset)
+def _write_share(lock: threading.Lock, share: list[tuple[int, int, memoryview]]) -> None:
+    with lock:
+        for fd, offset, view in share:
+            _pwrite_all(fd, view, offset)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
