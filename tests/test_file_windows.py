@@ -68,7 +68,7 @@ def _stored(path: Path, array: np.ndarray) -> np.ndarray:
                 (slice(3, 6), slice(5, 10), slice(7, 12)),
             ],
         ),
-        # one contiguous run of 20 MiB, written in stretches
+        # one contiguous run of 20 MiB
         ((5 << 10, 1 << 10), [(slice(0, 5 << 10), slice(0, 1 << 10))]),
     ],
 )
@@ -106,7 +106,7 @@ def _write_together(path: Path, shape: tuple[int, ...], boxes: list[tuple[slice,
                 (slice(3, 6), slice(5, 10), slice(7, 12)),
             ],
         ),
-        # long runs (12 MiB rows, each written in stretches) and one short one
+        # long runs (12 MiB rows) and one short one
         ((3, 3 << 20), [(slice(0, 2), slice(0, 3 << 20)), (slice(2, 3), slice(0, 3 << 20))]),
     ],
 )
