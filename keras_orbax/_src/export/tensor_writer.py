@@ -30,7 +30,7 @@ _BAND_BYTES = 16 << 20
 class TensorWriter:
     """Writes this process's regions of each tensor through `files`: a shard in host memory whole
     from its own buffer (no copy); one on an accelerator window by window. A tensor that is a
-    variable's transpose is transposed on the host by every thread, a window at a time, into one
+    variable's transpose is transposed on the host by the copy threads, a window at a time, into one
     buffer that is reused (its pages are faulted in once)."""
 
     def __init__(self, files: file_windows.FileWindows, window_bytes: int) -> None:
@@ -184,8 +184,8 @@ class TensorWriter:
         moved: np.ndarray,
         window: int,
     ) -> None:
-        """`moved` (a transposed view) copied into the buffer a window at a time, every thread
-        copying a slab of rows, each window then written."""
+        """`moved` (a transposed view) copied into the buffer a window at a time, each copy
+        thread copying a slab of rows, each window then written."""
         itemsize = moved.dtype.itemsize
         self._buffers[1] = None  # one buffer here: with the other, more than the window
         for local in regions.windows(moved.shape, itemsize, window):

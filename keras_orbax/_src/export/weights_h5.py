@@ -6,7 +6,7 @@ under `jax.distributed` on arrays that span other processes. Here Keras's own wa
 every group, dataset name and attribute (`keras_compat.save_state`); only each array is written
 differently: its dataset is created with the full shape and dtype, its storage placed in the file
 at once and never filled; once h5py has closed the file, the shards' bytes are written at the
-dataset's offset by several threads (`regions`, `file_windows`). A dataset whose bytes do not lie
+dataset's offset (`regions`, `file_windows`: one writer per file). A dataset whose bytes do not lie
 there as NumPy holds them is filled through h5py, region by region.
 
 An h5 file has one writer, process 0. Under `jax.distributed` every other process writes the
