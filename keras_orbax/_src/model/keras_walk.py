@@ -21,6 +21,7 @@ replay(model, own)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import posixpath
@@ -120,8 +121,15 @@ def replay(
     objects = dict(_stored(model, collect))
     skip = [objects[group] for group in (*computed, *lacking)]
     errors: dict[int, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="keras_orbax_assets_") as folder:
-        files = _under_aliases(saved.assets, aliases) if saved is not None else {}
+    files = _under_aliases(saved.assets, aliases) if saved is not None else {}
+    # A folder only for asset files: made and removed on every restore, an empty one cost a few
+    # ms of a 256 MiB restore (docs/benchmarks.md, "The 256 MiB restore against the floor").
+    folder_for_assets = (
+        tempfile.TemporaryDirectory(prefix="keras_orbax_assets_")
+        if files
+        else contextlib.nullcontext("")
+    )
+    with folder_for_assets as folder:
         assets = _assets_store(folder, files) if files else None
         store = loading_compat.tracing_store(entries)  # indexed once for every object
         for group, obj in objects.items():
