@@ -154,10 +154,10 @@ def write(sink: ExportSink, name: str) -> Path:
         SaveFailedError: any stage failed on any process; the previous export is untouched.
         ProcessSyncError: a process did not reach a stage within `KERAS_ORBAX_SYNC_TIMEOUT_S`.
     """
-    # Exports hold hundreds of thousands of small objects while they write (a column-cut kernel
-    # is a run per row): each full collection would walk every object the process holds, the
-    # loaded model's included (docs/benchmarks.md, "Where the exports' time went"). See
-    # gc_pause.hold.
+    # An export allocates as it writes (Keras's walk, h5py, each region), and each full collection
+    # would walk every object the process holds, the loaded model's included: when each run of a
+    # column-cut kernel was a Python object, they were a fifth of a large export
+    # (docs/benchmarks.md, "Where the exports' time went"). See gc_pause.hold.
     with gc_pause.paused():
         return _write(sink, name)
 
