@@ -123,6 +123,17 @@ def test_boxes_written_together_land_at_their_offsets(
     np.testing.assert_array_equal(_stored(path, array), array)
 
 
+def test_without_the_c_librarys_pwritev_each_run_is_written_by_pwrite(tmp_path, monkeypatch):
+    """Where the C library has no `pwritev` (not found through ctypes), column boxes still land at
+    their offsets, a `pwrite` per run."""
+    monkeypatch.setattr(file_windows, "_pwritev", None)
+    path = tmp_path / "f.bin"
+    array = _write_together(path, (50, 40), [(slice(0, 50), slice(c, c + 8)) for c in (0, 8, 16)])
+    stored = _stored(path, array)
+    np.testing.assert_array_equal(stored[:, :24], array[:, :24])
+    assert not stored[:, 24:].any()  # the box not given is left as it was
+
+
 def test_boxes_written_together_leave_the_gaps_between_them_untouched(tmp_path):
     """Boxes that do not tile the array (another process writes the rest): no byte outside them
     is written, though their runs are merged into `pwritev`s."""

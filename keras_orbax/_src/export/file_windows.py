@@ -116,9 +116,10 @@ class FileWindows:
         together they cover whole rows: one system call per run (and per inode lock) became the
         cost of a column-split export. Returns the bytes written.
 
-        The runs' offsets are arrays (32 bytes a run): an array of more than `_MAX_RUNS` runs is
-        written a band of rows at a time, so that they stay a few MiB beside the window (a
-        (256000, 3584) embedding split across its columns: a million runs, 70 MiB of offsets).
+        The runs' offsets are arrays (48 bytes a run, with their iovecs): an array of more than
+        `_MAX_RUNS` runs is written a band of rows at a time, so that they stay a few MiB beside
+        the window (a (256000, 3584) embedding split across its columns: a million runs, tens of
+        MiB of offsets).
         """
         count = sum(_BoxRuns(shape, index, tuple(b.shape)).count for index, b in boxes)
         if count > _MAX_RUNS and len(shape) > 1 and shape[0] > 1:
@@ -333,8 +334,8 @@ def _pwritev_all(fd: int, iovecs: np.ndarray, offset: int) -> None:
         offset, remaining = offset + done, remaining - done
         ends = np.cumsum(iovecs[first:, 1])
         whole = int(np.searchsorted(ends, done, side="right"))  # runs written whole
-        if remaining and done > (int(ends[whole - 1]) if whole else 0):  # part of the next
-            part = done - (int(ends[whole - 1]) if whole else 0)
+        part = done - (int(ends[whole - 1]) if whole else 0)  # bytes of the next one
+        if part:
             iovecs[first + whole, 0] += np.uint64(part)
             iovecs[first + whole, 1] -= np.uint64(part)
         first += whole

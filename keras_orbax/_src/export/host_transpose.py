@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,9 @@ def copy(
     run: Callable[[Callable[[Index], None], Sequence[Index]], Any],
     threads: int,
 ) -> None:
-    """`np.copyto(to, source)` (`to` C-contiguous, `source` of its shape, any strides), one slab
-    per thread: `run(fn, slabs)` calls `fn` on every slab (`FileWindows.map`)."""
+    """`np.copyto(to, source)` (`to` contiguous along its last axis, as a box of a C-contiguous
+    buffer is; `source` of its shape, any strides), one slab per thread: `run(fn, slabs)` calls
+    `fn` on every slab (`FileWindows.map`)."""
     if to.dtype.itemsize in (1, 2, 4, 8):
         # A copy moves bytes: NumPy's own loops for unsigned integers of the element's size,
         # not a custom dtype's (ml_dtypes' bfloat16 is copied element by element through its
@@ -61,8 +62,8 @@ _TILE_STRIDED, _TILE_CONTIGUOUS = 16, 1024
 
 
 def _tiled_copy(to: np.ndarray, source: np.ndarray) -> None:
-    """`np.copyto(to, source)` for a C-contiguous `to` and a transposed view `source`, in tiles
-    along `to`'s last axis and the source's innermost one."""
+    """`np.copyto(to, source)` for `to` contiguous along its last axis and a transposed view
+    `source`, in tiles along `to`'s last axis and the source's innermost one."""
     if to.ndim < 2 or to.size < _TILE_STRIDED * _TILE_CONTIGUOUS * 4:
         np.copyto(to, source)
         return
@@ -107,9 +108,7 @@ def _wide_copy(to: np.ndarray, source: np.ndarray, inner: int, together: int) ->
     steps[inner] = max(1, min(_TILE_WIDE, wide.size // 8 // across))
     steps[last] = across
     scratch = np.empty(steps[inner] * across, wide.dtype)
-    starts = [range(0, n, step) for n, step in zip(wide.shape, steps, strict=True)]
-    for corner in itertools.product(*starts):
-        tile = tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
+    for tile in _tiles(wide.shape, steps):
         part = wide[tile]
         held = scratch[: part.size].reshape(part.shape)
         np.copyto(held, part)
@@ -126,7 +125,12 @@ def _narrow_copy(to: np.ndarray, source: np.ndarray, inner: int) -> None:
     last = to.ndim - 1
     steps = [1] * to.ndim
     steps[last], steps[inner] = _TILE_STRIDED, _TILE_CONTIGUOUS
-    starts = [range(0, n, step) for n, step in zip(to.shape, steps, strict=True)]
-    for corner in itertools.product(*starts):
-        tile = tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
+    for tile in _tiles(to.shape, steps):
         np.copyto(to[tile], source[tile])
+
+
+def _tiles(shape: tuple[int, ...], steps: list[int]) -> Iterator[Index]:
+    """Every tile of `shape`, `steps[axis]` long along each axis (shorter at the far edges)."""
+    starts = [range(0, n, step) for n, step in zip(shape, steps, strict=True)]
+    for corner in itertools.product(*starts):
+        yield tuple(slice(c, c + step) for c, step in zip(corner, steps, strict=True))
