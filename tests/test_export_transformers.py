@@ -18,9 +18,10 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.compat import hub_compat
-from keras_orbax._src.export import hub_tensors
+from keras_orbax._src.export import file_windows, hub_tensors
 from keras_orbax.errors import UnsupportedSourceError
 from tests import _hf_export
+from tests._direct_io import refuses_o_direct
 from tests._harness import WORKERS_DIR, run_workers, start_workers
 from tests._hub import import_keras_hub
 
@@ -65,6 +66,34 @@ def test_a_sharded_backbone_gives_keras_hubs_files(tmp_path, distribution, name)
     backbone.export_to_transformers(str(tmp_path / "keras_hub"))
     written = keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=WINDOW)
     assert written == tmp_path / "ours"
+    _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
+
+
+def test_bands_written_straight_to_the_disk_give_keras_hubs_files(
+    tmp_path, distribution, monkeypatch
+):
+    """Each transposed tensor is copied band by band into buffers placed like the file, whose
+    whole pages go with O_DIRECT (the minimum lowered to a page: these bands are KiBs, four to a
+    kernel); the pages two bands share go through the page cache. The files are keras-hub's, byte
+    for byte."""
+    if reason := refuses_o_direct(tmp_path):
+        pytest.skip(reason)
+    distribution(_hf_export.model_parallel("llama3"))
+    config = dict(_hf_export.LLAMA3, vocabulary_size=256, hidden_dim=64, intermediate_dim=512)
+    backbone = _hf_export.backbone_class("llama3")(**config)
+    _hf_export.fill(backbone)
+    direct: list[int] = []
+    close = file_windows.FileWindows.close
+
+    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
+        direct.append(files.direct_bytes)
+        close(files)
+
+    monkeypatch.setattr(file_windows, "DIRECT_MIN", file_windows.ALIGN)
+    monkeypatch.setattr(file_windows.FileWindows, "close", recorded)
+    keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=64 << 10)
+    assert direct and direct[0] >= 3 * (6 * 64 * 512 * 4) // 4  # most of the six FFN kernels
+    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
     _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
 
 
@@ -294,6 +323,17 @@ def test_two_processes_stay_within_the_window(two_processes):
         assert figures["copy_peak"] >= largest // 2, (process, figures)  # the measure sees a copy
         assert figures["host_peak"] <= 2 * window, (process, figures)
         assert figures["rss"] <= 2 * window, (process, figures)
+
+
+def test_two_processes_write_whole_pages_straight_to_the_disk(two_processes):
+    """Each process writes its bands' whole pages with O_DIRECT (the minimum lowered to a page:
+    the bands are KiBs), the pages where the two processes' regions meet through the page cache;
+    the file is keras-hub's, byte for byte."""
+    root, results = two_processes
+    if reason := refuses_o_direct(root):
+        pytest.skip(reason)
+    assert all(r["direct"]["direct_bytes"] > 0 for r in results), results
+    _assert_same_files(root / "wide" / "ours", root / "wide" / "keras_hub")
 
 
 def test_a_failure_on_one_process_fails_both_and_leaves_nothing(two_processes):

@@ -9,7 +9,9 @@ The oracles: NumPy's own C-order bytes of the whole array at the offset, h5py's 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
+import os
 import resource
 import signal
 import threading
@@ -25,6 +27,7 @@ import keras_orbax
 from keras_orbax._src.export import file_windows, host_transpose
 from keras_orbax.errors import SaveFailedError
 from tests import _hf_export, _models
+from tests._direct_io import cached_pages, refuses_o_direct
 
 OFFSET = 4096 + 24  # not aligned to anything: the pieces' offsets are the file's, not the block's
 
@@ -356,3 +359,74 @@ def test_stretches_are_back_to_back_runs_within_the_limit(monkeypatch):
         assert all(at[i + 1] == at[i] + length[i] for i in range(a, b - 1))
     # 5 runs at most; the gap before run 15 starts a new one
     assert stretches == [(0, 5), (5, 10), (10, 15), (15, 17)]
+
+
+@pytest.mark.parametrize("order", ["one window", "each alone, last first"])
+def test_placed_pieces_go_straight_to_the_disk_their_edge_pages_through_the_cache(tmp_path, order):
+    """Buffers placed like the file (`placed`) are written with O_DIRECT: every whole page of a
+    piece of at least `DIRECT_MIN` bytes goes straight to the disk (none of them is left in the
+    page cache), the partial pages it shares with its neighbours go through the cache, a shorter
+    piece all of it; every byte lands where it belongs."""
+    if reason := refuses_o_direct(tmp_path):
+        pytest.skip(reason)
+    align, prefix = file_windows.ALIGN, 1000
+    sizes = [(3 << 20) + 123, 5 << 20, (2 << 20) + 7, 1 << 19]  # the last under DIRECT_MIN
+    data = np.random.default_rng(5).integers(0, 255, sum(sizes), dtype=np.uint8)
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"h" * prefix)
+    pieces, direct_pages, at = [], np.zeros(-(-(prefix + data.size) // align), bool), prefix
+    keep = []
+    for size in sizes:
+        held = np.empty(size + align, np.uint8)
+        buffer = file_windows.placed(held, at, size)
+        assert (buffer.ctypes.data - at) % align == 0
+        buffer[:] = data[at - prefix : at - prefix + size]
+        first, stop = -(-at // align), (at + size) // align  # its whole pages
+        if (stop - first) * align >= file_windows.DIRECT_MIN:
+            direct_pages[first:stop] = True
+        pieces.append(buffer)
+        keep.append(held)
+        at += size
+    starts = np.cumsum([prefix, *sizes[:-1]]).tolist()
+    with file_windows.FileWindows() as files:
+        fd = files.open(path)
+        window = [(fd, start, buffer) for start, buffer in zip(starts, pieces, strict=True)]
+        if order == "one window":
+            assert files.write(window) == data.size
+        else:
+            for piece in reversed(window):
+                files.write([piece])
+        files.sync()
+        assert files.direct_bytes == direct_pages.sum() * align > 0
+    cached = cached_pages(path)
+    assert not cached[direct_pages].any()  # buffered, they would be in the cache after the sync
+    assert path.read_bytes() == b"h" * prefix + data.tobytes()
+
+
+def test_a_direct_write_the_kernel_refuses_is_written_through_the_cache(tmp_path, monkeypatch):
+    """A filesystem may take O_DIRECT at open and refuse a write it cannot align (the kernel's
+    EINVAL; forced here by lowering `ALIGN` to a byte, so a piece at an odd offset from an odd
+    address qualifies): the piece and every later one go through the page cache, and land."""
+    if reason := refuses_o_direct(tmp_path):
+        pytest.skip(reason)
+    path = tmp_path / "file.bin"
+    path.write_bytes(b"")
+    probe = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        os.pwrite(probe, np.zeros(4097, np.uint8)[1:], 1)
+        pytest.skip(f"{tmp_path}'s filesystem takes unaligned O_DIRECT writes")
+    except OSError as e:
+        assert e.errno == errno.EINVAL
+    finally:
+        os.close(probe)
+    monkeypatch.setattr(file_windows, "ALIGN", 1)
+    monkeypatch.setattr(file_windows, "DIRECT_MIN", 1)
+    data = np.random.default_rng(6).integers(0, 255, (2 << 20) + 3, dtype=np.uint8)
+    with file_windows.FileWindows() as files:
+        fd = files.open(path)
+        files.write([(fd, 11, data[1 : 1 << 20])])
+        files.write([(fd, 11 + (1 << 20) - 1, data[1 << 20 :])])
+        files.sync()
+        assert files.direct_bytes == 0
+        assert files._direct == {fd: None}  # not tried again
+    assert path.read_bytes() == bytes(11) + data[1:].tobytes()

@@ -14,7 +14,10 @@ args: {"action": ..., "directory": ...}
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
   Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
   expected values); then an export during which process 1 cannot write past 16 KiB; then the
-  "memory" backbone exported, each process's peak RSS growth measured.
+  "memory" backbone exported, each process's peak RSS growth measured; then that backbone
+  exported with every band of a page or more written with O_DIRECT (`file_windows.DIRECT_MIN`
+  lowered: its bands are KiBs), reporting the bytes each process wrote so (process 0 also writes
+  keras-hub's export of the same values).
 - "killed" (2 processes x 4 devices): process 1 is killed by SIGXFSZ at its first write past
   16 KiB, mid-export; process 0 reports the error it got, if it lives to.
 """
@@ -32,6 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import keras_orbax
+from keras_orbax._src.export import file_windows
 from tests import _hf_export
 from tests._rss import peak_growth
 from tests._worker_util import exit_now, init_worker, write_result
@@ -93,12 +97,14 @@ def memory_moved(directory: Path) -> dict:
     }
 
 
-def _wide_llama3():  # type: ignore[no-untyped-def]
-    """A Llama3 backbone on its (2, 4) mesh whose largest variable, an 8 MiB FFN kernel, is 8
-    windows of 1 MiB."""
-    keras.distribution.set_distribution(_hf_export.model_parallel("llama3"))
+def _wide_llama3(mesh: tuple[int, int] | None = (2, 4)):  # type: ignore[no-untyped-def]
+    """A Llama3 backbone on its `mesh` (on one device: None) whose largest variable, an 8 MiB FFN
+    kernel, is 8 windows of 1 MiB."""
+    distribution = _hf_export.model_parallel("llama3", mesh) if mesh else None
+    keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)  # the same initial values on every process
     config = dict(_hf_export.LLAMA3, vocabulary_size=1024, num_layers=1, hidden_dim=256)
+    config.update(num_query_heads=8, num_key_value_heads=8)  # heads split 8 ways on (1, 8)
     backbone = _hf_export.backbone_class("llama3")(**dict(config, intermediate_dim=8192))
     _hf_export.fill(backbone)
     return backbone
@@ -187,7 +193,33 @@ def multiprocess(root: Path, process_id: int) -> dict:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
     result["failed"] = {"error": error}
     result["memory"] = _memory_of_several(root / "memory")
+    result["direct"] = _straight_to_the_disk(root / "wide", process_id)
     return result
+
+
+def _straight_to_the_disk(directory: Path, process_id: int) -> dict:
+    """The wide Llama3 on a (1, 8) mesh, exported with O_DIRECT for every whole page; the bytes
+    each process wrote so. Its kernels are split along one axis only, so that each process's
+    regions of a transposed tensor are whole rows, one stretch of the file each (on the (2, 4)
+    mesh they are half rows, runs of a KiB); the processes' stretches meet inside pages, which
+    both write through the page cache."""
+    backbone = _wide_llama3((1, 8))
+    written: list[int] = []
+    close = file_windows.FileWindows.close
+
+    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
+        written.append(files.direct_bytes)
+        close(files)
+
+    minimum, file_windows.DIRECT_MIN = file_windows.DIRECT_MIN, file_windows.ALIGN
+    file_windows.FileWindows.close = recorded  # type: ignore[method-assign]
+    try:
+        keras_orbax.export_to_transformers(backbone, directory / "ours", window_bytes=1 << 20)
+    finally:
+        file_windows.DIRECT_MIN, file_windows.FileWindows.close = minimum, close  # type: ignore[method-assign]
+    if process_id == 0:  # keras-hub's export of the same values, on one device
+        _wide_llama3(None).export_to_transformers(str(directory / "keras_hub"))
+    return {"direct_bytes": sum(written)}
 
 
 def killed(directory: Path, process_id: int) -> dict:

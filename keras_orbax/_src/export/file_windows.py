@@ -11,6 +11,13 @@ exports' time went"). `write` returns once the window is written, so that its bu
 before the next window is fetched. `sync` fsyncs every file (in parallel) when the last window is
 in: the data is on disk before the commit protocol (`storage.commit`) renames anything into place.
 
+A piece held in memory placed like the file (its address and its offset equal modulo `ALIGN`:
+`placed`) has its whole pages written with `O_DIRECT`, from its memory straight to the disk. The
+page cache's copy, its allocation and its reclaim were about half of an export's CPU, and a
+transposing export is CPU-bound on a small machine (docs/benchmarks.md, "Straight to the disk").
+The partial pages at either end, which a neighbour may share, are written through the page
+cache; where the filesystem refuses `O_DIRECT`, so is all of it.
+
 The shards of one array are written together (`write_boxes`): a shard cut across columns is one
 short run per row, but the array's shards together cover whole rows, so their runs are merged in
 file order and each stretch is one `pwritev` straight from the shards' own memory (no copy, a
@@ -42,6 +49,15 @@ import numpy as np
 from keras_orbax._src.runtime import libc
 
 THREADS = 8  # files written at once (each by one thread)
+# O_DIRECT's alignment of file offsets, lengths and memory: a page, which covers the logical block
+# of every local disk and filesystem block we know (a filesystem that wants more says EINVAL, and
+# gets buffered writes).
+ALIGN = 4096
+# The least of a piece written with O_DIRECT: a direct write waits for the disk, worth it for
+# bands of megabytes (a smaller one stays in the page cache, whose writeback overlaps it).
+DIRECT_MIN = 1 << 20
+_O_DIRECT: int | None = getattr(os, "O_DIRECT", None)  # Linux's; macOS has none
+_DIRECT_FLAGS = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT or 0)
 _MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
 
 Box = tuple[tuple[slice, ...], np.ndarray]  # (index into the array, the block it names)
@@ -64,6 +80,8 @@ class FileWindows:
         self._copy_pool: ThreadPoolExecutor | None = None
         self._fds: dict[Path, int] = {}
         self._locks: dict[int, threading.Lock] = {}  # one writer per file, windows in flight too
+        self._direct: dict[int, int | None] = {}  # each file's O_DIRECT descriptor, if it has one
+        self._direct_written: dict[int, int] = {}  # bytes written with it (under the file's lock)
 
     def __enter__(self) -> FileWindows:
         return self
@@ -87,9 +105,7 @@ class FileWindows:
         waits until every piece is written and returns the bytes (or raises the first error, once
         every thread is done). The pieces' buffers must stay as they are until then."""
         shares = _by_file([_as_bytes(data) for data in pieces])
-        futures = [
-            self._pool.submit(_write_share, self._lock(share[0][0]), share) for share in shares
-        ]
+        futures = [self._pool.submit(self._write_share, share) for share in shares]
         total = sum(len(view) for share in shares for _, _, view in share)
 
         def wait() -> int:
@@ -148,6 +164,50 @@ class FileWindows:
     def _lock(self, fd: int) -> threading.Lock:
         return self._locks.setdefault(fd, threading.Lock())
 
+    def _write_share(self, share: list[tuple[int, int, memoryview]]) -> None:
+        with self._lock(share[0][0]):
+            for fd, offset, view in share:
+                self._write_piece(fd, offset, view)
+
+    def _write_piece(self, fd: int, offset: int, view: memoryview) -> None:
+        """`view` at `offset`: its whole pages with O_DIRECT where it is `placed` and long enough,
+        the rest (or all of it) through the page cache."""
+        head = min(len(view), -offset % ALIGN)
+        body = (len(view) - head) // ALIGN * ALIGN
+        direct = None
+        if body >= DIRECT_MIN and (_address(view) - offset) % ALIGN == 0:
+            direct = self._direct_fd(fd)
+        if direct is None:
+            _pwrite_all(fd, view, offset)
+            return
+        _pwrite_all(fd, view[:head], offset)
+        try:
+            _pwrite_all(direct, view[head : head + body], offset + head)
+            self._direct_written[fd] = self._direct_written.get(fd, 0) + body
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # a filesystem that takes O_DIRECT at open but not here
+                raise
+            self._direct[fd] = None
+            os.close(direct)
+            _pwrite_all(fd, view[head : head + body], offset + head)
+        _pwrite_all(fd, view[head + body :], offset + head + body)
+
+    def _direct_fd(self, fd: int) -> int | None:
+        """`fd`'s file opened with O_DIRECT once (under the file's lock); None where the
+        filesystem refuses it (tmpfs before Linux 6.6, FUSE)."""
+        if fd not in self._direct:
+            path = next(p for p, f in self._fds.items() if f == fd)
+            try:
+                self._direct[fd] = None if _O_DIRECT is None else os.open(path, _DIRECT_FLAGS)
+            except OSError:
+                self._direct[fd] = None
+        return self._direct[fd]
+
+    @property
+    def direct_bytes(self) -> int:
+        """The bytes written with O_DIRECT so far."""
+        return sum(self._direct_written.values())
+
     def map(self, fn: Callable[[T], Any], items: Sequence[T]) -> list[Any]:
         """`fn(item)` for every item on the threads (work that fills a window's buffer: numpy
         copies release the GIL); the results in order."""
@@ -173,8 +233,20 @@ class FileWindows:
         if self._copy_pool is not None:
             self._copy_pool.shutdown()
         fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
+        direct, self._direct = [fd for fd in self._direct.values() if fd is not None], {}
+        for fd in fds + direct:
             os.close(fd)
+
+
+def placed(buffer: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` of `buffer` (at least `nbytes + ALIGN` long) whose address is `offset` modulo
+    `ALIGN`: written at `offset`, their whole pages go with O_DIRECT."""
+    shift = (offset - buffer.ctypes.data) % ALIGN
+    return buffer.reshape(-1).view(np.uint8)[shift : shift + nbytes]
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
 
 
 def _as_bytes(piece: Piece) -> tuple[int, int, memoryview]:
@@ -190,12 +262,6 @@ def _by_file(pieces: list[tuple[int, int, memoryview]]) -> list[list[tuple[int, 
     for piece in pieces:
         files.setdefault(piece[0], []).append(piece)
     return [sorted(share, key=lambda piece: piece[1]) for share in files.values()]
-
-
-def _write_share(lock: threading.Lock, share: list[tuple[int, int, memoryview]]) -> None:
-    with lock:
-        for fd, offset, view in share:
-            _pwrite_all(fd, view, offset)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

@@ -6,7 +6,9 @@ replayed there, where both fit the window) or computed by keras-hub's operations
 memory is written from its own buffer (no copy): an untransposed tensor's shards together, their
 runs merged into whole stretches of the file (`file_windows.FileWindows.write_boxes`); a
 transposed one band by band, each band of whole rows copied from the shards into one of two
-buffers while the other is written. A shard on an accelerator is fetched a window at a time.
+buffers while the other is written. A shard on an accelerator is fetched a window at a time. The
+buffers are placed like the file (`file_windows.placed`), so that a band's whole pages go straight
+to the disk (O_DIRECT).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class TensorWriter:
         band_bytes = max(1, min(self.window_bytes // 2, _BAND_BYTES))
         strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         pending: list[Callable[[], int] | None] = [None, None]
-        self._keep_at_most(band_bytes)
+        self._keep_at_most(band_bytes + file_windows.ALIGN)
         try:
             for number, band in enumerate(regions.windows(shape, dtype.itemsize, band_bytes)):
                 slot = number % 2
@@ -139,7 +141,9 @@ class TensorWriter:
                     written()  # that buffer's band is on its way to the disk: reuse it
                 extent = [s.stop - s.start for s in band]
                 nbytes = math.prod(extent) * dtype.itemsize
-                buffer = self._take(nbytes, min(band_bytes, total), slot)
+                start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
+                at = offset + start * dtype.itemsize
+                buffer = self._take(nbytes, min(band_bytes, total), slot, at)
                 buffer = buffer.view(dtype).reshape(extent)
                 for index, block in boxes:
                     common = [
@@ -161,9 +165,7 @@ class TensorWriter:
                         )
                     ]
                     host_transpose.copy(to, part, self.files.copy, self.files.copy_threads)
-                start = sum(b.start * stride for b, stride in zip(band, strides, strict=True))
-                piece = (fd, offset + start * dtype.itemsize, buffer)
-                pending[slot] = self.files.write_later([piece])
+                pending[slot] = self.files.write_later([(fd, at, buffer)])
                 del buffer
         except BaseException:
             for written in pending:  # the buffers stay until no thread writes from them
@@ -190,14 +192,18 @@ class TensorWriter:
         self._buffers[1] = None  # one buffer here: with the other, more than the window
         for local in regions.windows(moved.shape, itemsize, window):
             part = moved[local]
-            buffer = self._take(part.nbytes, min(window, moved.nbytes))
-            buffer = buffer.view(moved.dtype).reshape(part.shape)
-            host_transpose.copy(buffer, part, self.files.copy, self.files.copy_threads)
             box = tuple(
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
             )
-            self.files.write_boxes(fd, offset, shape, [(box, buffer)])
+            at = _stretch_at(offset, shape, box, itemsize)
+            buffer = self._take(part.nbytes, min(window, moved.nbytes), 0, at or 0)
+            buffer = buffer.view(moved.dtype).reshape(part.shape)
+            host_transpose.copy(buffer, part, self.files.copy, self.files.copy_threads)
+            if at is not None:  # one stretch of the file: its pages may go straight to the disk
+                self.files.write([(fd, at, buffer)])
+            else:
+                self.files.write_boxes(fd, offset, shape, [(box, buffer)])
             del buffer, part  # the buffer may be replaced by a larger one: never two at a time
 
     def _keep_at_most(self, nbytes: int) -> None:
@@ -206,14 +212,29 @@ class TensorWriter:
             if buffer is not None and buffer.nbytes > nbytes:
                 self._buffers[slot] = None
 
-    def _take(self, nbytes: int, wanted: int, slot: int = 0) -> np.ndarray:
-        """`nbytes` of buffer `slot`; a new one of `wanted` (at least `nbytes`) where it is
-        smaller (the old one goes first: never two in one slot)."""
+    def _take(self, nbytes: int, wanted: int, slot: int, at: int) -> np.ndarray:
+        """`nbytes` of buffer `slot`, placed to be written at file offset `at`
+        (`file_windows.placed`); a new buffer of `wanted` (at least `nbytes`) where it is smaller
+        (the old one goes first: never two in one slot)."""
         buffer = self._buffers[slot]
-        if buffer is None or buffer.nbytes < nbytes:
+        if buffer is None or buffer.nbytes < nbytes + file_windows.ALIGN:
             self._buffers[slot] = None
-            buffer = self._buffers[slot] = np.empty(max(nbytes, wanted, 1), np.uint8)
-        return buffer[:nbytes]
+            size = max(nbytes, wanted, 1) + file_windows.ALIGN
+            buffer = self._buffers[slot] = np.empty(size, np.uint8)
+        return file_windows.placed(buffer, at, nbytes)
+
+
+def _stretch_at(
+    offset: int, shape: tuple[int, ...], box: regions.Index, itemsize: int
+) -> int | None:
+    """The file offset of `box` of a C-order array of `shape` at `offset`, where the box is one
+    stretch of the file (whole rows after its first axis of more than one); None otherwise."""
+    extent = [s.stop - s.start for s in box]
+    first = next((axis for axis, n in enumerate(extent) if n > 1), len(extent))
+    if any(e != n for e, n in zip(extent[first + 1 :], shape[first + 1 :], strict=True)):
+        return None
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    return offset + sum(s.start * st for s, st in zip(box, strides, strict=True)) * itemsize
 
 
 def device_computed(tensor: HubTensor, window_bytes: int) -> Computed | None:

@@ -1,0 +1,39 @@
+"""What the tests of O_DIRECT writes ask of the kernel: whether a filesystem takes them, and
+which pages of a file are in the page cache (`mincore`)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from keras_orbax._src.runtime import libc
+
+
+def refuses_o_direct(directory: Path) -> str | None:
+    """Why `directory`'s filesystem takes no O_DIRECT writes, or None where it takes them."""
+    path = directory / "probe"
+    path.write_bytes(b"")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_DIRECT))
+        return None
+    except (OSError, AttributeError) as e:
+        return f"{directory}'s filesystem refuses O_DIRECT: {e}"
+    finally:
+        path.unlink()
+
+
+def cached_pages(path: Path) -> np.ndarray:
+    """Which of `path`'s pages are in the page cache (the kernel's `mincore`)."""
+    mincore = libc.function(
+        "mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p
+    )
+    assert mincore is not None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        pages = np.zeros(-(-len(mapped) // mmap.PAGESIZE), np.uint8)
+        address = np.frombuffer(mapped, np.uint8).ctypes.data
+        assert mincore(address, len(mapped), pages.ctypes.data) == 0, libc.last_error()
+        return (pages & 1).astype(bool)
