@@ -13,9 +13,9 @@ in: the data is on disk before the commit protocol (`storage.commit`) renames an
 
 A piece held in memory placed like the file (its address and its offset equal modulo `ALIGN`:
 `placed`) has its whole pages written with `O_DIRECT`, from its memory straight to the disk. The
-page cache's copy, its allocation and its reclaim were about half of an export's CPU, and a
-transposing export is CPU-bound on a small machine (docs/benchmarks.md, "Straight to the disk").
-The partial pages at either end, which a neighbour may share, are written through the page
+page cache's copy, its allocation and its reclaim took 6-8 of the Hugging Face export's 16-18 CPU
+s, and a transposing export is CPU-bound on a small machine (docs/benchmarks.md, "Straight to the
+disk"). The partial pages at either end, which a neighbour may share, are written through the page
 cache; where the filesystem refuses `O_DIRECT`, so is all of it.
 
 The shards of one array are written together (`write_boxes`): a shard cut across columns is one
