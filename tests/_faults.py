@@ -54,8 +54,9 @@ def build(sink: str) -> keras.Model:
         model = keras_hub.models.BertTextClassifier(
             backbone=backbone, num_classes=2, preprocessor=None
         )
-    else:
-        model = _hf_export.backbone_class("llama3")(**_hf_export.LLAMA3)
+    else:  # FFN kernels of 32 KiB: whole pages, which the matrix writes with O_DIRECT
+        config = dict(_hf_export.LLAMA3, intermediate_dim=512)
+        model = _hf_export.backbone_class("llama3")(**config)
     return model
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import keras
 import pytest
 
+from keras_orbax._src.export import file_windows
 from keras_orbax._src.storage import commit
 from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 from tests import _faults, _harness
@@ -43,6 +44,13 @@ def models():
         yield built
     finally:
         keras.distribution.set_distribution(None)
+
+
+@pytest.fixture(autouse=True)
+def direct_writes(monkeypatch):
+    """Every whole page of the Hugging Face export's bands goes with O_DIRECT (its bands are KiBs,
+    under the 1 MiB it takes otherwise), so that each fault meets those writes too."""
+    monkeypatch.setattr(file_windows, "DIRECT_MIN", file_windows.ALIGN)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +88,28 @@ def _failing_export(sink, model, root, stage, fault, committed):
         else:
             with pytest.raises(SaveFailedError, match=r"previous one is untouched|Saving step 2"):
                 _faults.export(sink, model, root)
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "ext4"])
+def test_the_hugging_face_export_writes_straight_to_each_disk(tmp_path, models, monkeypatch, disk):
+    """The faults below meet O_DIRECT writes: on both filesystems the export writes pages so."""
+    model, _ = models["transformers"]
+    direct: list[int] = []
+    close = file_windows.FileWindows.close
+
+    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
+        direct.append(files.direct_bytes)
+        close(files)
+
+    monkeypatch.setattr(file_windows.FileWindows, "close", recorded)
+    root = tmp_path / "disk"
+    if disk == "tmpfs":
+        with _faults.tmpfs(root):
+            _faults.export("transformers", model, root)
+    else:
+        with _faults.ext4(tmp_path / "ext4.img", root):
+            _faults.export("transformers", model, root)
+    assert direct and direct[0] >= 6 * file_windows.ALIGN, direct  # pages of each FFN kernel
 
 
 @pytest.mark.parametrize(("sink", "stage"), CASES, ids=_ids)
