@@ -4,7 +4,6 @@ and from 2 MiB on their own mapping from a huge-page boundary, advised `MADV_HUG
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 
@@ -14,9 +13,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.runtime import vectored_io
-from keras_orbax._src.storage.byte_runs import HUGE_BYTES, Box, LocalFetch, aligned_empty
-from keras_orbax.errors import CorruptCheckpointError
+from keras_orbax._src.storage.byte_runs import HUGE_BYTES, aligned_empty
 
 needs_thp = pytest.mark.skipif(
     not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
@@ -105,85 +102,3 @@ def test_a_restored_shard_is_the_buffer_it_was_read_into(tmp_path, distribution)
         assert pointer % HUGE_BYTES == 0, hex(pointer)
         assert "hg" in _mapping_flags(pointer)
     np.testing.assert_array_equal(np.asarray(array), values)
-
-
-def _box_cases():
-    rng = np.random.default_rng(11)
-    for _ in range(200):
-        ndim = int(rng.integers(1, 4))
-        stored = tuple(int(n) for n in rng.integers(1, 6, ndim))
-        start = [int(rng.integers(0, n)) for n in stored]
-        extent = [int(rng.integers(1, n - s + 1)) for n, s in zip(stored, start, strict=True)]
-        dst_shape = tuple(e + int(rng.integers(0, 3)) for e in extent)
-        dst = [int(rng.integers(0, d - e + 1)) for d, e in zip(dst_shape, extent, strict=True)]
-        yield stored, Box(extent=extent, src_start=start, dst_start=dst), dst_shape
-
-
-def test_run_arrays_are_the_runs():
-    """The runs as arrays (a band's iovecs are built from them) are `Box.runs`, run for run,
-    for boxes of 1-3 axes anywhere in the stored array and in the region."""
-    for stored, box, dst_shape in _box_cases():
-        src, dst, length = box.run_arrays(stored, dst_shape)
-        runs = box.runs(stored, dst_shape)
-        assert list(zip(src.tolist(), dst.tolist(), [length] * len(src), strict=True)) == runs
-
-
-def _scatter_case(tmp_path):
-    data = np.random.default_rng(12).integers(0, 255, 64 << 10, dtype=np.uint8)
-    path = tmp_path / "data.bin"
-    path.write_bytes(data.tobytes())
-    out = np.zeros(64 << 10, np.uint8)
-    # 4 KiB runs of the file in order, placed in `out` in reverse order of 4 KiB blocks
-    at = np.arange(0, 64 << 10, 4096, dtype=np.int64)
-    places = out.ctypes.data + (len(at) - 1 - np.arange(len(at))) * 4096
-    return data, path, out, at, places, np.full(len(at), 4096, np.int64)
-
-
-def _reversed_blocks(data):
-    return data.reshape(-1, 4096)[::-1].reshape(-1)
-
-
-def test_a_scattered_read_puts_each_run_in_its_place_resuming_short_reads(tmp_path, monkeypatch):
-    """`LocalFetch.scatter`: every run lands at its address, and a read the kernel cuts short (a
-    signal) resumes mid-run (the real call, capped at 1000 bytes)."""
-    data, path, out, at, places, lengths = _scatter_case(tmp_path)
-    real = vectored_io.PREADV
-    if real is None:
-        pytest.skip("the C library has no preadv")
-    calls = []
-
-    def at_most_1000_bytes(fd, iovecs, count, offset):  # the real call, over at most 1000 bytes
-        calls.append(offset)
-        view = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(iovecs))
-        kept = view.reshape(count, 2).copy()
-        ends = np.cumsum(kept[:, 1])
-        n = int(np.searchsorted(ends, 1000)) + 1
-        kept = kept[:n]
-        kept[-1, 1] -= np.uint64(max(0, int(kept[:, 1].sum()) - 1000))
-        return real(fd, kept.ctypes.data, len(kept), offset)
-
-    monkeypatch.setattr(vectored_io, "PREADV", at_most_1000_bytes)
-    with open(path, "rb") as f:
-        LocalFetch(f.fileno(), path).scatter(at, places, lengths)
-    np.testing.assert_array_equal(out, _reversed_blocks(data))
-    assert len(calls) == -(-(64 << 10) // 1000)
-
-
-def test_a_scattered_read_without_the_c_librarys_preadv(tmp_path, monkeypatch):
-    """Where ctypes finds no `preadv`, each run is read by Python's, into the same places."""
-    data, path, out, at, places, lengths = _scatter_case(tmp_path)
-    monkeypatch.setattr(vectored_io, "PREADV", None)
-    with open(path, "rb") as f:
-        LocalFetch(f.fileno(), path).scatter(at, places, lengths)
-    np.testing.assert_array_equal(out, _reversed_blocks(data))
-
-
-def test_a_scattered_read_past_the_end_names_the_truncated_file(tmp_path):
-    _, path, _, at, places, lengths = _scatter_case(tmp_path)
-    with open(path, "r+b") as f:
-        f.truncate(10_000)
-    with (
-        open(path, "rb") as f,
-        pytest.raises(CorruptCheckpointError, match=r"data\.bin is truncated"),
-    ):
-        LocalFetch(f.fileno(), path).scatter(at, places, lengths)

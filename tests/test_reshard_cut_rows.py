@@ -15,7 +15,6 @@ import pytest
 import keras_orbax
 from keras_orbax._src.read import coalesce
 from keras_orbax._src.read.contiguous import ContiguousArray
-from keras_orbax._src.runtime import vectored_io
 from keras_orbax._src.storage.byte_runs import bounds
 
 # These tests name the files of single shards (`c/1/2`) or cut the saved shards.
@@ -64,31 +63,18 @@ def _values(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 class _Reads:
-    """Every `preadv` of the test, Python's and the C library's (a band read straight into the
-    regions of a local file): (bytes, file offset, file name) of each."""
+    """Every `preadv` of the test: (bytes, file offset, file name) of each."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[int, int, str]] = []
-        self.straight = 0  # bytes the C library's `preadv` read straight into the regions
-        real_os, real_libc = os.preadv, vectored_io.PREADV
+        real = os.preadv
 
-        def os_preadv(fd, buffers, offset, *args):  # the real call, recorded
-            n = real_os(fd, buffers, offset, *args)
-            self._record(fd, n, offset)
+        def preadv(fd, buffers, offset, *args):
+            n = real(fd, buffers, offset, *args)
+            self.calls.append((n, offset, os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
             return n
 
-        def libc_preadv(fd, iovecs, count, offset):  # the real call, recorded
-            n = real_libc(fd, iovecs, count, offset)
-            self._record(fd, n, offset)
-            self.straight += max(n, 0)
-            return n
-
-        monkeypatch.setattr(os, "preadv", os_preadv)
-        if real_libc is not None:
-            monkeypatch.setattr(vectored_io, "PREADV", libc_preadv)
-
-    def _record(self, fd: int, n: int, offset: int) -> None:
-        self.calls.append((n, offset, os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        monkeypatch.setattr(os, "preadv", preadv)
 
     def data(self, chunk_bytes: int) -> list[int]:
         """Sizes of the reads of array data (not of a shard file's index, stored past its data, nor
@@ -279,10 +265,6 @@ def test_the_keras_weights_file_path(tmp_path, distribution, monkeypatch):
     assert result.bytes_read == want.nbytes
     assert sum(n for n, _, _ in reads.calls) == want.nbytes
     assert len(reads.calls) < 16  # a few pieces of rows, not a read per row of each region
-    # Each band read straight into the regions' rows (one copy of each byte, the kernel's), where
-    # the C library's `preadv` is there to take the regions' runs as one array of iovecs.
-    if vectored_io.PREADV is not None:
-        assert reads.straight == want.nbytes
 
 
 def test_bounds_of_a_full_index():

@@ -34,6 +34,7 @@ with FileWindows() as files:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import os
@@ -45,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from keras_orbax._src.runtime import vectored_io
+from keras_orbax._src.runtime import libc
 
 THREADS = 8  # files written at once (each by one thread)
 # O_DIRECT's alignment of file offsets, lengths and memory: a page, which covers the logical block
@@ -346,8 +347,14 @@ def _rows(boxes: Boxes, first: int, stop: int) -> list[Box]:
     return parts
 
 
-_IOV_MAX = vectored_io.IOV_MAX
-_pwritev = vectored_io.PWRITEV
+# Pieces one `pwritev` takes at most (Linux's `UIO_MAXIOV`).
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+# The C library's own: its pieces are an array of `struct iovec` that NumPy builds for thousands
+# of runs at once, where `os.pwritev` needs a Python buffer per run, which cost whole CPU seconds
+# of a large export (docs/benchmarks.md, "Where the exports' time went").
+_pwritev = libc.function(
+    "pwritev", ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+)
 
 
 def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
@@ -359,8 +366,9 @@ def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
         for offset, number, first, size in zip(*(column.tolist() for column in runs), strict=True):
             _pwrite_all(fd, views[number][first : first + size], offset)
         return
-    bases = np.array([b.ctypes.data for b in blocks], np.uint64)[which]
-    iovecs = vectored_io.iovec_array(bases + start.astype(np.uint64), length)
+    iovecs = np.empty((len(at), 2), np.uint64)  # struct iovec {void *base; size_t length}
+    iovecs[:, 0] = np.array([b.ctypes.data for b in blocks], np.uint64)[which] + start
+    iovecs[:, 1] = length
     for a, b in _stretches(at, length):
         _pwritev_all(fd, iovecs[a:b], int(at[a]))
 
@@ -368,11 +376,32 @@ def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
 def _stretches(at: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
     """Run numbers [a, b) of each stretch one `pwritev` writes: back-to-back runs, at most
     `_IOV_MAX` of them."""
-    return vectored_io.stretches(at, length, _IOV_MAX)
+    n = len(at)
+    gap = np.ones(n, bool)
+    gap[1:] = at[1:] != at[:-1] + length[:-1]
+    first = np.flatnonzero(gap)[np.cumsum(gap) - 1]  # each run's first run of its stretch
+    cut = gap.copy()
+    cut[1:] |= (np.arange(1, n) - first[1:]) % _IOV_MAX == 0
+    starts = np.flatnonzero(cut).tolist()
+    return list(zip(starts, [*starts[1:], n], strict=True))
 
 
 def _pwritev_all(fd: int, iovecs: np.ndarray, offset: int) -> None:
     """`pwritev` of `iovecs` (rows of `struct iovec`, changed here) until every byte is written:
     a short write resumes where it stopped."""
     assert _pwritev is not None
-    vectored_io.transfer_all(_pwritev, fd, iovecs, offset)
+    remaining, first = int(iovecs[:, 1].sum()), 0
+    while remaining:
+        done = _pwritev(fd, iovecs[first:].ctypes.data, len(iovecs) - first, offset)
+        if done <= 0:
+            if done < 0 and ctypes.get_errno() == errno.EINTR:
+                continue
+            raise libc.last_error() if done < 0 else OSError(errno.EIO, "pwritev wrote nothing")
+        offset, remaining = offset + done, remaining - done
+        ends = np.cumsum(iovecs[first:, 1])
+        whole = int(np.searchsorted(ends, done, side="right"))  # runs written whole
+        part = done - (int(ends[whole - 1]) if whole else 0)  # bytes of the next one
+        if part:
+            iovecs[first + whole, 0] += np.uint64(part)
+            iovecs[first + whole, 1] -= np.uint64(part)
+        first += whole

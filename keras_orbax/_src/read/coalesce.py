@@ -25,7 +25,6 @@ from keras_orbax._src.storage.byte_runs import (
     Block,
     Box,
     Index,
-    LocalFetch,
     aligned_empty,
     bounds,
     cast,
@@ -109,7 +108,10 @@ class Together:
 
     def _run(self, job: _Job) -> None:
         block, item = job.block, self.dtype.itemsize
-        buffer: np.ndarray | None = None  # one piece of rows at a time, where it is scattered
+        largest = max(
+            (math.prod(s.union.extent) for s in job.steps if isinstance(s, _Piece)), default=0
+        )
+        buffer = np.empty(largest * item, np.uint8)  # one piece of rows at a time
         for region, (start, stop) in self._spans(job).items():
             mapped.populate_for_writing(self._outs[region], start, stop)
         with block.opener() as (fetch, offset):
@@ -119,14 +121,6 @@ class Together:
                     flat = out.reshape(-1).view(np.uint8)
                     read_box(fetch, offset, block.shape, step.box, flat, out.shape, self.dtype)
                     continue
-                if isinstance(fetch, LocalFetch):  # straight into the regions: no second copy
-                    self._read_into_regions(fetch, offset, block.shape, step)
-                    continue
-                if buffer is None:
-                    largest = max(
-                        math.prod(s.union.extent) for s in job.steps if isinstance(s, _Piece)
-                    )
-                    buffer = np.empty(largest * item, np.uint8)
                 shape = tuple(step.union.extent)
                 rows = buffer[: math.prod(shape) * item]
                 read_box(fetch, offset, block.shape, step.union, rows, shape, self.dtype)
@@ -146,27 +140,6 @@ class Together:
                 lo, hi = spans.get(region, (first, last + self.dtype.itemsize))
                 spans[region] = (min(lo, first), max(hi, last + self.dtype.itemsize))
         return spans
-
-    def _read_into_regions(
-        self, fetch: LocalFetch, offset: int, stored: tuple[int, ...], step: _Piece
-    ) -> None:
-        """The rows of `step` read by the C library's `preadv` straight into each region's part:
-        the parts tile the rows, so their runs are back to back in the file (docs/benchmarks.md,
-        "The 9B load at the end of the day")."""
-        item = self.dtype.itemsize
-        at, addresses, lengths = [], [], []
-        for region, box in step.parts:
-            out = self._outs[region]
-            src, dst, length = box.run_arrays(stored, out.shape)
-            at.append(offset + src * item)
-            addresses.append(out.ctypes.data + dst * item)
-            lengths.append(np.full(len(src), length * item, np.int64))
-        order = np.argsort(np.concatenate(at), kind="stable")
-        fetch.scatter(
-            np.concatenate(at)[order],
-            np.concatenate(addresses)[order],
-            np.concatenate(lengths)[order],
-        )
 
     def _scatter(self, piece: np.ndarray, step: _Piece) -> None:
         """Copies each part of `piece` (the rows `step.union` of the block) into its region."""

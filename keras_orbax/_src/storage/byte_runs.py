@@ -8,7 +8,6 @@ ranged requests in object storage), and the 64-byte-aligned buffers the CPU back
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import math
@@ -21,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from keras_orbax._src.runtime import host_memory, vectored_io
+from keras_orbax._src.runtime import host_memory
 from keras_orbax.errors import CorruptCheckpointError
 
 Index = tuple[slice, ...]
@@ -80,25 +79,6 @@ class Box:
             dst = sum((self.dst_start[d] + position[d]) * dst_strides[d] for d in range(split + 1))
             runs.append((src, dst, length))
         return runs
-
-    def run_arrays(
-        self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
-    ) -> tuple[np.ndarray, np.ndarray, int]:
-        """`runs` as arrays: (source element offsets, destination element offsets, length), for
-        boxes of thousands of runs (no Python object per run)."""
-        if not self.extent:
-            return np.zeros(1, np.int64), np.zeros(1, np.int64), 1
-        split, length = self._split(src_shape, dst_shape)
-        src_strides, dst_strides = _strides(src_shape), _strides(dst_shape)
-        src_base = sum(self.src_start[d] * src_strides[d] for d in range(split + 1))
-        dst_base = sum(self.dst_start[d] * dst_strides[d] for d in range(split + 1))
-        outer = tuple(self.extent[:split])
-        k = np.arange(math.prod(outer), dtype=np.int64)
-        src, dst = np.full(len(k), src_base, np.int64), np.full(len(k), dst_base, np.int64)
-        for d, position in enumerate(np.unravel_index(k, outer) if outer else ()):
-            src += position * src_strides[d]
-            dst += position * dst_strides[d]
-        return src, dst, length
 
     def run_shape(self, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]) -> tuple[int, int]:
         """(number of runs, elements per run) that `runs` would give, without listing them."""
@@ -162,38 +142,14 @@ def short_runs(
     return count > 1 and length * itemsize < _SMALL_RUN_BYTES
 
 
-class LocalFetch:
-    """A `Fetch` reading the local file `fd` with `preadv`; it also reads many runs straight into
-    their places (`scatter`)."""
-
-    def __init__(self, fd: int, path: Any) -> None:
-        self.fd, self.path = fd, path
-
-    def __call__(self, requests: list[tuple[memoryview, int]]) -> None:
-        for view, offset in requests:
-            _pread_exactly(self.fd, view, offset, self.path)
-
-    def scatter(self, at: np.ndarray, addresses: np.ndarray, lengths: np.ndarray) -> None:
-        """Reads run k (`lengths[k]` bytes at file offset `at[k]`, in file order) into memory at
-        `addresses[k]`: each stretch of back-to-back runs one `preadv`, no copy in between."""
-        iovecs = vectored_io.iovec_array(addresses, lengths)
-        for a, b in vectored_io.stretches(at, lengths):
-            if vectored_io.PREADV is None:  # no C library to call: a `preadv` per run
-                for k in range(a, b):
-                    view = (ctypes.c_char * int(lengths[k])).from_address(int(addresses[k]))
-                    _pread_exactly(self.fd, memoryview(view).cast("B"), int(at[k]), self.path)
-                continue
-            try:
-                vectored_io.transfer_all(vectored_io.PREADV, self.fd, iovecs[a:b], int(at[a]))
-            except EOFError:
-                raise CorruptCheckpointError(f"{self.path} is truncated.") from None
-            except OSError as error:  # EIO from a failing disk: the file is named, not the fd
-                raise unreadable(self.path, error) from error
-
-
-def pread_fetch(fd: int, path: Any) -> LocalFetch:
+def pread_fetch(fd: int, path: Any) -> Fetch:
     """A `Fetch` reading the local file `fd` with `preadv`."""
-    return LocalFetch(fd, path)
+
+    def fetch(requests: list[tuple[memoryview, int]]) -> None:
+        for view, offset in requests:
+            _pread_exactly(fd, view, offset, path)
+
+    return fetch
 
 
 def read_box(
