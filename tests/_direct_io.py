@@ -37,3 +37,17 @@ def cached_pages(path: Path) -> np.ndarray:
         address = np.frombuffer(mapped, np.uint8).ctypes.data
         assert mincore(address, len(mapped), pages.ctypes.data) == 0, libc.last_error()
         return (pages & 1).astype(bool)
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` is on (`/proc/self/mounts`: the longest mount point)."""
+    best, kind = "", ""
+    resolved = str(path.resolve())
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, fs_type, *_ = line.split()
+            point = point.replace("\\040", " ")
+            inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, kind = point, fs_type
+    return kind
