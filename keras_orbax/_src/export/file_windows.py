@@ -245,6 +245,16 @@ def placed(buffer: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
     return buffer.reshape(-1).view(np.uint8)[shift : shift + nbytes]
 
 
+def stretch_at(
+    offset: int, shape: tuple[int, ...], index: tuple[slice, ...], itemsize: int
+) -> int | None:
+    """The file offset of the box `index` of a C-order array of `shape` at byte `offset`, where
+    the box is one stretch of the file (one run: whole rows past its first axis of more than
+    one); None where it is several."""
+    runs = _BoxRuns(shape, index, tuple(s.stop - s.start for s in index))
+    return offset + runs.src_base * itemsize if runs.count == 1 else None
+
+
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 

@@ -196,7 +196,7 @@ class TensorWriter:
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
             )
-            at = _stretch_at(offset, shape, box, itemsize)
+            at = file_windows.stretch_at(offset, shape, box, itemsize)
             buffer = self._take(part.nbytes, min(window, moved.nbytes), 0, at or 0)
             buffer = buffer.view(moved.dtype).reshape(part.shape)
             host_transpose.copy(buffer, part, self.files.copy, self.files.copy_threads)
@@ -222,19 +222,6 @@ class TensorWriter:
             size = max(nbytes, wanted, 1) + file_windows.ALIGN
             buffer = self._buffers[slot] = np.empty(size, np.uint8)
         return file_windows.placed(buffer, at, nbytes)
-
-
-def _stretch_at(
-    offset: int, shape: tuple[int, ...], box: regions.Index, itemsize: int
-) -> int | None:
-    """The file offset of `box` of a C-order array of `shape` at `offset`, where the box is one
-    stretch of the file (whole rows after its first axis of more than one); None otherwise."""
-    extent = [s.stop - s.start for s in box]
-    first = next((axis for axis, n in enumerate(extent) if n > 1), len(extent))
-    if any(e != n for e, n in zip(extent[first + 1 :], shape[first + 1 :], strict=True)):
-        return None
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    return offset + sum(s.start * st for s, st in zip(box, strides, strict=True)) * itemsize
 
 
 def device_computed(tensor: HubTensor, window_bytes: int) -> Computed | None:
