@@ -1,15 +1,18 @@
-"""What the tests of O_DIRECT writes ask of the kernel: whether a filesystem takes them, and
-which pages of a file are in the page cache (`mincore`)."""
+"""What the tests of O_DIRECT writes ask of the kernel (whether a filesystem takes them, which
+pages of a file are in the page cache) and of the writer (the bytes it wrote so)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from keras_orbax._src.export import file_windows
 from keras_orbax._src.runtime import libc
 
 
@@ -51,3 +54,24 @@ def filesystem_type(path: Path) -> str:
             if inside and len(point) > len(best):
                 best, kind = point, fs_type
     return kind
+
+
+@contextlib.contextmanager
+def direct_bytes_written(minimum: int | None = None) -> Iterator[list[int]]:
+    """Within the block, the bytes each `FileWindows` wrote with O_DIRECT, kept as it closes (the
+    real close runs); with `minimum`, `file_windows.DIRECT_MIN` lowered to it (the tests' bands
+    are KiBs)."""
+    written: list[int] = []
+    close, direct_min = file_windows.FileWindows.close, file_windows.DIRECT_MIN
+
+    def recorded(files: file_windows.FileWindows) -> None:
+        written.append(files.direct_bytes)
+        close(files)
+
+    file_windows.FileWindows.close = recorded  # type: ignore[method-assign]
+    file_windows.DIRECT_MIN = direct_min if minimum is None else minimum
+    try:
+        yield written
+    finally:
+        file_windows.FileWindows.close = close  # type: ignore[method-assign]
+        file_windows.DIRECT_MIN = direct_min

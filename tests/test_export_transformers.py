@@ -21,7 +21,7 @@ from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.export import file_windows, hub_tensors
 from keras_orbax.errors import UnsupportedSourceError
 from tests import _hf_export
-from tests._direct_io import refuses_o_direct
+from tests._direct_io import direct_bytes_written, refuses_o_direct
 from tests._harness import WORKERS_DIR, run_workers, start_workers
 from tests._hub import import_keras_hub
 
@@ -69,9 +69,7 @@ def test_a_sharded_backbone_gives_keras_hubs_files(tmp_path, distribution, name)
     _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
 
 
-def test_bands_written_straight_to_the_disk_give_keras_hubs_files(
-    tmp_path, distribution, monkeypatch
-):
+def test_bands_written_straight_to_the_disk_give_keras_hubs_files(tmp_path, distribution):
     """Each transposed tensor is copied band by band into buffers placed like the file, whose
     whole pages go with O_DIRECT (the minimum lowered to a page: these bands are KiBs, four to a
     kernel); the pages two bands share go through the page cache. The files are keras-hub's, byte
@@ -82,16 +80,8 @@ def test_bands_written_straight_to_the_disk_give_keras_hubs_files(
     config = dict(_hf_export.LLAMA3, vocabulary_size=256, hidden_dim=64, intermediate_dim=512)
     backbone = _hf_export.backbone_class("llama3")(**config)
     _hf_export.fill(backbone)
-    direct: list[int] = []
-    close = file_windows.FileWindows.close
-
-    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
-        direct.append(files.direct_bytes)
-        close(files)
-
-    monkeypatch.setattr(file_windows, "DIRECT_MIN", file_windows.ALIGN)
-    monkeypatch.setattr(file_windows.FileWindows, "close", recorded)
-    keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=64 << 10)
+    with direct_bytes_written(minimum=file_windows.ALIGN) as direct:
+        keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=64 << 10)
     assert direct and direct[0] >= 3 * (6 * 64 * 512 * 4) // 4  # most of the six FFN kernels
     backbone.export_to_transformers(str(tmp_path / "keras_hub"))
     _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")

@@ -23,6 +23,7 @@ from keras_orbax._src.export import file_windows
 from keras_orbax._src.storage import commit
 from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 from tests import _faults, _harness
+from tests._direct_io import direct_bytes_written
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="mounting a tmpfs or an ext4 image needs root"
@@ -91,24 +92,13 @@ def _failing_export(sink, model, root, stage, fault, committed):
 
 
 @pytest.mark.parametrize("disk", ["tmpfs", "ext4"])
-def test_the_hugging_face_export_writes_straight_to_each_disk(tmp_path, models, monkeypatch, disk):
+def test_the_hugging_face_export_writes_straight_to_each_disk(tmp_path, models, disk):
     """The faults below meet O_DIRECT writes: on both filesystems the export writes pages so."""
     model, _ = models["transformers"]
-    direct: list[int] = []
-    close = file_windows.FileWindows.close
-
-    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
-        direct.append(files.direct_bytes)
-        close(files)
-
-    monkeypatch.setattr(file_windows.FileWindows, "close", recorded)
     root = tmp_path / "disk"
-    if disk == "tmpfs":
-        with _faults.tmpfs(root):
-            _faults.export("transformers", model, root)
-    else:
-        with _faults.ext4(tmp_path / "ext4.img", root):
-            _faults.export("transformers", model, root)
+    mounted = _faults.tmpfs(root) if disk == "tmpfs" else _faults.ext4(tmp_path / "ext4.img", root)
+    with mounted, direct_bytes_written() as direct:
+        _faults.export("transformers", model, root)
     assert direct and direct[0] >= 6 * file_windows.ALIGN, direct  # pages of each FFN kernel
 
 

@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 import keras_orbax
 from keras_orbax._src.export import file_windows
 from tests import _hf_export
+from tests._direct_io import direct_bytes_written
 from tests._rss import peak_growth
 from tests._worker_util import exit_now, init_worker, write_result
 
@@ -204,19 +205,8 @@ def _straight_to_the_disk(directory: Path, process_id: int) -> dict:
     mesh they are half rows, runs of a KiB); the processes' stretches meet inside pages, which
     both write through the page cache."""
     backbone = _wide_llama3((1, 8))
-    written: list[int] = []
-    close = file_windows.FileWindows.close
-
-    def recorded(files: file_windows.FileWindows) -> None:  # the real close, its count kept
-        written.append(files.direct_bytes)
-        close(files)
-
-    minimum, file_windows.DIRECT_MIN = file_windows.DIRECT_MIN, file_windows.ALIGN
-    file_windows.FileWindows.close = recorded  # type: ignore[method-assign]
-    try:
+    with direct_bytes_written(minimum=file_windows.ALIGN) as written:
         keras_orbax.export_to_transformers(backbone, directory / "ours", window_bytes=1 << 20)
-    finally:
-        file_windows.DIRECT_MIN, file_windows.FileWindows.close = minimum, close  # type: ignore[method-assign]
     if process_id == 0:  # keras-hub's export of the same values, on one device
         _wide_llama3(None).export_to_transformers(str(directory / "keras_hub"))
     return {"direct_bytes": sum(written)}
