@@ -49,6 +49,37 @@ def test_read_ahead_stays_within_the_window():
     assert sorted(reader.seen) == list(range(16))
 
 
+def test_large_regions_are_read_while_the_wave_before_is_handed_on():
+    """The disk never waits for placing: while the consumer holds the last region of a wave of
+    large regions, the next wave's reads run; and still at most the window is read ahead."""
+    started = threading.Condition()
+    seen: dict[int, int] = {}
+    consumed = 0
+
+    class Reader:
+        def read(self, index, dtype):
+            with started:
+                seen[index[0].start] = consumed
+                started.notify_all()
+            return np.zeros((1, 1 << 19), dtype)  # 2 MiB of float32: a large region
+
+    target = jax.ShapeDtypeStruct((12, 1 << 19), np.float32)
+    request = sharded_read.ReadRequest(record=None, target=target)  # type: ignore[arg-type]
+    reader = Reader()
+    units = [
+        read_ahead.Unit([(request, reader, (slice(i, i + 1), slice(None)))]) for i in range(12)
+    ]
+    assert not any(unit.is_small for unit in units)
+    for i, _ in enumerate(read_ahead.read_ahead(units, workers=8, window=8 << 20)):
+        if i < 10:  # the reads of the regions after this one's wave start before it is handed on
+            with started:
+                assert started.wait_for(lambda i=i: len(seen) > i + 1, timeout=60), (i, seen)
+        with started:
+            consumed += 1
+    # 8 MiB: four regions read and not yet handed on at most.
+    assert sorted(seen) == list(range(12)) and all(seen[i] >= i - 3 for i in seen), seen
+
+
 def test_a_region_larger_than_the_window_still_goes():
     reader = _CountingReader()
     target = jax.ShapeDtypeStruct((2, 1 << 18), np.float32)
@@ -116,20 +147,38 @@ def test_regions_in_short_runs_are_read_by_one_thread_per_core(
 
 
 def test_reading_ahead_stops_when_placing_fails(tmp_path, monkeypatch, distribution):
-    """A restore that fails while placing what was read stops its reading threads at once, not
-    once the error (whose traceback holds the reading generator) is freed."""
+    """A restore that fails while placing what was read stops its reads at once, not once the
+    error (whose traceback holds the reading generator) is freed: none is running when it has
+    raised, and none starts after (the pools' threads are kept: work queued before a marker runs
+    before it). The failure comes while the next wave's reads run, more than there are threads."""
     distribution(_models.model_parallel((2, 4)))
 
-    def build() -> keras.Model:  # regions over 1 MiB: read by the pool's threads
-        layers = [keras.layers.Dense(1024, name=f"wide_{i}") for i in range(3)]
-        return keras.Sequential([keras.Input((512,)), *layers])
+    def build() -> keras.Model:  # 16 MiB kernels: regions of 2 MiB, read by the pool's threads
+        layers = [keras.layers.Dense(2048, name=f"wide_{i}") for i in range(6)]
+        return keras.Sequential([keras.Input((2048,)), *layers])
 
     keras_orbax.save(build(), tmp_path, step=1)
-    before = set(threading.enumerate())
+    reads = {"started": 0, "ended": 0}
+    lock, failed = threading.Lock(), threading.Event()
+    read = FastArray.read
+
+    def counted(*args, **kwargs):
+        with lock:
+            reads["started"] += 1
+        if fails_on_the_second.calls:  # the first array is placed: later reads wait for the error
+            failed.wait(timeout=120)
+        try:
+            return read(*args, **kwargs)
+        finally:
+            with lock:
+                reads["ended"] += 1
+
+    monkeypatch.setattr(FastArray, "read", counted)
     placed = sharded_read._place
 
     def fails_on_the_second(*args, **kwargs):
         if fails_on_the_second.calls:
+            failed.set()
             raise RuntimeError("placing failed")
         fails_on_the_second.calls += 1
         return placed(*args, **kwargs)
@@ -137,10 +186,13 @@ def test_reading_ahead_stops_when_placing_fails(tmp_path, monkeypatch, distribut
     fails_on_the_second.calls = 0
     monkeypatch.setattr(sharded_read, "_place", fails_on_the_second)
     with pytest.raises(RuntimeError, match="placing failed") as caught:
-        keras_orbax.restore_sharded(build(), tmp_path)
-    readers = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        keras_orbax.restore_sharded(build(), tmp_path, read_window_bytes=64 << 20)
     assert caught.value.__traceback__ is not None  # still held here
-    assert readers == [], readers
+    assert reads["started"] == reads["ended"], reads  # none running
+    started = reads["started"]
+    for pool in _read_pools().values():
+        pool.submit(lambda: None).result(timeout=120)
+    assert reads["started"] == started < 6 * 8, reads  # none started after; some never did
 
 
 def _read_all(reader: _CountingReader, n: int) -> int:

@@ -7,7 +7,7 @@ its read). Small arrays kept in one file are read by `SmallFiles` and cut on the
 Units whose regions go in short runs are read by one thread per core (`Unit.is_cpu_bound`).
 
 ```python
-units = batched([u for r, a, indices in plan.fast for u in units_of(r, a, indices)])
+units = batched(u for r, a, indices in plan.fast for u in units_of(r, a, indices))
 for (request, array, index), region in read_ahead(units, workers=8, window=512 << 20):
     ...  # regions come in the order of `units`
 ```
@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -138,11 +138,11 @@ BATCH_BYTES, _BATCH_REGIONS = 1 << 20, 64
 _SMALL_WORKERS = 2
 
 
-def batched(units: list[Unit]) -> list[Unit]:
+def batched(units: Iterable[Unit]) -> Iterator[Unit]:
     """Consecutive single regions joined into units of up to `_BATCH_REGIONS` regions and
     `BATCH_BYTES`: a future per small region costs more in the pool's lock than its read (5000
-    variables, 12,500 regions: 0.55 s waiting on the lock)."""
-    joined: list[Unit] = []
+    variables, 12,500 regions: 0.55 s waiting on the lock). Lazy: `units` are planned as
+    `read_ahead` gets to them."""
     tasks: list[Task] = []
     nbytes = 0
     for unit in units:
@@ -150,63 +150,111 @@ def batched(units: list[Unit]) -> list[Unit]:
         if tasks and (
             not joins or len(tasks) == _BATCH_REGIONS or nbytes + unit.size > BATCH_BYTES
         ):
-            joined.append(Unit(tasks, size=nbytes))
+            yield Unit(tasks, size=nbytes)
             tasks, nbytes = [], 0
         if joins:
             tasks += unit.tasks
             nbytes += unit.size
         else:
-            joined.append(unit)
+            yield unit
     if tasks:
-        joined.append(Unit(tasks, size=nbytes))
-    return joined
+        yield Unit(tasks, size=nbytes)
 
 
 def read_ahead(
-    units: list[Unit], workers: int, window: int
+    units: Iterable[Unit], workers: int, window: int
 ) -> Generator[tuple[Task, np.ndarray], None, None]:
     """Each region of each unit, in order, read by a pool of threads (small arrays' files by
-    `SmallFiles`, then cut on this thread) in waves of at most `window` bytes (at least one unit
-    each).
+    `SmallFiles`, then cut on this thread) in waves of at most half of `window` bytes (at least
+    one unit each), with at most `window` bytes read and not yet handed on.
 
-    A wave is read whole before any of its regions is handed on: placing arrays on their devices
-    while the readers run makes the two pass the GIL back and forth (a device put waits for it each
-    time it comes back from C++), which cost more than the reads themselves with thousands of
-    small variables (12,500 regions: 0.6 s of placing where 0.2 s does it alone).
+    A wave is read whole before any of its regions is handed on, and the next wave of large
+    regions is started first, so that the disk does not wait while the wave's last reads finish
+    and its regions are placed. A wave of mostly small regions is started only once the one
+    before it is handed on: placing arrays on their devices while those readers run makes the two
+    pass the GIL back and forth (a device put waits for it each time it comes back from C++),
+    which cost more than the reads themselves with thousands of small variables (12,500 regions:
+    0.6 s of placing where 0.2 s does it alone). `units` are taken lazily, a wave ahead of the one
+    being read, so that planning them (`units_of`) overlaps the reads.
 
-    The threads are the process's (`runtime.thread_pools`), kept between restores. A caller that may stop early
-    (an error) closes it (`contextlib.closing`): the reads it started are then cancelled or waited
-    for, not left writing whenever the generator is freed.
+    The threads are the process's (`runtime.thread_pools`), kept between restores. A caller that
+    may stop early (an error) closes it (`contextlib.closing`): the reads it started are then
+    cancelled or waited for, not left writing whenever the generator is freed.
     """
-    sizes = [unit.size for unit in units]
     files = SmallFiles()
-    pool = _Submitted(thread_pools.shared("read", workers))
-    small_pool = _Submitted(thread_pools.shared("small", min(workers, _SMALL_WORKERS)))
-    cpu_pool = _Submitted(thread_pools.shared("cpu", min(workers, _cores())))
+    pools = {
+        "read": _Submitted(thread_pools.shared("read", workers)),
+        "small": _Submitted(thread_pools.shared("small", min(workers, _SMALL_WORKERS))),
+        "cpu": _Submitted(thread_pools.shared("cpu", min(workers, _cores()))),
+    }
 
     def pool_for(unit: Unit) -> _Submitted:
         if unit.is_small:
-            return small_pool
-        return cpu_pool if unit.is_cpu_bound else pool
+            return pools["small"]
+        return pools["cpu" if unit.is_cpu_bound else "read"]
 
+    waves = _waves(units, max(window // 2, 1))
     try:
-        following = 0
-        while following < len(units):
-            wave: list[tuple[Unit, Callable[[], list[np.ndarray]]]] = []
-            nbytes = 0
-            while following < len(units) and (not wave or nbytes + sizes[following] <= window):
-                unit = units[following]
-                wave.append((unit, unit.start(pool_for(unit), files)))
-                nbytes += sizes[following]
-                following += 1
-            read = [regions() for _, regions in wave]
-            for submitted in (pool, small_pool, cpu_pool):
-                submitted.futures.clear()  # done: the regions are held by `read` alone
-            for (unit, _), regions in zip(wave, read, strict=True):
+        reading = _Wave.start(next(waves, []), pool_for, files)
+        planned = next(waves, [])
+        while reading.units:
+            following = None
+            if planned and _overlaps(reading.units, planned, window):
+                following = _Wave.start(planned, pool_for, files)
+                planned = next(waves, [])
+            read = reading.wait()
+            for submitted in pools.values():
+                submitted.forget_done()  # their regions are held by `read` alone
+            for (unit, _), regions in zip(reading.started, read, strict=True):
                 yield from zip(unit.tasks, regions, strict=True)
+            del read
+            if following is None:
+                following = _Wave.start(planned, pool_for, files)
+                planned = next(waves, [])
+            reading = following
     finally:  # stopped early: no read of this restore goes on writing after it returns
-        for submitted in (pool, small_pool, cpu_pool):
+        for submitted in pools.values():
             submitted.settle()
+
+
+def _waves(units: Iterable[Unit], limit: int) -> Iterator[list[Unit]]:
+    """`units` in consecutive waves of at most `limit` bytes, at least one unit each."""
+    wave: list[Unit] = []
+    nbytes = 0
+    for unit in units:
+        if wave and nbytes + unit.size > limit:
+            yield wave
+            wave, nbytes = [], 0
+        wave.append(unit)
+        nbytes += unit.size
+    if wave:
+        yield wave
+
+
+def _overlaps(wave: list[Unit], following: list[Unit], window: int) -> bool:
+    """Whether `following` may be read while `wave` is read and handed on: most of its units are
+    large regions (see `read_ahead`; a model's norms and biases come between its kernels), and the
+    two fit in the window together."""
+    size = sum(u.size for u in wave) + sum(u.size for u in following)
+    small = sum(u.is_small for u in following)
+    return size <= window and 2 * small <= len(following)
+
+
+@dataclasses.dataclass
+class _Wave:
+    """Units whose reads have started, and what waits for each one's regions."""
+
+    units: list[Unit]
+    started: list[tuple[Unit, Callable[[], list[np.ndarray]]]]
+
+    @classmethod
+    def start(
+        cls, units: list[Unit], pool_for: Callable[[Unit], _Submitted], files: SmallFiles
+    ) -> _Wave:
+        return cls(units, [(unit, unit.start(pool_for(unit), files)) for unit in units])
+
+    def wait(self) -> list[list[np.ndarray]]:
+        return [regions() for _, regions in self.started]
 
 
 class _Submitted:
@@ -220,6 +268,9 @@ class _Submitted:
         future = self.pool.submit(fn, *args)
         self.futures.append(future)
         return future
+
+    def forget_done(self) -> None:
+        self.futures = [future for future in self.futures if not future.done()]
 
     def settle(self) -> None:
         """Cancels what has not started, waits for what has."""

@@ -39,7 +39,6 @@ from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import replicas
 from keras_orbax._src.read.contiguous import ComputedArray
 from keras_orbax._src.read.read_ahead import (
-    BATCH_BYTES,
     batched,
     read_ahead,
     region_bytes,
@@ -151,9 +150,9 @@ def read_arrays(
 ) -> tuple[dict[str, jax.Array], int]:
     """Reads every planned array; returns them by key and the bytes this process read.
 
-    Regions are read by a pool of threads across all arrays at once, in waves of at most
-    `window_bytes` (default: 512 MiB or the largest region, whichever is larger; one region always
-    goes), each wave read before its arrays are put on their devices. So host memory for reads stays
+    Regions are read by a pool of threads across all arrays at once, at most `window_bytes` ahead
+    of being put on their devices (default: 512 MiB or the largest region, whichever is larger;
+    one region always goes; `read_ahead` reads in waves). So host memory for reads stays
     within the window plus the regions of the one array being placed (which, on the CPU backend,
     are the devices' own buffers). Collective when some arrays go through Orbax (the compact
     format) or `plan.shared` holds some (one process reads each replicated region, the others
@@ -163,19 +162,16 @@ def read_arrays(
     Raises:
         CorruptCheckpointError: an array file is unreadable.
     """
+    # Planned as they are read (`read_ahead` takes them a wave ahead): the first reads start
+    # once the first arrays are planned, not all of them.
     units = batched(
-        [
-            unit
-            for request, array, indices in plan.fast
-            for unit in units_of(request, array, indices)
-        ]
+        unit for request, array, indices in plan.fast for unit in units_of(request, array, indices)
     )
     arrays: dict[str, jax.Array] = {}
     bytes_read = 0
     workers = max_workers or min(16, 4 * (os.cpu_count() or 1))
-    # A unit of at most BATCH_BYTES holds no region larger than the default window.
-    largest = [region_bytes(r, i) for u in units if u.size > BATCH_BYTES for r, _, i in u.tasks]
-    window = window_bytes or max([DEFAULT_WINDOW_BYTES, *largest])
+    sizes = [region_bytes(request, index) for request, _, indices in plan.fast for index in indices]
+    window = window_bytes or max([DEFAULT_WINDOW_BYTES, *sizes])  # one region always goes
     # Closed on any error: its pools stop reading and let go of their buffers now, not when the
     # traceback holding this frame is freed.
     reading = contextlib.closing(read_ahead(units, workers, window))
@@ -183,7 +179,7 @@ def read_arrays(
     error: Exception | None = None
     with (
         reading as pieces,
-        Progress("restore_sharded", sum(u.size for u in units), enabled=show_progress) as progress,
+        Progress("restore_sharded", sum(sizes), enabled=show_progress) as progress,
     ):
         for request, _, indices in plan.fast:
             sharing = plan.shared.get(request.record.key)
