@@ -28,23 +28,47 @@ import keras
 import pytest
 
 N_DEVICES = 8
-# The files that take longest (measured, longest first) are collected first: `pytest -n 2
-# --dist loadfile` hands files to the workers in collection order, and one of these started last
-# would leave the other worker idle at the end (test_training_matrix.py alone builds 24 cases).
+# The files that take longest (measured in a full `-n 2 --dist loadfile` run, longest first) are
+# handed out first: `--dist loadfile` gives the workers whole files in collection order, and one of
+# these started last would leave the other worker idle at the end. pytest-xdist (3.7 on) reorders
+# the files by their number of tests unless told not to (`pytest_configure` below): that order
+# left files of a few long tests (test_memory.py, test_incremental_objects.py, test_kill.py) last.
 _LONGEST_FIRST = (
-    "test_training_matrix.py",
-    "test_callback.py",
-    "test_multihost.py",
+    "test_data_position.py",
+    "test_fault_matrix.py",
+    "test_export_transformers.py",
     "test_object_storage.py",
-    "test_keras_files.py",
-    "test_callback_resume.py",
+    "test_every_verb.py",
+    "test_callback.py",
+    "test_incremental_objects.py",
+    "test_multihost.py",
+    "test_training_matrix.py",
     "test_memory.py",
-    "test_environment.py",
+    "test_quantization_matrix.py",
+    "test_export_preset.py",
     "test_cli.py",
+    "test_incremental.py",
+    "test_user_day.py",
+    "test_environment.py",
+    "test_keras_parity.py",
+    "test_docs.py",
+    "test_export_h5.py",
+    "test_callback_resume.py",
+    "test_mapped_safety.py",
+    "test_kill.py",
+    "test_quantized_calibrated.py",
+    "test_callback_keras_suite.py",
+    "test_seed_preset.py",
+    "test_keras_files.py",
+    "test_hub_presets.py",
 )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Keep the collection order (`_LONGEST_FIRST`) in the `--dist loadfile` queue: pytest-xdist's
+    # default reorders the files by how many tests each has.
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
     if not hasattr(config, "workerinput"):  # once a run, before any xdist worker writes entries
         _drop_empty_cache_entries(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
     if keras.backend.backend() != "jax":
