@@ -231,7 +231,7 @@ def test_two_processes(tmp_path, models):
     cases = [{"sink": sink, "root": str(root)} for sink, root in roots.items()]
     # Each case's wait for the missing process is this long: most of the test's time. Healthy
     # barriers here wait a second or two, under load too.
-    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "8"}
+    env = {"KERAS_ORBAX_SYNC_TIMEOUT_S": "12"}
     with _faults.ext4(image, ext4_root), _faults.tmpfs(roots["transformers"]):
         worker = _harness.WORKERS_DIR / "fault_multi.py"
         with _harness.start_workers(
@@ -295,7 +295,7 @@ def _check_step_fault(root, first, second, sink):
     """Process 1 removed one of its shard files at the step's region check ("step.regions"): both
     raise the same `SaveFailedError` naming process 1's missing region. Or it failed at Orbax's
     finalize, after the agreement ("step.finalize"): process 0 raises `SaveFailedError` too, once
-    Orbax's barrier gives up, within `KERAS_ORBAX_SYNC_TIMEOUT_S` (8 s here) of the agreement,
+    Orbax's barrier gives up, within `KERAS_ORBAX_SYNC_TIMEOUT_S` (12 s here) of the agreement,
     not Orbax's 20 minutes. Or it stalled before Orbax's save-start barrier ("step.start"): process
     0 raises `SaveFailedError` naming that barrier once it gives up, within
     `KERAS_ORBAX_SYNC_TIMEOUT_S` (Orbax's own barrier would wait for process 1 without limit: it
