@@ -355,12 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["KERAS_BACKEND"] = "jax"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    # XLA's CPU collectives give up after 40 s of one device waiting for another: the forward pass
-    # of the 9B model on two cores once did (2026-12-06, a load that had finished in 15.5 s).
-    os.environ["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8"
-        " --xla_cpu_collective_call_terminate_timeout_seconds=600"
-    )
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
