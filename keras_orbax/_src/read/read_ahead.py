@@ -197,7 +197,7 @@ def read_ahead(
     try:
         reading = _Wave.start(next(waves, []), pool_for, files)
         planned = next(waves, [])
-        while reading.units:
+        while reading.started:
             following = None
             if planned and _overlaps(reading.units, planned, window):
                 following = _Wave.start(planned, pool_for, files)
@@ -244,14 +244,17 @@ def _overlaps(wave: list[Unit], following: list[Unit], window: int) -> bool:
 class _Wave:
     """Units whose reads have started, and what waits for each one's regions."""
 
-    units: list[Unit]
     started: list[tuple[Unit, Callable[[], list[np.ndarray]]]]
 
     @classmethod
     def start(
         cls, units: list[Unit], pool_for: Callable[[Unit], _Submitted], files: SmallFiles
     ) -> _Wave:
-        return cls(units, [(unit, unit.start(pool_for(unit), files)) for unit in units])
+        return cls([(unit, unit.start(pool_for(unit), files)) for unit in units])
+
+    @property
+    def units(self) -> list[Unit]:
+        return [unit for unit, _ in self.started]
 
     def wait(self) -> list[list[np.ndarray]]:
         return [regions() for _, regions in self.started]
