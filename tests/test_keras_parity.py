@@ -340,8 +340,8 @@ def _stateful(name: str) -> tuple[keras.Layer, keras.KerasTensor, np.ndarray]:
     if name in ("Embedding", "ReversibleEmbedding"):
         layer = getattr(keras.layers, name)(16, 4, name="layer")
         return layer, keras.Input((3,), dtype="int32"), RNG.integers(0, 16, (8, 3))
-    if name == "Dense":
-        return keras.layers.Dense(4, name="layer"), keras.Input((8, 4)), floats
+    if name in ("Dense", "TernaryDense"):  # TernaryDense: Keras 3.16 on
+        return getattr(keras.layers, name)(4, name="layer"), keras.Input((8, 4)), floats
     if name == "EinsumDense":
         layer = keras.layers.EinsumDense("abc,cd->abd", (8, 4), bias_axes="d", name="layer")
         return layer, keras.Input((8, 4)), floats

@@ -10,11 +10,13 @@ adapter instance, for this `fit` only, is the smallest change that positions eve
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 
@@ -40,10 +42,11 @@ _sliceable: Callable[..., Any] = Private(
 _jax_compatible: Callable[[Iterator[Any]], Iterator[Any]] = Private(
     "keras", f"{_ADAPTERS}.data_adapter_utils", "get_jax_iterator"
 ).get()
-# `fit` keeps its EpochIterator in this local; found from a callback hook it runs.
-_FIT = inspect.unwrap(Private("keras", "keras.src.backend.jax.trainer", "JAXTrainer.fit").get())
+# `fit` keeps its EpochIterator in this local; found from a callback hook it runs. `keras.Model.fit`
+# is the JAX backend's trainer's own `fit` (named `JAXTrainer` in Keras 3.15, `Trainer` in 3.16).
+_FIT = inspect.unwrap(keras.Model.fit)
 if "epoch_iterator" not in _FIT.__code__.co_varnames:
-    raise unsupported("keras", "keras.src.backend.jax.trainer.JAXTrainer.fit (its epoch_iterator)")
+    raise unsupported("keras", f"{_FIT.__module__}.{_FIT.__qualname__} (its epoch_iterator)")
 
 
 def fit_epoch_iterator() -> Any | None:
@@ -62,12 +65,25 @@ def fit_epoch_iterator() -> Any | None:
 
 def replace_batches(adapter: Any, batches: Callable[[], Iterator[Any]]) -> Callable[[], None]:
     """Makes `adapter` yield `batches()` for each epoch `fit` reads; returns what puts it back."""
-    adapter.get_jax_iterator = batches
+
+    def get_jax_iterator(super_batch: int | None = None) -> Iterator[Any]:
+        # Keras 3.16 asks for `steps_per_execution` batches stacked into one, as its own adapters
+        # stack them (a function 3.15 does not have, so it is resolved only when asked for).
+        if not super_batch:
+            return batches()
+        return _super_batches()(iter(batches()), super_batch, stack_fn=jax.numpy.stack)
+
+    adapter.get_jax_iterator = get_jax_iterator
 
     def put_back() -> None:
         adapter.__dict__.pop("get_jax_iterator", None)
 
     return put_back
+
+
+@functools.cache
+def _super_batches() -> Callable[..., Iterator[Any]]:
+    return Private("keras", f"{_ADAPTERS}.data_adapter_utils", "super_batch_iterator").get()
 
 
 def keras_batches(adapter: Any) -> Iterator[Any]:

@@ -38,11 +38,19 @@ SUPPORTED: dict[str, Supported] = {
 }
 
 
+def distribution_version(distribution: str) -> str | None:
+    """The installed version of `distribution`, or of its nightly (`keras-nightly` installs the
+    `keras` package under another distribution name); None if neither is installed."""
+    for name in (distribution, f"{distribution}-nightly"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def installed_version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "(version unknown)"
+    return distribution_version(distribution) or "(version unknown)"
 
 
 def unsupported(distribution: str, symbol: str) -> UnsupportedVersionError:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from keras_orbax._src.compat.versions import distribution_version
 from keras_orbax._src.format.dtypes import np_dtype
 
 FORMAT_NAME = "keras_orbax"
@@ -88,13 +88,7 @@ def versions() -> dict[str, str]:
 @functools.cache  # 1 ms of a background save's blocking time otherwise
 def _versions() -> dict[str, str]:
     names = ("keras-orbax", "keras", "jax", "jaxlib", "orbax-checkpoint", "tensorstore")
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "unknown"
-    return found
+    return {name: distribution_version(name) or "unknown" for name in names}
 
 
 def v1_role(key: str) -> str:
