@@ -90,11 +90,16 @@ def _full_model() -> keras.Model:
     return _models.compile_adam(_models.full_model())  # Dropout: its seed state must resume too
 
 
-def _mlp(**optimizer_kwargs: Any) -> Callable[[], keras.Model]:
+def _mlp(steps_per_execution: int = 1, **optimizer_kwargs: Any) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
         model = _models.mlp()
         optimizer = keras.optimizers.Adam(1e-2, **optimizer_kwargs)
-        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        model.compile(
+            optimizer=optimizer,
+            loss="mse",
+            metrics=["mae"],
+            steps_per_execution=steps_per_execution,
+        )
         return model
 
     return build
@@ -109,7 +114,14 @@ def _state(model: keras.Model) -> list[np.ndarray]:
 
 
 def _resume_exactly(
-    directory, build, inputs, *, epochs: int, stop_after: int, save_freq: str | int = "epoch"
+    directory,
+    build,
+    inputs,
+    *,
+    epochs: int,
+    stop_after: int,
+    save_freq: str | int = "epoch",
+    batches_per_call: int = 1,
 ) -> tuple[keras_orbax.RestoreResult, keras.callbacks.History]:
     """Runs the three fits; asserts the resumed state is the uninterrupted one, exactly."""
     keras.utils.set_random_seed(1)
@@ -124,7 +136,7 @@ def _resume_exactly(
         callbacks=[_StopAfter(stop_after), checkpoint],
     )  # fmt: skip
     assert checkpoint.preempted
-    assert step_dirs.committed_steps(directory)[-1] == stop_after
+    assert step_dirs.committed_steps(directory)[-1] == stop_after * batches_per_call
 
     keras.utils.set_random_seed(2)  # another init: the restore must overwrite all of it
     resumed = build()
@@ -134,7 +146,8 @@ def _resume_exactly(
     history = resumed.fit(
         **inputs(), epochs=epochs, shuffle=False, verbose=0, callbacks=[checkpoint]
     )
-    assert checkpoint.restored is not None and checkpoint.restored.step == stop_after
+    assert checkpoint.restored is not None
+    assert checkpoint.restored.step == stop_after * batches_per_call
     for variable, got, want in zip(
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):
@@ -161,6 +174,17 @@ def test_known_steps_per_epoch_resume_exactly(tmp_path, mp, build, inputs, stop_
     restored, history = _resume_exactly(tmp_path, build, inputs, epochs=3, stop_after=stop_after)
     assert (restored.record.epoch, restored.record.batch) == position
     assert history.epoch == list(range(position[0], 3))
+
+
+def test_several_steps_per_execution_resume_exactly(tmp_path, mp):
+    # Two batches a call of the train function (Keras 3.16 stacks them into one super-batch,
+    # asked of the input the resume positions): 4 batches an epoch, stopped after 3 calls.
+    build = _mlp(steps_per_execution=2)
+    restored, history = _resume_exactly(
+        tmp_path, build, _arrays(4), epochs=3, stop_after=3, batches_per_call=2
+    )
+    assert (restored.record.epoch, restored.record.batch) == (1, 2)
+    assert history.epoch == [1, 2]
 
 
 @pytest.mark.parametrize(("stop_after", "position"), [(8, (0, 8)), (12, (0, 12))])
