@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -13,12 +14,13 @@ from keras_orbax._src.format import step_dirs
 from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import locations
+from keras_orbax._src.training import local_tier
 from keras_orbax._src.training.best_so_far import BestSoFar
 from keras_orbax._src.training.callback_args import validate
 from keras_orbax._src.training.data_position import DataPosition
 from keras_orbax._src.training.fit_progress import FitProgress
 from keras_orbax._src.training.preemption import PreemptionWatcher
-from keras_orbax._src.training.resume import ResumePoint, resume
+from keras_orbax._src.training.resume import Resumed, ResumePoint, resume
 from keras_orbax._src.training.retention import Retention, loggable
 from keras_orbax._src.training.saving import Saves
 from keras_orbax._src.write import step_writer
@@ -82,6 +84,13 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             committed) and stop `fit`, which returns normally with `preempted` set; exiting is
             left to the caller. Under `jax.distributed`, JAX's preemption service makes every
             process save at the same step.
+        local_directory: A second tier of steps in fast local storage (under `/dev/shm`, or a
+            local SSD), written in the background every `local_save_freq` batches, so that a
+            crash loses the batches since the last local save. `resume` takes the newest
+            intact step of either tier. Each step there is an ordinary keras-orbax step; one
+            process only for now. See docs/preemption.md.
+        local_save_freq: Save to `local_directory` every N batches (None: every batch).
+        local_max_to_keep: Keep the latest N local steps (one more while a new one commits).
 
     Raises:
         ValueError: an argument is out of range, or `directory` is a Keras file name or template.
@@ -121,9 +130,19 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         save_on_preemption: bool = True,
         incremental: bool = True,
         rewrite_every: int | None = None,
+        local_directory: str | os.PathLike | None = None,
+        local_save_freq: int | None = None,
+        local_max_to_keep: int = 2,
     ) -> None:
         super().__init__(monitor, mode, initial_value_threshold)
         validate(directory, save_freq, max_to_keep, keep_best, keep_every, format)
+        local_tier.check_arguments(
+            local_directory,
+            local_save_freq,
+            local_max_to_keep,
+            directory=os.fspath(directory),
+            save_weights_only=save_weights_only,
+        )
         step_writer.check_rewrite_every(rewrite_every)
         if resume and save_weights_only:
             raise ValueError(
@@ -164,6 +183,21 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             incremental=incremental,
             rewrite_every=rewrite_every,
         )
+        self.local_directory = None if local_directory is None else os.fspath(local_directory)
+        self.local_save_freq = local_save_freq
+        self.local_max_to_keep = local_max_to_keep
+        self._local = (
+            None
+            if local_directory is None
+            else local_tier.LocalTier(
+                local_directory,
+                every=local_save_freq or 1,
+                max_to_keep=local_max_to_keep,
+                monitor=monitor,
+                format=format,
+                incremental=incremental,
+            )
+        )
         self._last_saved_step: int | None = None
         self._best = BestSoFar(self._retention)
         self._watcher = PreemptionWatcher()
@@ -180,11 +214,15 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._data = DataPosition.of_fit()  # the input of the fit calling this hook
         checkpointer = self._saves.open()
         try:
+            if self._local is not None:
+                self._local.open()
             self._begin_in_directory(checkpointer)
         except BaseException:
             self._close(failing=True)
             raise
         self._saves.start(self.model)
+        if self._local is not None:
+            self._local.saves.start(self.model)
         if self.save_on_preemption:
             self._watcher.start()
 
@@ -199,6 +237,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self.restored is not None and self.restored.step is not None:
             step = max(step, self.restored.step)
         self._progress.step = step
+        if self._local is not None:
+            self._local.check_follows(step)
         if steps and steps[-1] > step:
             raise ValueError(
                 f"'{self.directory}' already holds steps up to {steps[-1]}, but the model is at "
@@ -233,6 +273,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             and self._progress.step // self.save_freq > previous // self.save_freq
         ):
             self._consider_save(logs or {}, at_epoch_end=False)
+        if self._local is not None and self._local.due(previous, self._progress.step):
+            self._save_local()
         if preempted:
             self._save_for_preemption(at_epoch_end=False)
 
@@ -255,6 +297,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         """A background save that failed stops `fit` at the next hook, not the next save."""
         try:
             self._saves.raise_if_failed()
+            if self._local is not None:
+                self._local.saves.raise_if_failed()
         except BaseException:
             self._close(failing=True)
             raise
@@ -267,6 +311,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         """
         try:
             self._saves.wait()
+            if self._local is not None:
+                self._local.saves.wait()
         except BaseException:
             self._close(failing=True)
             raise
@@ -317,9 +363,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
                 reason=reason,
                 blocking=blocking,
                 steps_per_epoch=self._param("steps"),
-                data_state=None
-                if self._data is None
-                else self._data.state(epoch=epoch, batch=batch),
+                data_state=self._data_state(epoch, batch),
             )
         except BaseException:
             self._close(failing=True)
@@ -327,27 +371,64 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._last_saved_step = step
         self._report(step, epoch, batch, reason, note)
 
+    @gc_pause.paused()
+    def _save_local(self) -> None:
+        """Writes the current step to the local tier, in the background (after the previous
+        local save has committed: each local step is one batch's loss at most)."""
+        assert self._local is not None
+        self.model.jax_state_sync()
+        epoch, batch = self._progress.position(False, self._param("steps"))
+        try:
+            self._local.save(
+                self.model,
+                step=self._progress.step,
+                epoch=epoch,
+                batch=batch,
+                steps_per_epoch=self._param("steps"),
+                data_state=self._data_state(epoch, batch),
+            )
+        except BaseException:
+            self._close(failing=True)
+            raise
+
+    def _data_state(self, epoch: int, batch: int | None) -> dict[str, Any] | None:
+        return None if self._data is None else self._data.state(epoch=epoch, batch=batch)
+
     # -- resume, fit's parameters ----------------------------------------------------------------
 
     def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
-        resumed = resume(
-            self.model,
-            self.directory,
-            checkpointer,
-            epochs=self._param("epochs"),
-            steps_per_epoch=self._param("steps"),
-            verbose=self.verbose,
-            position_input=self._position_input,
-        )
+        resumed = None
+        if self._local is not None:
+            resumed = self._local.resume(self._resume_from, persistent=self.directory)
+        if resumed is None:
+            resumed = self._resume_from(self.directory, checkpointer)
         if resumed is not None:
             self.restored, self._resume_point = resumed.restored, resumed.point
             self._set_epoch = self._resume_point is not None
 
-    def _position_input(self, step: int, record: Any) -> bool:
-        """Puts the input where step `step` left it (`DataPosition`); whether it could."""
+    def _resume_from(
+        self,
+        directory: str,
+        checkpointer: ocp.training.Checkpointer,
+        newer_than: int | None = None,
+    ) -> Resumed | None:
+        return resume(
+            self.model,
+            directory,
+            checkpointer,
+            epochs=self._param("epochs"),
+            steps_per_epoch=self._param("steps"),
+            verbose=self.verbose,
+            position_input=functools.partial(self._position_input, directory),
+            newer_than=newer_than,
+        )
+
+    def _position_input(self, directory: str, step: int, record: Any) -> bool:
+        """Puts the input where step `step` of `directory` left it (`DataPosition`); whether it
+        could."""
         if self._data is None:
             return False
-        step_dir = locations.as_path(self.directory) / str(step)
+        step_dir = locations.as_path(directory) / str(step)
         return self._data.resume_from(step_dir, epoch=record.epoch, batch=record.batch or 0)
 
     def _param(self, name: str) -> Any:
@@ -383,4 +464,6 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._data is not None:
             self._data.close()
             self._data = None
+        if self._local is not None:
+            self._local.saves.close(failing=failing)
         self._saves.close(failing=failing)

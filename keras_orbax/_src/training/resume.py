@@ -48,6 +48,7 @@ def resume(
     steps_per_epoch: int | None = None,
     verbose: int,
     position_input: Callable[[int, StepRecord], bool] | None = None,
+    newer_than: int | None = None,
 ) -> Resumed | None:
     """Restores the newest intact step of `directory` into `model` and sets `fit` to start at
     the epoch (and batch) it records; None if the directory holds no step.
@@ -62,7 +63,8 @@ def resume(
 
     `position_input(step, record)` puts `fit`'s input at the position the step saved, and says
     whether it could (`data_position.DataPosition`); if not, the trained batches of a resumed epoch
-    are read and dropped.
+    are read and dropped. `newer_than`: only steps after it are considered (None where there
+    is no such step).
 
     Raises:
         CorruptCheckpointError: the directory holds steps, and none of them can be restored
@@ -72,13 +74,16 @@ def resume(
             wrote.
     """
     steps = sorted(
-        set(step_dirs.committed_steps(directory)) | {c.step for c in checkpointer.checkpoints}
+        s
+        for s in set(step_dirs.committed_steps(directory))
+        | {c.step for c in checkpointer.checkpoints}
+        if newer_than is None or s > newer_than
     )
     if not steps:
         return None
     restored, passed_over = _restore_newest_intact(model, directory, steps)
     moved = multihost.primary_value(
-        "resume/set aside", _set_aside, directory, [s for s, _ in passed_over]
+        "resume/set aside", set_aside, directory, [s for s, _ in passed_over]
     )
     if passed_over:
         checkpointer.reload()  # its listing still holds the steps moved aside
@@ -194,7 +199,7 @@ ASIDE_SUFFIX = ".unreadable"
 step name to Orbax, `committed_steps`, retention or `inspect`, nor an Orbax temporary one."""
 
 
-def _set_aside(directory: str, steps: list[int]) -> list[str]:
+def set_aside(directory: str, steps: list[int]) -> list[str]:
     """Moves each of `steps` out of the listing of `directory`'s steps, under a name that says
     why and is not taken; returns where each went (JSON-safe: process 0 moves for all)."""
     root = locations.as_path(directory)

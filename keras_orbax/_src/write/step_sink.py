@@ -96,6 +96,11 @@ class StepSink(commit.Sink):
         commit.
         """
         context = ocp.Context()
+        # Orbax signals that a save's directories exist under a process-wide operation id: two
+        # saves in flight at once (a local tier and the persistent one, two callbacks) would wait
+        # on each other's signal and write into a directory not yet made. Made before the save
+        # returns instead (one mkdir of each; the writes still run in the background).
+        context.async_options.create_directories_asynchronously = False
         if commit_timeout_s is not None:
             context.async_options.timeout_secs = commit_timeout_s
         # Orbax's last two barriers of a save (after every process agreed, around process 0's
