@@ -305,6 +305,47 @@ BENCHMARKS = [
         targets={"async": 0.05},
     ),
     _suite(
+        "local_tier",
+        "local_tier_benchmark",
+        "`fit` with a local tier saving after every batch (/dev/shm) against `fit` alone",
+        {
+            "plain": "`fit` with no checkpoint",
+            "local": "`ModelCheckpoint(dir, local_directory=<shm>, local_save_freq=1)`",
+        },
+        "plain",
+        prepare=False,
+        sizes={
+            "small": {"mib": 16, "epochs": 1, "steps": 4},
+            "full": {"mib": 256, "epochs": 2, "steps": 8},
+        },
+        repeats=3,
+        columns=(
+            ("step_ms", "step ms", ".1f"),
+            ("blocked_ms", "blocked per save ms", ".1f"),
+            ("blocked_max_ms", "longest ms", ".1f"),
+        ),
+        targets={"local": 1 / 0.9},
+    ),
+    _suite(
+        "local_recovery",
+        "local_tier_benchmark",
+        "a resumed `fit`'s start to its first trained batch, from the local tier, against `fit` "
+        "alone + reading and placing the step's bytes",
+        {
+            "floor": "`fit` to its first batch, then the local step's files read into fresh "
+            "memory (8 threads) and placed as the variables are",
+            "recover": "`ModelCheckpoint(..., local_directory=<shm>, resume=True)`",
+        },
+        "floor",
+        sizes={
+            "small": {"mib": 16, "epochs": 1, "steps": 4},
+            "full": {"mib": 256, "epochs": 1, "steps": 8},
+        },
+        repeats=3,
+        columns=(("first_batch_s", "fit to first batch s", ".2f"),),
+        targets={"recover": 1.2},
+    ),
+    _suite(
         "first_save",
         "first_save",
         "time `fit` is blocked by the first background save of a fresh process, x a sync save",

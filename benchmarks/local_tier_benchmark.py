@@ -1,0 +1,196 @@
+"""The local tier of `ModelCheckpoint` (`local_directory` under /dev/shm): what a save after every
+batch costs `fit`, and how soon a resumed `fit` trains again from it.
+
+The model (`callback_benchmark.build_model`: 4 Dense layers, Adam; `mib` MiB of state in all,
+variables and both Adam slots) trains `epochs` epochs of `steps` batches under ModelParallel on 8
+virtual CPU devices, compiled by a `fit` beforehand. Every case's callback is wrapped so that each
+batch's step has finished computing, off the clock, before the hooks run (the time inside them is
+the time the loop is blocked); the floor wraps a callback that does nothing, the same way.
+
+`local_tier` (throughput and blocking; `seconds` is the `fit`):
+
+    plain       no checkpoint (the floor)
+    local       `ModelCheckpoint(directory, local_directory=<shm>, local_save_freq=1)`, the
+                persistent tier saving at each epoch's end
+
+`local_recovery` (`seconds` from the start of the resumed `fit` call to its first trained batch):
+
+    floor       a `fit` of the same model with no checkpoint to its first batch, then the newest
+                local step's files read into fresh memory (8 threads) and placed as the model's
+                variables are
+    recover     `ModelCheckpoint(..., local_directory=<shm>, resume=True)` from the step that
+                `prepare` left there (mid-epoch, newer than the persistent tier's)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+
+from benchmarks import bench_model as bm
+from benchmarks.callback_benchmark import BATCH, LAYERS, build_model
+
+
+def _width(params: dict) -> int:
+    # `mib` of state: float32 parameters and Adam's two slots, three copies.
+    return int(round((params["mib"] * 2**20 / 3 / 4 / LAYERS) ** 0.5 / 64) * 64)
+
+
+def _data(params: dict):
+    import numpy as np
+
+    width = _width(params)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((params["steps"] * BATCH, width), dtype="float32")
+    y = rng.standard_normal((params["steps"] * BATCH, width), dtype="float32")
+    return x, y
+
+
+def _shm(work: str) -> str:
+    return os.path.join("/dev/shm", "keras_orbax_bench", os.path.basename(os.path.normpath(work)))
+
+
+def _synced(inner):
+    """`inner` wrapped: each batch's step is computed, off the clock, before its hooks run."""
+    import jax
+    import keras
+
+    from benchmarks.hook_timer import TimedCallback
+
+    class Synced(TimedCallback):
+        def on_train_batch_end(self, batch, logs=None):
+            jax.block_until_ready([v.value for v in self.model.trainable_variables])
+            super().on_train_batch_end(batch, logs)
+
+    return Synced(inner if inner is not None else keras.callbacks.Callback())
+
+
+def _checkpoint(work: str, **kwargs):
+    import keras_orbax
+
+    return keras_orbax.ModelCheckpoint(
+        os.path.join(work, "persistent"),
+        local_directory=_shm(work),
+        local_save_freq=1,
+        **kwargs,
+    )
+
+
+def run_case(case: str, params: dict, work: str) -> dict:
+    if case in ("floor", "recover"):
+        return _recovery(case, params, work)
+    model = build_model(_width(params))
+    x, y = _data(params)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # compile
+    for directory in (os.path.join(work, "persistent"), _shm(work)):
+        shutil.rmtree(directory, ignore_errors=True)
+    timed = _synced(_checkpoint(work) if case == "local" else None)
+    clock = bm.clock()
+    model.fit(x, y, batch_size=BATCH, epochs=params["epochs"], shuffle=False, verbose=0,
+              callbacks=[timed])  # fmt: skip
+    fit_s = bm.since(clock)[0]
+    blocked = timed.seconds["on_train_batch_end"]
+    steps = params["epochs"] * params["steps"]
+    shutil.rmtree(_shm(work), ignore_errors=True)
+    return {
+        "seconds": fit_s,
+        "step_ms": 1e3 * fit_s / steps,
+        "blocked_ms": 1e3 * statistics.mean(blocked),
+        "blocked_max_ms": 1e3 * max(blocked),
+        "state_mib": bm.resident_bytes([v.value for v in bm.state_variables(model)]) / 2**20,
+    }
+
+
+def prepare(params: dict, work: str) -> dict:
+    """A run stopped mid-epoch: persistent steps at epoch ends, local steps after every batch."""
+    import keras
+
+    model = build_model(_width(params))
+    x, y = _data(params)
+    for directory in (os.path.join(work, "persistent"), _shm(work)):
+        shutil.rmtree(directory, ignore_errors=True)
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == params["steps"] + 1:
+                self.model.stop_training = True
+
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+              callbacks=[_checkpoint(work, local_max_to_keep=1), Stop()])  # fmt: skip
+    return {"local_step": params["steps"] + 1}
+
+
+def _recovery(case: str, params: dict, work: str) -> dict:
+    import jax
+    import keras
+
+    from keras_orbax._src.format import step_dirs
+
+    model = build_model(_width(params))
+    x, y = _data(params)
+
+    class FirstBatch(keras.callbacks.Callback):
+        seconds = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.seconds is None:
+                jax.block_until_ready([v.value for v in self.model.trainable_variables])
+                self.seconds = bm.since(clock)[0]
+                self.model.stop_training = True
+
+    first = FirstBatch()
+    callbacks = [first] if case == "floor" else [_checkpoint(work, resume=True), first]
+    clock = bm.clock()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    result = {"first_batch_s": first.seconds}
+    if case == "recover":
+        return {**result, "seconds": first.seconds}
+    step = step_dirs.committed_steps(_shm(work))[-1]
+    clock = bm.clock()
+    buffer = _read_into_one(os.path.join(_shm(work), str(step)))
+    placed = [
+        jax.device_put(host, v.value.sharding)
+        for v, host in zip(bm.state_variables(model), _as_arrays(buffer, model), strict=True)
+    ]
+    jax.block_until_ready(placed)
+    read_place_s = bm.since(clock)[0]
+    return {**result, "read_place_s": read_place_s, "seconds": first.seconds + read_place_s}
+
+
+def _read_into_one(path: str, threads: int = 8):
+    """Every file under `path` read by `threads` threads into one fresh buffer, file after file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from benchmarks.harness import files_of
+
+    files = files_of(path)
+    sizes = [os.path.getsize(f) for f in files]
+    buffer = np.empty(sum(sizes), np.uint8)
+    starts = np.cumsum([0, *sizes[:-1]])
+
+    def read(i: int) -> None:
+        with open(files[i], "rb", buffering=0) as f:
+            f.readinto(memoryview(buffer[starts[i] : starts[i] + sizes[i]]))
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(len(files))))
+    return buffer
+
+
+def _as_arrays(buffer, model) -> list:
+    """The state variables' shapes over the bytes read, one after the other (views, no copy;
+    the fast format's files hold the state's bytes, in another order)."""
+    import numpy as np
+
+    arrays, offset = [], 0
+    for variable in bm.state_variables(model):
+        dtype = np.dtype(variable.dtype)
+        size = int(np.prod(variable.shape)) * dtype.itemsize
+        if offset + size > len(buffer):
+            raise ValueError(f"the step holds fewer bytes than the model's state ({len(buffer)})")
+        arrays.append(buffer[offset : offset + size].view(dtype).reshape(variable.shape))
+        offset += size
+    return arrays
