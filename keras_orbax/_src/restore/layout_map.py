@@ -49,6 +49,12 @@ def get_layout_map(
     split over the model axis along its largest dimension that the axis divides and over the data
     axis along another one; vectors, scalars and what no axis divides are replicated.
 
+    The keys match any layer number (`decoder_block_\\d+/...`), so the map fits the model that
+    `from_preset` or a script builds next, whatever Keras numbers its layers. Where layers that
+    differ only in their numbers need different layouts (two auto-named `Dense` layers of
+    different shapes), the keys keep those numbers: build the model to load with the same names
+    (named layers, or a fresh process), or pass that model itself.
+
     Args:
         preset_or_model: A keras-hub preset (a local directory, a Hugging Face directory, a
             `kaggle://`/`hf://` handle or one of keras-hub's preset names), or a Keras model (a
@@ -66,8 +72,8 @@ def get_layout_map(
         TypeError: `preset_or_model` is neither a preset nor a Keras model.
 
     Warns:
-        UserWarning: what could not be split leaves each device more than 1.25 x an even split
-            of the model; the message names the largest such variables.
+        UserWarning: what the mesh's axes could not split leaves each device more than 1.25 x
+            an even split of the model's matrices; the message names the least split.
 
     Example:
     ```python
@@ -84,7 +90,7 @@ def get_layout_map(
     for variable in _unique_variables(model):
         shape = tuple(variable.shape)
         layouts[variable.path] = _hub_axes(hub_map, variable.path, shape, device_mesh) or (
-            split_axes(shape, device_mesh, axes)
+            _split_axes(shape, device_mesh, axes)
         )
     _warn_if_uneven(model, layouts, device_mesh)
     layout_map = keras.distribution.LayoutMap(device_mesh)
@@ -93,7 +99,7 @@ def get_layout_map(
     return layout_map
 
 
-def split_axes(
+def _split_axes(
     shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh, axes: Sequence[str]
 ) -> Axes:
     """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
@@ -126,7 +132,8 @@ def _mesh_axes(
 ) -> tuple[str, str]:
     if not isinstance(device_mesh, keras.distribution.DeviceMesh):
         raise TypeError(
-            f"device_mesh must be a keras.distribution.DeviceMesh. Received: device_mesh={device_mesh!r}"
+            "device_mesh must be a keras.distribution.DeviceMesh. "
+            f"Received: device_mesh={device_mesh!r}"
         )
     for argument, name in (
         ("model_parallel_dim_name", model_axis),
