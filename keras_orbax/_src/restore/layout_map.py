@@ -4,9 +4,9 @@ keras-hub writes layout maps by hand for a few backbones. Every other model gets
 its variables' shapes: each variable of two or more dimensions is split over the model axis along
 its largest dimension that the axis divides, and over the data axis along another one (as
 keras-hub's own maps split embeddings and kernels over both); what no axis divides, and every
-vector and scalar, is replicated. The keys are the variables' paths with each run of digits
-matching any number, so that a model built again (layer names counted up from another start) is
-matched the same way.
+vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
+any number, so that a model built again (layer names counted up from another start) is matched
+the same way.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def get_layout_map(
     split over the model axis along its largest dimension that the axis divides and over the data
     axis along another one; vectors, scalars and what no axis divides are replicated.
 
-    The keys match any layer number (`decoder_block_\\d+/...`), so the map fits the model that
-    `from_preset` or a script builds next, whatever Keras numbers its layers. Where layers that
-    differ only in their numbers need different layouts (two auto-named `Dense` layers of
-    different shapes), the keys keep those numbers: build the model to load with the same names
-    (named layers, or a fresh process), or pass that model itself.
+    The keys match any layer number (`decoder_block_\\d+/...`, `moe_block(?:_\\d+)?/...`), so
+    the map fits the model that `from_preset` or a script builds next, whatever Keras numbers its
+    layers. Layers whose names differ only by Keras's counter (`conv2d`, `conv2d_1`) get one layout
+    that divides them all; only where none does, their keys keep the numbers, and a model built
+    with other numbers leaves them replicated.
 
     Args:
         preset_or_model: A keras-hub preset (a local directory, a Hugging Face directory, a
@@ -86,12 +86,12 @@ def get_layout_map(
     axes = _mesh_axes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
     model = _model_of(preset_or_model)
     hub_map = _hub_layout_map(model, device_mesh, axes)
-    layouts = {}
-    for variable in _unique_variables(model):
-        shape = tuple(variable.shape)
-        layouts[variable.path] = _hub_axes(hub_map, variable.path, shape, device_mesh) or (
-            _split_axes(shape, device_mesh, axes)
-        )
+    shapes = {v.path: tuple(v.shape) for v in _unique_variables(model)}
+    layouts = {
+        path: _hub_axes(hub_map, path, shape, device_mesh) or _split_axes(shape, device_mesh, axes)
+        for path, shape in shapes.items()
+    }
+    layouts = _unified(layouts, shapes, device_mesh)
     _warn_if_uneven(model, layouts, device_mesh)
     layout_map = keras.distribution.LayoutMap(device_mesh)
     for key, layout in _keyed(layouts).items():
@@ -189,11 +189,8 @@ def _hub_axes(
 ) -> Axes | None:
     """keras-hub's layout for `path` if it has one and it divides `shape`."""
     layout = None if hub_map is None else hub_map[path]
-    if layout is None or len(layout.axes) != len(shape):
+    if layout is None or not _divides(tuple(layout.axes), shape, device_mesh):
         return None
-    for dim, name in zip(shape, layout.axes, strict=True):
-        if name is not None and dim % _axis_size(device_mesh, name):
-            return None
     return tuple(layout.axes)
 
 
@@ -207,19 +204,56 @@ def _unique_variables(model: keras.Model) -> list[keras.Variable]:
     return found
 
 
+def _unified(
+    layouts: dict[str, Axes],
+    shapes: dict[str, tuple[int, ...]],
+    device_mesh: keras.distribution.DeviceMesh,
+) -> dict[str, Axes]:
+    """`layouts`, with paths that differ only by the counters Keras appends to names (`conv2d`,
+    `conv2d_1`: another build numbers them differently, so no key can tell them apart) given one
+    layout where one of theirs divides all of them, the one splitting their bytes most."""
+    groups: dict[str, list[str]] = {}
+    for path in layouts:
+        counterless = "/".join(re.sub(r"_\d+$", "", name) for name in path.split("/"))
+        groups.setdefault(counterless, []).append(path)
+    unified = dict(layouts)
+    for paths in groups.values():
+        fits = [
+            axes
+            for axes in dict.fromkeys(layouts[p] for p in paths)
+            if all(_divides(axes, shapes[p], device_mesh) for p in paths)
+        ]
+        if len(set(layouts[p] for p in paths)) > 1 and fits:
+            best = min(fits, key=lambda a: sum(_held(a, shapes[p], device_mesh) for p in paths))
+            unified.update(dict.fromkeys(paths, best))
+    return unified
+
+
+def _divides(
+    axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh
+) -> bool:
+    return len(axes) == len(shape) and all(
+        name is None or dim % _axis_size(device_mesh, name) == 0
+        for dim, name in zip(shape, axes, strict=True)
+    )
+
+
+def _held(axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh) -> float:
+    """The elements of an array of `shape` that one device holds under `axes`."""
+    return math.prod(shape) / math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
+
+
 def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
-    r"""The map's keys: each path with its runs of digits generalized (`block_\d+/dense_\d+/kernel`)
-    where every path a key stands for has the same layout. Where they differ, only the first runs
-    are generalized (`block_\d+/dense_1/kernel`), as many as keep each key's layout one; the
-    exact path where none does. Replicated paths need no key: Keras replicates what the map does
-    not match."""
+    r"""The map's keys: each path's names with their numbers generalized (`block_\d+/dense(?:_\d+)?/
+    kernel`), where every path a key stands for has the same layout. Where they differ, only the
+    first names are generalized, as many as keep each key's layout one; the exact path where none
+    does. Replicated paths need no key: Keras replicates what the map does not match."""
     groups: dict[str, dict[str, Axes]] = {}
     for path, axes in layouts.items():
         groups.setdefault(_general(path, None), {})[path] = axes
     keyed: dict[str, Axes] = {}
     for members in groups.values():
-        runs = len(re.findall(r"\d+", next(iter(members))))
-        for level in range(runs, -1, -1):
+        for level in range(next(iter(members)).count("/") + 1, -1, -1):
             keys: dict[str, set[Axes]] = {}
             for path, axes in members.items():
                 keys.setdefault(_general(path, level), set()).add(axes)
@@ -230,18 +264,29 @@ def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
 
 
 def _general(path: str, level: int | None) -> str:
-    """`path` as a pattern, its first `level` runs of digits (all for None) matching any number.
+    """`path` as a pattern, its first `level` names (all for None) generalized by `_name`, the
+    rest literal.
 
-    Paths that generalize to different patterns at full level match none of each other's keys,
-    so no path matches two keys (which `LayoutMap` refuses); within one such group, one level
-    gives disjoint keys too.
+    Paths whose names generalize alike match each other's patterns and no other path's, so no
+    path matches two keys (which `LayoutMap` refuses); within one such group, the patterns of one
+    level are disjoint too.
     """
-    parts = re.split(r"(\d+)", path)  # text, digits, text, ... text
-    pattern = []
-    for i, part in enumerate(parts):
-        generalized = i % 2 == 1 and (level is None or i // 2 < level)
-        pattern.append(r"\d+" if generalized else re.escape(part))
-    return "".join(pattern)
+    names = path.split("/")
+    cut = len(names) if level is None else level
+    return "/".join([*map(_name, names[:cut]), *map(re.escape, names[cut:])])
+
+
+def _name(name: str) -> str:
+    r"""A pattern for every name that Keras could give the same layer in another build: its
+    numbers any number, and its counter suffix (`dense`, `dense_1`, `dense_12`) any or none.
+
+    It matches exactly the names of the same form: digits runs as `\d+`, and one trailing
+    `_<number>` dropped (`dense_3` and `dense` are one form, `block_1_2` and `block_3_4` another).
+    """
+    base = re.sub(r"_\d+$", "", name)
+    pattern = r"\d+".join(re.escape(part) for part in re.split(r"\d+", base))
+    # `block_1_2` drops one suffix to `block_1`: its form keeps a counter (`block_\d+_\d+`).
+    return pattern + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
 
 
 def _warn_if_uneven(
