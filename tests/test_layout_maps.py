@@ -17,6 +17,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.compat import keras_compat
+from keras_orbax.errors import KerasOrbaxWarning
 from tests._hub import import_keras_hub
 
 keras_hub = import_keras_hub()
@@ -242,7 +243,7 @@ def test_the_tiny_configs_name_every_other_keras_hub_backbone():
 def test_every_backbone_is_split_evenly(name, mesh, distribution):
     model = _deferred(name)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # the map's own warning of an uneven split
+        warnings.simplefilter("error", KerasOrbaxWarning)  # the map's warning of an uneven split
         layout_map = keras_orbax.get_layout_map(model, mesh)
     lookup = keras.distribution.ModelParallel(layout_map=layout_map).get_variable_layout
 
@@ -335,7 +336,7 @@ def test_what_the_mesh_cannot_split_is_named(mesh):
             intermediate_dim=4,
             max_sequence_length=5,
         )
-    with pytest.warns(UserWarning, match=r"x an even split.*token_embedding/embeddings"):
+    with pytest.warns(KerasOrbaxWarning, match=r"x an even split.*token_embedding/embeddings"):
         layout_map = keras_orbax.get_layout_map(model, mesh)
     assert layout_map["token_embedding/embeddings"].axes == ("batch", None)
 

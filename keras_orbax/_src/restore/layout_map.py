@@ -25,6 +25,7 @@ import keras
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.model import matching
 from keras_orbax._src.restore import preset as preset_loading
+from keras_orbax.errors import KerasOrbaxWarning
 
 Axes = tuple[str | None, ...]
 
@@ -72,7 +73,7 @@ def get_layout_map(
         TypeError: `preset_or_model` is neither a preset nor a Keras model.
 
     Warns:
-        UserWarning: what the mesh's axes could not split leaves each device more than 1.25 x
+        KerasOrbaxWarning: what the mesh's axes could not split leaves each device more than 1.25 x
             an even split of the model's matrices; the message names the least split.
 
     Example:
@@ -311,6 +312,7 @@ def _warn_if_uneven(
         f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
         "an even split: the mesh's axes do not divide the dimensions of "
         f"{matching.listed(least_split, 5)}. A mesh whose axes divide them splits them evenly.",
+        KerasOrbaxWarning,
         stacklevel=3,
     )
 
