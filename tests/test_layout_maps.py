@@ -187,6 +187,72 @@ TINY = {
     "XLNetBackbone": _ENCODER,
 }
 TINY["SmolLMBackbone"] = TINY["SmolLM3Backbone"]  # one class, two names
+TINY["MetaCLIP2TextEncoder"] = TINY["CLIPTextEncoder"]
+TINY["MetaCLIP2VisionEncoder"] = TINY["CLIPVisionEncoder"]
+TINY |= {
+    "EfficientNetBackbone": dict(
+        stackwise_kernel_sizes=[3, 3],
+        stackwise_num_repeats=[1, 1],
+        stackwise_input_filters=[16, 16],
+        stackwise_output_filters=[16, 32],
+        stackwise_expansion_ratios=[1, 4],
+        stackwise_squeeze_and_excite_ratios=[0.25, 0.25],
+        stackwise_strides=[1, 2],
+        stackwise_block_types=["v1", "v1"],
+        width_coefficient=1.0,
+        depth_coefficient=1.0,
+        image_shape=_IMAGE,
+    ),
+    "MiTBackbone": dict(
+        layerwise_depths=[1, 1],
+        num_layers=2,
+        layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1],
+        max_drop_path_rate=0.1,
+        layerwise_patch_sizes=[7, 3],
+        layerwise_strides=[4, 2],
+        hidden_dims=[16, 64],
+        image_shape=(32, 32, 3),
+    ),
+    "XceptionBackbone": dict(
+        stackwise_conv_filters=[[16, 32], [32, 64]],
+        stackwise_pooling=[False, True],
+        image_shape=_IMAGE,
+    ),
+}
+
+
+def _encoders(vision: str, text: str) -> dict:
+    models = keras_hub.models
+    return dict(
+        vision_encoder=getattr(models, vision)(**TINY[vision]),
+        text_encoder=getattr(models, text)(**TINY[text]),
+    )
+
+
+def _resnet() -> keras.Model:
+    return keras_hub.models.ResNetBackbone(**TINY["ResNetBackbone"])
+
+
+# Backbones built from other models: their arguments, made inside `deferred_init()`.
+COMPOSITE = {
+    "CLIPBackbone": lambda: dict(
+        _encoders("CLIPVisionEncoder", "CLIPTextEncoder"), projection_dim=16
+    ),
+    "MetaCLIP2Backbone": lambda: dict(
+        _encoders("MetaCLIP2VisionEncoder", "MetaCLIP2TextEncoder"), projection_dim=16
+    ),
+    "SigLIPBackbone": lambda: _encoders("SigLIPVisionEncoder", "SigLIPTextEncoder"),
+    "DeepLabV3Backbone": lambda: dict(
+        image_encoder=_resnet(),
+        spatial_pyramid_pooling_key="P2",
+        upsampling_size=4,
+        dilation_rates=[6, 12],
+    ),
+    "RetinaNetBackbone": lambda: dict(
+        image_encoder=_resnet(), min_level=3, max_level=4, use_p5=False
+    ),
+}
 # keras-hub's own maps, kept wherever their layouts divide the variable.
 HUB_MAPPED = {"GemmaBackbone", "LlamaBackbone", "Llama3Backbone", "QwenBackbone"}
 HUB_MAPPED |= {"Qwen2Backbone", "QwenMoeBackbone", "Qwen3MoeBackbone"}
@@ -200,7 +266,8 @@ def mesh(distribution):
 
 def _deferred(name: str) -> keras.Model:
     with keras_orbax.deferred_init():
-        return getattr(keras_hub.models, name)(**TINY[name])
+        kwargs = COMPOSITE[name]() if name in COMPOSITE else TINY[name]
+        return getattr(keras_hub.models, name)(**kwargs)
 
 
 def _device_bytes(variables: list[keras.Variable], shardings: dict) -> tuple[float, float]:
@@ -216,14 +283,11 @@ def _device_bytes(variables: list[keras.Variable], shardings: dict) -> tuple[flo
 # Not covered here: backbones built from other models (an image encoder, a VAE, a text
 # encoder...) or whose convolution stacks take many arguments to fit.
 NOT_IN_TINY = {
-    "BASNetBackbone", "BLIP2Backbone", "CLIPBackbone", "CSPNetBackbone", "DFineBackbone",
-    "DeepLabV3Backbone", "DepthAnythingBackbone", "EfficientNetBackbone",
-    "FeaturePyramidBackbone", "FluxBackbone", "Gemma3nBackbone", "HGNetV2Backbone",
-    "MetaCLIP2Backbone", "MetaCLIP2TextEncoder", "MetaCLIP2VisionEncoder", "MiTBackbone",
-    "MobileNetBackbone", "MobileNetV5Backbone", "PARSeqBackbone", "RetinaNetBackbone",
-    "SAM3PromptableConceptBackbone", "SAMBackbone", "SegFormerBackbone", "SigLIPBackbone",
+    "BASNetBackbone", "BLIP2Backbone", "CSPNetBackbone", "DFineBackbone",
+    "DepthAnythingBackbone", "FeaturePyramidBackbone", "FluxBackbone", "Gemma3nBackbone",
+    "HGNetV2Backbone", "MobileNetBackbone", "MobileNetV5Backbone", "PARSeqBackbone",
+    "SAM3PromptableConceptBackbone", "SAMBackbone", "SegFormerBackbone",
     "StableDiffusion3Backbone", "T5Gemma2Backbone", "VideoPrismBackbone",
-    "XceptionBackbone",
 }  # fmt: skip
 
 
@@ -236,10 +300,10 @@ def test_the_tiny_configs_name_every_other_keras_hub_backbone():
         and issubclass(getattr(models, name), models.Backbone)
         and name != "Backbone"
     }
-    assert backbones - NOT_IN_TINY == set(TINY)
+    assert backbones - NOT_IN_TINY == set(TINY) | set(COMPOSITE)
 
 
-@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("name", sorted(TINY.keys() | COMPOSITE.keys()))
 def test_every_backbone_is_split_evenly(name, mesh, distribution):
     model = _deferred(name)
     with warnings.catch_warnings():

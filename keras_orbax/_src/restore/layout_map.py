@@ -87,12 +87,18 @@ def get_layout_map(
     axes = _mesh_axes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
     model = _model_of(preset_or_model)
     hub_map = _hub_layout_map(model, device_mesh, axes)
-    shapes = {v.path: tuple(v.shape) for v in _unique_variables(model)}
-    layouts = {
-        path: _hub_axes(hub_map, path, shape, device_mesh) or _split_axes(shape, device_mesh, axes)
-        for path, shape in shapes.items()
-    }
-    layouts = _unified(layouts, shapes, device_mesh)
+    # Each variable's own layout; then one per path (a subclassed model or two nested encoders
+    # can hold one path twice) and per name that Keras's counters alone tell apart.
+    own = [
+        (
+            v.path,
+            shape,
+            _hub_axes(hub_map, v.path, shape, device_mesh) or _split_axes(shape, device_mesh, axes),
+        )
+        for v in _unique_variables(model)
+        for shape in [tuple(v.shape)]
+    ]
+    layouts = _unified(own, device_mesh)
     _warn_if_uneven(model, layouts, device_mesh)
     layout_map = keras.distribution.LayoutMap(device_mesh)
     for key, layout in _keyed(layouts).items():
@@ -206,28 +212,44 @@ def _unique_variables(model: keras.Model) -> list[keras.Variable]:
 
 
 def _unified(
-    layouts: dict[str, Axes],
-    shapes: dict[str, tuple[int, ...]],
-    device_mesh: keras.distribution.DeviceMesh,
+    own: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
 ) -> dict[str, Axes]:
-    """`layouts`, with paths that differ only by the counters Keras appends to names (`conv2d`,
-    `conv2d_1`: another build numbers them differently, so no key can tell them apart) given one
-    layout where one of theirs divides all of them, the one splitting their bytes most."""
-    groups: dict[str, list[str]] = {}
-    for path in layouts:
+    """One layout per path, from each variable's own (`own`: path, shape, layout).
+
+    Paths that differ only by the counters Keras appends to names (`conv2d`, `conv2d_1`) get the
+    same layout where one of theirs divides all of them, the one splitting their bytes most:
+    another build numbers them differently, so no key could tell them apart. Otherwise each path
+    gets the one that divides all of its variables (replicated where none does).
+    """
+    groups: dict[str, list[tuple[str, tuple[int, ...], Axes]]] = {}
+    for path, shape, axes in own:
         counterless = "/".join(re.sub(r"_\d+$", "", name) for name in path.split("/"))
-        groups.setdefault(counterless, []).append(path)
-    unified = dict(layouts)
-    for paths in groups.values():
-        fits = [
-            axes
-            for axes in dict.fromkeys(layouts[p] for p in paths)
-            if all(_divides(axes, shapes[p], device_mesh) for p in paths)
-        ]
-        if len(set(layouts[p] for p in paths)) > 1 and fits:
-            best = min(fits, key=lambda a: sum(_held(a, shapes[p], device_mesh) for p in paths))
-            unified.update(dict.fromkeys(paths, best))
-    return unified
+        groups.setdefault(counterless, []).append((path, shape, axes))
+    layouts: dict[str, Axes] = {}
+    for members in groups.values():
+        common = _common(members, device_mesh)
+        for path, shape, _ in members:
+            if common is None:
+                common_here = _common([m for m in members if m[0] == path], device_mesh)
+                layouts[path] = common_here or (None,) * len(shape)
+            else:
+                layouts[path] = common
+    return layouts
+
+
+def _common(
+    members: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
+) -> Axes | None:
+    """Of the members' layouts, the one that divides every member's shape and leaves a device
+    the fewest elements of them; None if none divides them all."""
+    fits = [
+        axes
+        for axes in dict.fromkeys(axes for _, _, axes in members)
+        if all(_divides(axes, shape, device_mesh) for _, shape, _ in members)
+    ]
+    if not fits:
+        return None
+    return min(fits, key=lambda a: sum(_held(a, shape, device_mesh) for _, shape, _ in members))
 
 
 def _divides(
@@ -241,7 +263,12 @@ def _divides(
 
 def _held(axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh) -> float:
     """The elements of an array of `shape` that one device holds under `axes`."""
-    return math.prod(shape) / math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
+    return math.prod(shape) / _parts(axes, device_mesh)
+
+
+def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
+    """Into how many parts `axes` split an array."""
+    return math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
 
 
 def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
@@ -295,13 +322,15 @@ def _warn_if_uneven(
 ) -> None:
     """Warns where what could not be split leaves a device well above an even split of the
     variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose)."""
-    variables = {v.path: v for v in _unique_variables(model)}
     devices = math.prod(device_mesh.shape)
-    sizes = {path: _bytes(variables[path]) for path, axes in layouts.items() if len(axes) >= 2}
-    held = {
-        path: size / math.prod(_axis_size(device_mesh, a) for a in layouts[path] if a is not None)
-        for path, size in sizes.items()
-    }
+    sizes: dict[str, int] = {}
+    held: dict[str, float] = {}
+    for v in _unique_variables(model):
+        if v.ndim >= 2:
+            size, axes = _bytes(v), layouts[v.path]
+            parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
+            sizes[v.path] = sizes.get(v.path, 0) + size
+            held[v.path] = held.get(v.path, 0.0) + size / parts
     total, per_device = sum(sizes.values()), sum(held.values())
     if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
         return
