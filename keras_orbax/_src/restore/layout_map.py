@@ -89,15 +89,11 @@ def get_layout_map(
     hub_map = _hub_layout_map(model, device_mesh, axes)
     # Each variable's own layout; then one per path (a subclassed model or two nested encoders
     # can hold one path twice) and per name that Keras's counters alone tell apart.
-    own = [
-        (
-            v.path,
-            shape,
-            _hub_axes(hub_map, v.path, shape, device_mesh) or _split_axes(shape, device_mesh, axes),
-        )
-        for v in _unique_variables(model)
-        for shape in [tuple(v.shape)]
-    ]
+    own = []
+    for variable in _unique_variables(model):
+        shape = tuple(variable.shape)
+        kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
+        own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
     layouts = _unified(own, device_mesh)
     _warn_if_uneven(model, layouts, device_mesh)
     layout_map = keras.distribution.LayoutMap(device_mesh)
