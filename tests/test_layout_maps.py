@@ -17,7 +17,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.compat import keras_compat
-from keras_orbax.errors import KerasOrbaxWarning
+from keras_orbax.errors import CheckpointNotFoundError, KerasOrbaxWarning
 from tests._hub import import_keras_hub
 
 keras_hub = import_keras_hub()
@@ -405,7 +405,7 @@ def test_what_the_mesh_cannot_split_is_named(mesh):
     assert layout_map["token_embedding/embeddings"].axes == ("batch", None)
 
 
-def test_a_mesh_without_the_named_axes_is_refused(mesh):
+def test_what_is_not_a_mesh_axis_nor_a_preset_is_refused(mesh):
     model = _deferred("GemmaBackbone")
     with pytest.raises(
         ValueError, match=r"\['batch', 'model'\]. Received: model_parallel_dim_name='tp'"
@@ -413,3 +413,5 @@ def test_a_mesh_without_the_named_axes_is_refused(mesh):
         keras_orbax.get_layout_map(model, mesh, model_parallel_dim_name="tp")
     with pytest.raises(TypeError, match="preset_or_model must be"):
         keras_orbax.get_layout_map(3, mesh)
+    with pytest.raises(CheckpointNotFoundError, match="Did you mean 'gemma_2b_en'"):
+        keras_orbax.get_layout_map("gemma_2b_enn", mesh)
