@@ -71,6 +71,8 @@ def get_layout_map(
     Raises:
         ValueError: an axis name is not one of `device_mesh.axis_names`.
         TypeError: `preset_or_model` is neither a preset nor a Keras model.
+        CheckpointNotFoundError: no such preset directory, nor one of keras-hub's preset names
+            (the message names the closest ones).
 
     Warns:
         KerasOrbaxWarning: what the mesh's axes could not split leaves each device more than 1.25 x
