@@ -214,6 +214,25 @@ TINY |= {
         hidden_dims=[16, 64],
         image_shape=(32, 32, 3),
     ),
+    "Gemma3nBackbone": dict(
+        text_vocab_size=64,
+        text_hidden_size=16,
+        num_hidden_layers=2,
+        pad_token_id=0,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=[32, 32],
+        hidden_activation="gelu_approximate",
+        layer_types=["full_attention", "full_attention"],
+        sliding_window=4,
+        rope_theta=10000.0,
+        max_position_embeddings=16,
+        vocab_size_per_layer_input=64,
+        hidden_size_per_layer_input=8,
+        altup_num_inputs=2,
+        laurel_rank=4,
+    ),
     "XceptionBackbone": dict(
         stackwise_conv_filters=[[16, 32], [32, 64]],
         stackwise_pooling=[False, True],
@@ -300,11 +319,11 @@ def _device_bytes(variables: list[keras.Variable], shardings: dict) -> tuple[flo
     return held, total / len(jax.devices())
 
 
-# Not covered here (16 of keras-hub 0.32's 84): backbones built from several other models (SAM,
-# Stable Diffusion 3, BLIP-2...), or with many arguments to fit (Gemma 3n, MobileNet, D-FINE...).
+# Not covered here (15 of keras-hub 0.32's 84): backbones built from several other models (SAM,
+# Stable Diffusion 3, BLIP-2...), or with many arguments to fit (MobileNet, D-FINE...).
 NOT_IN_TINY = {
     "BASNetBackbone", "BLIP2Backbone", "CSPNetBackbone", "DFineBackbone",
-    "DepthAnythingBackbone", "FeaturePyramidBackbone", "FluxBackbone", "Gemma3nBackbone",
+    "DepthAnythingBackbone", "FeaturePyramidBackbone", "FluxBackbone",
     "HGNetV2Backbone", "MobileNetBackbone", "MobileNetV5Backbone",
     "SAM3PromptableConceptBackbone", "SAMBackbone",
     "StableDiffusion3Backbone", "T5Gemma2Backbone", "VideoPrismBackbone",
