@@ -187,6 +187,7 @@ TINY = {
     "XLNetBackbone": _ENCODER,
 }
 TINY["SmolLMBackbone"] = TINY["SmolLM3Backbone"]  # one class, two names
+TINY["T5Gemma2Backbone"] = TINY["T5GemmaBackbone"]
 TINY["MetaCLIP2TextEncoder"] = TINY["CLIPTextEncoder"]
 TINY["MetaCLIP2VisionEncoder"] = TINY["CLIPVisionEncoder"]
 TINY |= {
@@ -319,14 +320,14 @@ def _device_bytes(variables: list[keras.Variable], shardings: dict) -> tuple[flo
     return held, total / len(jax.devices())
 
 
-# Not covered here (15 of keras-hub 0.32's 84): backbones built from several other models (SAM,
+# Not covered here (14 of keras-hub 0.32's 84): backbones built from several other models (SAM,
 # Stable Diffusion 3, BLIP-2...), or with many arguments to fit (MobileNet, D-FINE...).
 NOT_IN_TINY = {
     "BASNetBackbone", "BLIP2Backbone", "CSPNetBackbone", "DFineBackbone",
     "DepthAnythingBackbone", "FeaturePyramidBackbone", "FluxBackbone",
     "HGNetV2Backbone", "MobileNetBackbone", "MobileNetV5Backbone",
     "SAM3PromptableConceptBackbone", "SAMBackbone",
-    "StableDiffusion3Backbone", "T5Gemma2Backbone", "VideoPrismBackbone",
+    "StableDiffusion3Backbone", "VideoPrismBackbone",
 }  # fmt: skip
 
 
