@@ -5,11 +5,11 @@
     python -m benchmarks reshard --repeats 5 --set layout=2d
     python -m benchmarks reshard --set only=other      # those cases (comma-separated) and the floor
     python -m benchmarks gpu_memory --set cpu_devices=8   # N virtual CPU devices per process
-    python -m benchmarks render reshard --write-docs   # the saved result into docs/benchmarks.md
+    python -m benchmarks render reshard --write-docs   # the saved result into the log
     python -m benchmarks seed_case -- --config 2b      # the seed's own runner: ARGS after --
 
 A run saves its result to benchmarks/_work/results/NAME.json (`--json`) and renders it beside;
-`--write-docs` also replaces NAME's section of docs/benchmarks.md and copies its plots to docs/.
+`--write-docs` also replaces NAME's section of docs/dev/benchmarks-log.md, its plots beside it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a parameter")
     p.add_argument("--work", default=None, help="default: benchmarks/_work/NAME")
     p.add_argument("--json", default=None, help="default: benchmarks/_work/results/NAME.json")
-    p.add_argument("--write-docs", action="store_true", help="NAME's section of docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="NAME's section of the log")
     return p.parse_args(argv)
 
 

@@ -8,7 +8,7 @@ import statistics
 import numpy as np
 
 GIB = 2**30
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "dev")
 PNG = "seed_case.png"
 TARGETS = {"time": 1.15, "peak": 1.05}  # issue 27: x the cold read, x the resident bytes
 
@@ -201,7 +201,7 @@ def markdown(report: dict) -> str:
 
 
 def write_docs(report: dict, text: str) -> None:
-    """Replaces the section between the `bench:seed_case` markers in docs/benchmarks.md and
+    """Replaces the section between the `bench:seed_case` markers in the log and
     draws the plot."""
     from benchmarks.render import PAGE, replace_section
 

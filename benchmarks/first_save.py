@@ -29,7 +29,7 @@ own cost, not a wait for what the train step left behind). `devices`, `mesh=0` (
 distribution) and `compile_first=0` (the timed `fit` compiles) vary the setup. `profile=PATH`
 writes a cProfile of each save of run 0 to PATH.<epoch> (PATH_tf.<epoch> with TensorFlow). The
 case's figure is the first save's blocked time, its floor the median of the sync saves measured in
-the same process; docs/benchmarks.md ("The first save of a process") has the figures.
+the same process; docs/dev/benchmarks-log.md ("The first save of a process") has the figures.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class Benchmark:
 
     `cases` maps each case to what it measures; `floor` is the case the others are divided by
     (None: no floor); `sizes` maps "small" (a smoke run of seconds) and "full" (the figures in
-    docs/benchmarks.md) to the parameters `run_case` and `prepare` get. `evict`: the cases that
+    the benchmark log) to the parameters `run_case` and `prepare` get. `evict`: the cases that
     start with the work directory dropped from the page cache (cold reads). `apart`: cases run
     after every round of the others, not between them (one that frees much fresh memory slows
     whatever runs next). `requires`: cases run only where the named parameter is set

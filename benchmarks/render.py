@@ -1,10 +1,10 @@
-"""The one renderer: docs/benchmarks.md's tables and plots from saved results (JSON).
+"""The one renderer: the benchmark log's tables and plots from saved results (JSON).
 
 `python -m benchmarks render NAME [--write-docs]` reads `benchmarks/_work/results/NAME.json` (what
 `python -m benchmarks NAME` saved), writes `NAME.md` and the plots beside it and, with
-`--write-docs`, replaces the part of docs/benchmarks.md between `<!-- bench:NAME:begin -->` and
-`<!-- bench:NAME:end -->` and copies the plots to docs/ (a page without the markers gets the
-section appended).
+`--write-docs`, replaces the part of docs/dev/benchmarks-log.md between `<!-- bench:NAME:begin -->`
+and `<!-- bench:NAME:end -->` and copies the plots beside it (a page without the markers gets the
+section appended). docs/benchmarks.md, the users' summary, is written by hand from the log.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import shutil
 
 from benchmarks.harness import REPO, Benchmark, call
 
-DOCS = os.path.join(REPO, "docs")
-PAGE = os.path.join(DOCS, "benchmarks.md")
+# The engineering log, outside the site's navigation; its plots beside it.
+DOCS = os.path.join(REPO, "docs", "dev")
+PAGE = os.path.join(DOCS, "benchmarks-log.md")
 
 
 def fmt(value, spec: str) -> str:
@@ -75,7 +76,7 @@ def replace_section(text: str, name: str, section: str) -> str:
 
 
 def write(bench: Benchmark, result: dict, out_dir: str, write_docs: bool) -> str:
-    """NAME.md (and any plots) in `out_dir`; docs/benchmarks.md's section and PNGs on request."""
+    """NAME.md (and any plots) in `out_dir`; the log's section and PNGs on request."""
     os.makedirs(out_dir, exist_ok=True)
     before = set(os.listdir(out_dir))
     text = markdown(bench, result, out_dir)

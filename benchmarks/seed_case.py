@@ -483,9 +483,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", type=float, default=10, help="GB, as in save_to_preset")
     p.add_argument("--json", default=None, help="default: <out-dir>/seed_case.json")
     p.add_argument("--out-dir", default=None, help="outputs of the cases (default: next to --dir)")
-    p.add_argument(
-        "--write-docs", action="store_true", help="the section in docs/benchmarks.md + plot"
-    )
+    p.add_argument("--write-docs", action="store_true", help="its section of the log + plot")
     p.add_argument("--render", default=None, help="only render this JSON of an earlier run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mesh", default="1x8", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
     python -m benchmarks speed_report                      # full sizes, about 15 minutes on 2 cores
     python -m benchmarks speed_report --size small         # small sizes, 1 round: a smoke run
     python -m benchmarks speed_report --set only=save,reshard_cols --set rounds=1
-    python -m benchmarks render speed_report --write-docs  # the saved run into docs/benchmarks.md
+    python -m benchmarks render speed_report --write-docs  # the saved run into the log
 
 Each case is one benchmark of the suite (`SPEED_COMPONENTS` in registry.py) measured through the
 harness (fresh processes, its floor in the same run, medians), then divided by its reference:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from keras_orbax._src.export.transformers import export_to_transformers
     from keras_orbax._src.export.weights_h5 import save_weights
     from keras_orbax._src.model.deferred import deferred_init
+    from keras_orbax._src.restore.layout_map import get_layout_map
     from keras_orbax._src.restore.load_model import load_model
     from keras_orbax._src.restore.preset import from_preset
     from keras_orbax._src.restore.restore import restore_sharded
@@ -58,6 +59,7 @@ __all__ = [
     "errors",
     "export_to_transformers",
     "from_preset",
+    "get_layout_map",
     "inspect",
     "load_model",
     "restore_sharded",
@@ -80,6 +82,7 @@ _LAZY = {
     "diff": "keras_orbax._src.tools.diff",
     "export_to_transformers": "keras_orbax._src.export.transformers",
     "from_preset": "keras_orbax._src.restore.preset",
+    "get_layout_map": "keras_orbax._src.restore.layout_map",
     "inspect": "keras_orbax._src.tools.inspect_checkpoint",
     "load_model": "keras_orbax._src.restore.load_model",
     "restore_sharded": "keras_orbax._src.restore.restore",

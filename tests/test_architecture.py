@@ -52,6 +52,7 @@ PUBLIC_NAMES = [
     "errors",
     "export_to_transformers",
     "from_preset",
+    "get_layout_map",
     "inspect",
     "load_model",
     "restore_sharded",

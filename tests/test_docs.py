@@ -145,3 +145,13 @@ def test_page_runs(page, tmp_path, monkeypatch, distribution, request):
             continue
         code = compile("\n" * block.line + block.source, f"{_name(page)}:{block.line}", "exec")
         exec(code, namespace)
+
+
+def test_the_benchmarks_page_is_a_summary_and_the_log_is_off_the_nav():
+    """docs/benchmarks.md is what a user reads in two minutes; the dated engineering log it
+    summarizes stays built (linked from it) but out of the site's navigation."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:", 1)[1]
+    assert len(page.splitlines()) <= 200
+    assert "(dev/benchmarks-log.md)" in page and (ROOT / "docs/dev/benchmarks-log.md").is_file()
+    assert "benchmarks.md" in nav and "dev/" not in nav

@@ -32,7 +32,8 @@ def from_preset(
     keras-hub builds the model (its own preset code reads the config: same classes, same arguments)
     under `deferred_init()` with `load_weights=False`; then `restore_sharded` reads the preset's
     `model.weights.h5` (or `model.weights.json` and its parts) region by region. Set the
-    distribution first, typically from `cls.get_layout_map(mesh)`. `kaggle://` and `hf://` handles
+    distribution first, typically from `keras_orbax.get_layout_map(preset, mesh)` (any backbone)
+    or keras-hub's own `cls.get_layout_map(mesh)`. `kaggle://` and `hf://` handles
     are downloaded by keras-hub's own code (not tested offline); local directories work as they are.
 
     Args:
@@ -62,7 +63,7 @@ def from_preset(
     Example:
     ```python
     mesh = keras.distribution.DeviceMesh((1, 8), ("batch", "model"))
-    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    layout_map = keras_orbax.get_layout_map("/presets/gemma2_9b_en", mesh)
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     gemma = keras_orbax.from_preset(keras_hub.models.CausalLM, "/presets/gemma2_9b_en")
     ```

@@ -1,0 +1,351 @@
+"""`get_layout_map`: a `keras.distribution.LayoutMap` for any model, derived from its variables.
+
+keras-hub writes layout maps by hand for a few backbones. Every other model gets one derived from
+its variables' shapes: each variable of two or more dimensions is split over the model axis along
+its largest dimension that the axis divides, and over the data axis along another one (as
+keras-hub's own maps split embeddings and kernels over both); what no axis divides, and every
+vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
+any number, so that a model built again (layer names counted up from another start) is matched
+the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.model import matching
+from keras_orbax._src.restore import preset as preset_loading
+from keras_orbax.errors import KerasOrbaxWarning
+
+Axes = tuple[str | None, ...]
+
+# Above this many times an even split of the model, a device holds enough of what could not be
+# split for the user to want to know (the bound the tests hold keras-hub's backbones to).
+_EVEN_SPLIT_TOLERANCE = 1.25
+
+
+def get_layout_map(
+    preset_or_model: str | os.PathLike | keras.Model,
+    device_mesh: keras.distribution.DeviceMesh,
+    *,
+    model_parallel_dim_name: str = "model",
+    data_parallel_dim_name: str = "batch",
+) -> keras.distribution.LayoutMap:
+    """A `LayoutMap` that shards `preset_or_model`'s variables over `device_mesh`.
+
+    Takes keras-hub's `get_layout_map` arguments, plus what to map: a keras-hub preset (built from
+    its config under `deferred_init()`: nothing is allocated, no weight read) or a model. Where the
+    backbone class has its own `get_layout_map` (Gemma, Llama, Qwen...), its layouts are kept for
+    every variable whose dimensions they divide. Every other variable of two or more dimensions is
+    split over the model axis along its largest dimension that the axis divides and over the data
+    axis along another one; vectors, scalars and what no axis divides are replicated.
+
+    The keys match any layer number (`decoder_block_\\d+/...`, `moe_block(?:_\\d+)?/...`), so
+    the map fits the model that `from_preset` or a script builds next, whatever Keras numbers its
+    layers. Layers whose names differ only by Keras's counter (`conv2d`, `conv2d_1`) get one layout
+    that divides them all; only where none does, their keys keep the numbers, and a model built
+    with other numbers leaves them replicated.
+
+    Args:
+        preset_or_model: A keras-hub preset (a local directory, a Hugging Face directory, a
+            `kaggle://`/`hf://` handle or one of keras-hub's preset names), or a Keras model (a
+            keras-hub backbone or task, or any other), built or deferred.
+        device_mesh: The `keras.distribution.DeviceMesh` to shard over.
+        model_parallel_dim_name: The mesh axis the weights are split over first.
+        data_parallel_dim_name: The mesh axis the data is split over; weights are split over it
+            too, along another dimension, as keras-hub's own maps do.
+
+    Returns:
+        A `keras.distribution.LayoutMap` for `keras.distribution.ModelParallel`.
+
+    Raises:
+        ValueError: an axis name is not one of `device_mesh.axis_names`.
+        TypeError: `preset_or_model` is neither a preset nor a Keras model.
+        CheckpointNotFoundError: no such preset directory, nor one of keras-hub's preset names
+            (the message names the closest ones).
+
+    Warns:
+        KerasOrbaxWarning: what the mesh's axes could not split leaves each device more than 1.25 x
+            an even split of the model's matrices; the message names the least split.
+
+    Example:
+    ```python
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"))
+    layout_map = keras_orbax.get_layout_map("/presets/mistral_7b_en", mesh)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = keras_orbax.from_preset(keras_hub.models.CausalLM, "/presets/mistral_7b_en")
+    ```
+    """
+    axes = _mesh_axes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
+    model = _model_of(preset_or_model)
+    hub_map = _hub_layout_map(model, device_mesh, axes)
+    # Each variable's own layout; then one per path (a subclassed model or two nested encoders
+    # can hold one path twice) and per name that Keras's counters alone tell apart.
+    own = []
+    for variable in _unique_variables(model):
+        shape = tuple(variable.shape)
+        kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
+        own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
+    layouts = _unified(own, device_mesh)
+    _warn_if_uneven(model, layouts, device_mesh)
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    for key, layout in _keyed(layouts).items():
+        layout_map[key] = layout
+    return layout_map
+
+
+def _split_axes(
+    shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh, axes: Sequence[str]
+) -> Axes:
+    """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
+    own dimension that it divides, the model axis on the largest; replicated below two dimensions."""
+    replicated: Axes = (None,) * len(shape)
+    if len(shape) < 2:
+        return replicated
+    sizes = [_axis_size(device_mesh, name) for name in axes]
+    best, best_parts = replicated, 1
+    # Each axis gets a dimension or none (-1); the model axis is tried on the largest first.
+    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for choice in itertools.product(*([*dims, -1] for _ in axes)):
+        used = [d for d in choice if d >= 0]
+        if len(used) != len(set(used)):
+            continue
+        if any(d >= 0 and shape[d] % size for d, size in zip(choice, sizes, strict=True)):
+            continue
+        parts = math.prod(size for d, size in zip(choice, sizes, strict=True) if d >= 0)
+        if parts > best_parts:
+            layout: list[str | None] = [None] * len(shape)
+            for d, name in zip(choice, axes, strict=True):
+                if d >= 0:
+                    layout[d] = name
+            best, best_parts = tuple(layout), parts
+    return best
+
+
+def _mesh_axes(
+    device_mesh: keras.distribution.DeviceMesh, model_axis: str, data_axis: str
+) -> tuple[str, str]:
+    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+        raise TypeError(
+            "device_mesh must be a keras.distribution.DeviceMesh. "
+            f"Received: device_mesh={device_mesh!r}"
+        )
+    for argument, name in (
+        ("model_parallel_dim_name", model_axis),
+        ("data_parallel_dim_name", data_axis),
+    ):
+        if name not in device_mesh.axis_names:
+            raise ValueError(
+                f"{argument} must be one of the mesh's axis names {list(device_mesh.axis_names)}. "
+                f"Received: {argument}={name!r}"
+            )
+    return model_axis, data_axis
+
+
+def _axis_size(device_mesh: keras.distribution.DeviceMesh, name: str) -> int:
+    return int(device_mesh.shape[list(device_mesh.axis_names).index(name)])
+
+
+def _model_of(preset_or_model: Any) -> keras.Model:
+    """The model itself, or the backbone a preset's config describes, built deferred."""
+    if isinstance(preset_or_model, keras.Model):
+        return preset_or_model
+    if not isinstance(preset_or_model, str | os.PathLike):
+        raise TypeError(
+            "preset_or_model must be a keras-hub preset (a directory or a handle) or a Keras "
+            f"model. Received: preset_or_model={preset_or_model!r}"
+        )
+    import keras_hub
+
+    backbone = keras_hub.models.Backbone
+    directory = preset_loading._local_directory(preset_or_model, backbone)
+    return preset_loading._deferred(backbone, os.fspath(directory), {})
+
+
+def _hub_layout_map(
+    model: keras.Model, device_mesh: keras.distribution.DeviceMesh, axes: tuple[str, str]
+) -> keras.distribution.LayoutMap | None:
+    """keras-hub's own map for the model's backbone class, where it has one."""
+    hub = sys.modules.get("keras_hub")
+    if hub is None:  # not imported: the model is no keras-hub model
+        return None
+    backbone = model.backbone if isinstance(model, hub.models.Task) else model
+    own = getattr(type(backbone), "get_layout_map", None)
+    if own is None:
+        return None
+    return own(device_mesh, model_parallel_dim_name=axes[0], data_parallel_dim_name=axes[1])
+
+
+def _hub_axes(
+    hub_map: keras.distribution.LayoutMap | None,
+    path: str,
+    shape: tuple[int, ...],
+    device_mesh: keras.distribution.DeviceMesh,
+) -> Axes | None:
+    """keras-hub's layout for `path` if it has one and it divides `shape`."""
+    layout = None if hub_map is None else hub_map[path]
+    if layout is None or not _divides(tuple(layout.axes), shape, device_mesh):
+        return None
+    return tuple(layout.axes)
+
+
+def _unique_variables(model: keras.Model) -> list[keras.Variable]:
+    seen: set[int] = set()
+    found = []
+    for variable in model.weights:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
+def _unified(
+    own: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
+) -> dict[str, Axes]:
+    """One layout per path, from each variable's own (`own`: path, shape, layout).
+
+    Paths that differ only by the counters Keras appends to names (`conv2d`, `conv2d_1`) get the
+    same layout where one of theirs divides all of them, the one splitting their bytes most:
+    another build numbers them differently, so no key could tell them apart. Otherwise each path
+    gets the one that divides all of its variables (replicated where none does).
+    """
+    groups: dict[str, list[tuple[str, tuple[int, ...], Axes]]] = {}
+    for path, shape, axes in own:
+        counterless = "/".join(re.sub(r"_\d+$", "", name) for name in path.split("/"))
+        groups.setdefault(counterless, []).append((path, shape, axes))
+    layouts: dict[str, Axes] = {}
+    for members in groups.values():
+        common = _common(members, device_mesh)
+        for path, shape, _ in members:
+            if common is None:
+                common_here = _common([m for m in members if m[0] == path], device_mesh)
+                layouts[path] = common_here or (None,) * len(shape)
+            else:
+                layouts[path] = common
+    return layouts
+
+
+def _common(
+    members: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
+) -> Axes | None:
+    """Of the members' layouts, the one that divides every member's shape and leaves a device
+    the fewest elements of them; None if none divides them all."""
+    fits = [
+        axes
+        for axes in dict.fromkeys(axes for _, _, axes in members)
+        if all(_divides(axes, shape, device_mesh) for _, shape, _ in members)
+    ]
+    if not fits:
+        return None
+    return min(fits, key=lambda a: sum(_held(a, shape, device_mesh) for _, shape, _ in members))
+
+
+def _divides(
+    axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh
+) -> bool:
+    return len(axes) == len(shape) and all(
+        name is None or dim % _axis_size(device_mesh, name) == 0
+        for dim, name in zip(shape, axes, strict=True)
+    )
+
+
+def _held(axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh) -> float:
+    """The elements of an array of `shape` that one device holds under `axes`."""
+    return math.prod(shape) / _parts(axes, device_mesh)
+
+
+def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
+    """Into how many parts `axes` split an array."""
+    return math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
+
+
+def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
+    r"""The map's keys: each path's names with their numbers generalized (`block_\d+/dense(?:_\d+)?/
+    kernel`), where every path a key stands for has the same layout. Where they differ, only the
+    first names are generalized, as many as keep each key's layout one; the exact path where none
+    does. Replicated paths need no key: Keras replicates what the map does not match."""
+    groups: dict[str, dict[str, Axes]] = {}
+    for path, axes in layouts.items():
+        groups.setdefault(_general(path, None), {})[path] = axes
+    keyed: dict[str, Axes] = {}
+    for members in groups.values():
+        for level in range(next(iter(members)).count("/") + 1, -1, -1):
+            keys: dict[str, set[Axes]] = {}
+            for path, axes in members.items():
+                keys.setdefault(_general(path, level), set()).add(axes)
+            if all(len(found) == 1 for found in keys.values()):
+                keyed.update({key: found.pop() for key, found in keys.items()})
+                break
+    return {key: axes for key, axes in keyed.items() if any(axes)}
+
+
+def _general(path: str, level: int | None) -> str:
+    """`path` as a pattern, its first `level` names (all for None) generalized by `_name`, the
+    rest literal.
+
+    Paths whose names generalize alike match each other's patterns and no other path's, so no
+    path matches two keys (which `LayoutMap` refuses); within one such group, the patterns of one
+    level are disjoint too.
+    """
+    names = path.split("/")
+    cut = len(names) if level is None else level
+    return "/".join([*map(_name, names[:cut]), *map(re.escape, names[cut:])])
+
+
+def _name(name: str) -> str:
+    r"""A pattern for every name that Keras could give the same layer in another build: its
+    numbers any number, and its counter suffix (`dense`, `dense_1`, `dense_12`) any or none.
+
+    It matches exactly the names of the same form: digits runs as `\d+`, and one trailing
+    `_<number>` dropped (`dense_3` and `dense` are one form, `block_1_2` and `block_3_4` another).
+    """
+    base = re.sub(r"_\d+$", "", name)
+    pattern = r"\d+".join(re.escape(part) for part in re.split(r"\d+", base))
+    # `block_1_2` drops one suffix to `block_1`: its form keeps a counter (`block_\d+_\d+`).
+    return pattern + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
+
+
+def _warn_if_uneven(
+    model: keras.Model, layouts: dict[str, Axes], device_mesh: keras.distribution.DeviceMesh
+) -> None:
+    """Warns where what could not be split leaves a device well above an even split of the
+    variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose)."""
+    devices = math.prod(device_mesh.shape)
+    sizes: dict[str, int] = {}
+    held: dict[str, float] = {}
+    for v in _unique_variables(model):
+        if v.ndim >= 2:
+            size, axes = _bytes(v), layouts[v.path]
+            parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
+            sizes[v.path] = sizes.get(v.path, 0) + size
+            held[v.path] = held.get(v.path, 0.0) + size / parts
+    total, per_device = sum(sizes.values()), sum(held.values())
+    if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
+        return
+    excess = {path: held[path] - sizes[path] / devices for path in held}
+    least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
+    warnings.warn(
+        f"The layout map leaves each of the {devices} devices {per_device / 2**20:.2f} MiB of "
+        f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
+        "an even split: the mesh's axes do not divide the dimensions of "
+        f"{matching.listed(least_split, 5)}. A mesh whose axes divide them splits them evenly.",
+        KerasOrbaxWarning,
+        stacklevel=3,
+    )
+
+
+def _bytes(variable: keras.Variable) -> int:
+    import numpy as np
+
+    dtype = np.dtype(keras_compat.stored_dtype(variable))
+    return math.prod(variable.shape) * dtype.itemsize
