@@ -15,10 +15,9 @@ from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import locations
 from keras_orbax._src.training.best_so_far import BestSoFar
 from keras_orbax._src.training.callback_args import validate
-from keras_orbax._src.training.data_position import DataPosition
-from keras_orbax._src.training.fit_progress import FitProgress
+from keras_orbax._src.training.input_position import FitProgress, InputPosition
 from keras_orbax._src.training.preemption import PreemptionWatcher
-from keras_orbax._src.training.resume import ResumePoint, resume
+from keras_orbax._src.training.resume import resume
 from keras_orbax._src.training.retention import Retention, loggable
 from keras_orbax._src.training.saving import Saves
 from keras_orbax._src.write import step_writer
@@ -168,16 +167,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._best = BestSoFar(self._retention)
         self._watcher = PreemptionWatcher()
         self._set_epoch = False
-        self._resume_point: ResumePoint | None = None
         self._progress = FitProgress()
-        self._data: DataPosition | None = None
+        self._data: InputPosition | None = None
 
     # -- fit hooks -------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored = False, None
-        self._resume_point = None
-        self._data = DataPosition.of_fit()  # the input of the fit calling this hook
+        self._data = InputPosition.of_fit(self._save_may_follow)  # the input of this fit
         checkpointer = self._saves.open()
         try:
             self._begin_in_directory(checkpointer)
@@ -214,16 +211,12 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._set_epoch:  # fit has read it by now; a later fit must not start there again
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
-        if self._resume_point is not None:
-            self._resume_point.begin_epoch(self.model, epoch)
         if self._data is not None:
-            self._data.begin_epoch(epoch)
+            self._data.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
-        if self._resume_point is not None and self._resume_point.dropped(
-            self._progress.epoch, batch
-        ):
+        if self._data is not None and self._data.dropped(self._progress.epoch, batch):
             self._progress.last_batch = batch  # trained before the checkpoint; read and dropped now
             return
         previous = self._progress.end_batch(batch)
@@ -238,8 +231,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
-        if self._resume_point is not None:
-            self._resume_point.close()  # the input may have ended before the dropped batches did
+        if self._data is not None:
+            self._data.end_epoch()
         if self.preempted:
             return  # saved and stopping already; this epoch did not finish
         if self.save_freq == "epoch":
@@ -335,20 +328,31 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self.directory,
             checkpointer,
             epochs=self._param("epochs"),
-            steps_per_epoch=self._param("steps"),
             verbose=self.verbose,
             position_input=self._position_input,
         )
         if resumed is not None:
-            self.restored, self._resume_point = resumed.restored, resumed.point
-            self._set_epoch = self._resume_point is not None
+            self.restored = resumed.restored
+            self._set_epoch = resumed.epoch is not None
 
     def _position_input(self, step: int, record: Any) -> bool:
-        """Puts the input where step `step` left it (`DataPosition`); whether it could."""
-        if self._data is None:
-            return False
+        """Sets `fit` to go on where step `step` left it (`InputPosition`); whether its input is
+        put past the batches trained before (else it reads and drops them)."""
+        assert self._data is not None, "made in on_train_begin, before the restore"
         step_dir = locations.as_path(self.directory) / str(step)
-        return self._data.resume_from(step_dir, epoch=record.epoch, batch=record.batch or 0)
+        return self._data.resume_from(
+            self.model, step_dir, record, steps_per_epoch=self._param("steps")
+        )
+
+    def _save_may_follow(self, batches: int) -> bool:
+        """Whether a save may follow the batch that makes `batches` batches of this epoch trained
+        (a preemption notice, or a multiple of an int `save_freq` reached in that execution)."""
+        if self.save_on_preemption and self._watcher.requested:
+            return True
+        if not isinstance(self.save_freq, int) or not batches:
+            return False
+        step = self._progress.step_after(batches)
+        return step // self.save_freq > (step - self.model.steps_per_execution) // self.save_freq
 
     def _param(self, name: str) -> Any:
         """What `fit` told its callbacks (`epochs`, `steps` per epoch, `verbose`), None before."""
@@ -377,9 +381,6 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._set_epoch:
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
-        if self._resume_point is not None:
-            self._resume_point.close()
-            self._resume_point = None
         if self._data is not None:
             self._data.close()
             self._data = None
