@@ -420,6 +420,20 @@ def test_an_input_of_another_length_or_batch_size_is_not_resumed_silently(
     assert checkpoint.restored is not None and checkpoint.restored.step == 2
 
 
+def test_a_grain_iter_dataset_of_another_length_warns_when_the_resumed_epoch_ends(
+    tmp_path, mp, reads
+):
+    # An IterDataset says its length only once read: the saving fit read a whole epoch of 4.
+    pytest.importorskip("grain", reason="grain is the `grain` extra of keras-orbax")
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    fit = {"epochs": 2, "verbose": 0}
+    _mlp().fit(_grain_iter(reads), **fit, callbacks=[_StopAfter(6), checkpoint])  # epoch 1, batch 2
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    shorter = _grain_map(reads, records=3 * BATCH).to_iter_dataset()
+    with pytest.warns(KerasOrbaxWarning, match="epoch 2 of fit's grain input had 3 batches, .* 4"):
+        _mlp().fit(shorter, **fit, callbacks=[checkpoint])
+
+
 # -- Keras's accelerator path: one batch read ahead ---------------------------------------------
 
 

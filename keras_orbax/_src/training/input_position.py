@@ -101,6 +101,7 @@ class InputPosition:
         self._reads = 0
         self._states: dict[int, Any] = {}  # iterator states by batches read
         self._batch_size: int | None = None  # a PyDataset's, once a full batch is read
+        self._epoch_length: int | None = None  # batches of a whole epoch read, where not declared
         self._put_back = None
         if self.kind in ITERATED or (self.kind == "py_dataset" and self._why_not is None):
             self._put_back = data_compat.replace_batches(self._adapter, self._epoch_batches)
@@ -210,6 +211,8 @@ class InputPosition:
         }
         if self._batch_size is not None:
             state["batch_size"] = self._batch_size
+        if self._epoch_length is not None:
+            state["epoch_length"] = self._epoch_length
         # Mid-epoch, what the epoch's order was drawn from; at an epoch's start, what the next
         # epoch's order will be drawn from.
         state.update(
@@ -264,12 +267,30 @@ class InputPosition:
             try:
                 batch = next(batches)
             except StopIteration:
+                self._end_of_epoch(epoch, start, saved)
                 return
             self._reads += 1
             if self.kind == "grain":
                 self._states[self._reads] = iterator.get_state()
             self._states.pop(self._reads - _STATES_KEPT, None)
             yield batch
+
+    def _end_of_epoch(self, epoch: int, start: int, saved: dict[str, Any] | None) -> None:
+        """Notes how many batches a whole epoch has, where the pipeline does not say before it is
+        read (a grain `IterDataset` or `DataLoader`): a resumed epoch of another length warns."""
+        if self._layout.get("batches") is not None:
+            return
+        expected = (saved or {}).get("epoch_length") if start else None
+        if expected not in (None, self._reads):
+            warnings.warn(
+                f"The resumed epoch {epoch + 1} of fit's {self.kind} input had {self._reads} "
+                f"batches, the epochs of the checkpoint's run {expected}: the input changed, so "
+                f"its position (batch {start}) stood for other samples, and this epoch trained "
+                "others than an uninterrupted run. Resume mid-epoch with the same input.",
+                KerasOrbaxWarning,
+                stacklevel=2,
+            )
+        self._epoch_length = self._reads
 
     def _py_dataset_batches(self, start: int, saved: dict[str, Any] | None) -> Iterator[Any]:
         order = data_compat.py_dataset_order(self._adapter)[start:]
