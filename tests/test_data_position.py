@@ -371,6 +371,25 @@ def test_a_pydataset_that_reorders_itself_without_a_state_warns(tmp_path, mp, re
         _mlp().fit(_Reshuffled(reads), epochs=2, shuffle=False, verbose=0, callbacks=[resumed])
 
 
+class _ReshuffledWithArrayState(_Reshuffled):
+    def get_state(self) -> np.ndarray:
+        return self.order
+
+    def set_state(self, state: np.ndarray) -> None:
+        self.order = state
+
+
+def test_a_pydataset_state_that_is_not_json_warns_and_is_not_saved(tmp_path, mp, reads):
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=2, max_to_keep=None)
+    with pytest.warns(
+        KerasOrbaxWarning, match=r"get_state\(\) returned a ndarray that is not JSON"
+    ):
+        _mlp().fit(_ReshuffledWithArrayState(reads), epochs=1, verbose=0, callbacks=[checkpoint])
+    from keras_orbax._src.format import data_state
+
+    assert "dataset" not in data_state.read(tmp_path / "2", 0)
+
+
 # -- grain's DataLoader, and inputs that changed -----------------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from keras_orbax._src.compat import data_compat
 from keras_orbax._src.training import tf_iterator_state
+from keras_orbax.errors import KerasOrbaxWarning
 
 ITERATED = ("grain", "tf_data")  # kinds whose position is their iterator's own state
 
@@ -120,7 +122,9 @@ def epoch_order(kind: str, layout: dict[str, Any], adapter: Any) -> dict[str, An
     if layout.get("shuffle"):
         order["rng"] = _get_rng(kind)
     if kind == "py_dataset" and has_own_state(adapter.py_dataset):
-        order["dataset"] = _own_state(adapter.py_dataset)
+        state = _own_state(adapter.py_dataset)
+        if state is not None:
+            order["dataset"] = state
     return order
 
 
@@ -133,15 +137,21 @@ def set_epoch_order(kind: str, saved: dict[str, Any], adapter: Any) -> None:
 
 
 def _own_state(dataset: Any) -> Any:
+    """`dataset.get_state()`; None (with a warning) if it is not JSON-safe."""
     state = dataset.get_state()
     try:
         json.dumps(state)
     except (TypeError, ValueError) as error:
-        raise TypeError(
-            f"{type(dataset).__name__}.get_state() must return JSON-safe values (dicts, lists, "
-            f"str, numbers), saved with each step as the dataset's position: {error}. Received: "
-            f"{type(state).__name__}"
-        ) from error
+        name = type(dataset).__name__
+        warnings.warn(
+            f"{name}.get_state() returned a {type(state).__name__} that is not JSON-safe "
+            f"({error}): the steps hold no state of {name}, and a resume past its first epoch "
+            "reads it in the order a new one gives. Return dicts, lists, strings and numbers "
+            "(e.g. `array.tolist()`, `generator.bit_generator.state`).",
+            KerasOrbaxWarning,
+            stacklevel=2,
+        )
+        return None
     return state
 
 
