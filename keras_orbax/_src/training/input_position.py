@@ -1,7 +1,7 @@
 """Where `fit` is in its input, and where a resumed `fit` goes on: the one place that decides
 whether a resumed epoch's input is put past the batches trained before (from the position saved
-with the step, `input_kinds`) or reads and drops them, and that warns where that is not exact
-(docs/resuming.md).
+with the step; what it holds per kind of input: `input_kinds`) or reads and drops them
+(`dropped_steps`), and that warns where that is not exact (docs/resuming.md).
 
 ```python
 position = InputPosition.of_fit()                          # on_train_begin
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,12 +24,12 @@ from typing import Any
 
 import jax
 import keras
-import numpy as np
 
-from keras_orbax._src.compat import data_compat, keras_compat
+from keras_orbax._src.compat import data_compat
 from keras_orbax._src.format import data_state
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.training import input_kinds
+from keras_orbax._src.training.dropped_steps import DroppedSteps
 from keras_orbax._src.training.input_kinds import ITERATED
 from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning
 
@@ -96,7 +95,7 @@ class InputPosition:
         self._order_at_epoch_begin: dict[str, Any] = {}
         self._resume: tuple[int, int, dict[str, Any]] | None = None
         self._start: tuple[int, int, dict[str, Any] | None] | None = None  # epoch, batch, saved
-        self._drops: _Drops | None = None
+        self._drops: DroppedSteps | None = None
         self._iterator: Any = None
         self._reads = 0
         self._states: dict[int, Any] = {}  # iterator states by batches read
@@ -129,7 +128,7 @@ class InputPosition:
         saved_steps = record.extra.get("steps_per_epoch")
         if not positioned and batch and steps_per_epoch not in (None, saved_steps) and saved_steps:
             _warn_other_epochs(step_dir, batch, epoch, saved_steps, steps_per_epoch)
-        self._drops = _Drops(model, epoch, batch, read=not positioned)
+        self._drops = DroppedSteps(model, epoch, batch, read=not positioned)
         return positioned
 
     def _resume_at(
@@ -366,44 +365,3 @@ def _warn_other_batch_size(saved: int, now: int | None) -> None:
         KerasOrbaxWarning,
         stacklevel=2,
     )
-
-
-class _Drops:
-    """In epoch `epoch`, the first `batches` batches were trained before the checkpoint: their
-    train steps are dropped, and the metrics' running values of the checkpoint (which `fit`
-    resets when an epoch begins) are put back, so the epoch ends exactly as it would have without
-    the interruption. With `read`, the dropped steps read their batches from the input (which
-    must yield the same batches again); without, the input was put past them already.
-
-    Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
-    checkpoint's metric values: Keras builds the `CallbackList` inside `fit`, calls every
-    callback in it for every execution, and gives a callback no way to hide batches from the
-    others (docs/resuming.md).
-    """
-
-    def __init__(self, model: keras.Model, epoch: int, batches: int, *, read: bool) -> None:
-        self.epoch, self.batches, self.read = epoch, batches, read
-        self._metrics = [keras_compat.current_value(v) for v in model.metrics_variables]
-        self._put_back: Callable[[], None] | None = None
-
-    def begin_epoch(self, model: keras.Model, epoch: int) -> None:
-        if epoch != self.epoch or not self.batches:
-            return
-        for variable, value in zip(model.metrics_variables, self._metrics, strict=True):
-            variable.assign(value)
-        logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
-        executions = math.ceil(self.batches / model.steps_per_execution)
-        self._put_back = data_compat.drop_train_steps(model, executions, logs, read=self.read)
-
-    def dropped(self, epoch: int, batch: int) -> bool:
-        return epoch == self.epoch and batch < self.batches
-
-    def close(self) -> None:
-        if self._put_back is not None:
-            self._put_back()
-            self._put_back = None
-
-
-def _python(value: Any) -> Any:
-    array = np.asarray(value)
-    return array.item() if array.ndim == 0 else array
