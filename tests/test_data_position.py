@@ -496,13 +496,14 @@ def test_keras_reads_one_batch_ahead_on_the_accelerator_path(accelerator_path, r
     assert probe.seen == 2  # the batch trained, and the next
 
 
-@pytest.mark.parametrize("kind", ["pydataset", "grain_map", "tf_data"])
+@pytest.mark.parametrize("kind", ["arrays", "pydataset", "grain_map", "tf_data"])
 def test_inputs_resume_exactly_when_keras_reads_one_batch_ahead(
     tmp_path, accelerator_path, reads, kind
 ):
-    module = {"pydataset": "keras", "grain_map": "grain", "tf_data": "tensorflow"}[kind]
+    module = {"grain_map": "grain", "tf_data": "tensorflow"}.get(kind, "keras")
     pytest.importorskip(module, reason=f"{kind} inputs need {module}, an optional extra")
     inputs = {
+        "arrays": lambda: _arrays(reads),
         "pydataset": lambda: {"x": _Batches(reads)},
         "grain_map": lambda: {"x": _grain_map(reads)},
         "tf_data": lambda: {"x": _tf_dataset(reads)},
@@ -514,7 +515,10 @@ def test_inputs_resume_exactly_when_keras_reads_one_batch_ahead(
             tmp_path / "ckpt", inputs, reads, stop_after=6, shuffle=True,
             per_batch=BATCH if kind == "grain_map" else 1, epochs=2, save_freq=6,
         )  # fmt: skip
-    assert read <= 2 * BATCHES - 6 if kind == "tf_data" else read == 2 * BATCHES - 6
+    if kind == "tf_data":  # its prefetch read ahead, and its checkpoint holds what it read
+        assert read <= 2 * BATCHES - 6
+    elif kind != "arrays":  # arrays are sliced, not read
+        assert read == 2 * BATCHES - 6
 
 
 def test_each_step_holds_the_position_of_each_process(tmp_path, mp, reads):

@@ -145,7 +145,7 @@ def _own_state(dataset: Any) -> Any:
         name = type(dataset).__name__
         warnings.warn(
             f"{name}.get_state() returned a {type(state).__name__} that is not JSON-safe "
-            f"({error}): the steps hold no state of {name}, and a resume past its first epoch "
+            f"({error}): the steps hold no state of {name}, and a resume mid-run "
             "reads it in the order a new one gives. Return dicts, lists, strings and numbers "
             "(e.g. `array.tolist()`, `generator.bit_generator.state`).",
             KerasOrbaxWarning,

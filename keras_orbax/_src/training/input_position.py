@@ -148,7 +148,9 @@ class InputPosition:
 
     def _warn_if_reordered(self, saved: dict[str, Any], epoch: int, batch: int) -> None:
         """A PyDataset that orders itself in its epoch hooks is exact only from its own state."""
-        if self.kind != "py_dataset" or not epoch:  # epoch 0 ran the same hooks in both runs
+        # Even in epoch 0 (whose order Keras's reset before training drew in both runs), a hook
+        # that draws from a global or unseeded generator draws otherwise in a new process.
+        if self.kind != "py_dataset" or not (epoch or batch):
             return
         dataset = self._adapter.py_dataset
         if not input_kinds.reorders_itself(dataset) or saved.get("dataset") is not None:
