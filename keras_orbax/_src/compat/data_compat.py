@@ -164,11 +164,11 @@ def batches_per_epoch(adapter: Any) -> int | None:
     every grain pipeline)."""
     if isinstance(adapter, GrainDatasetAdapter):
         dataset: Any = attribute(adapter, "_dataset")
-        return len(dataset) if isinstance(dataset, _grain_map_dataset()) else None  # type: ignore[arg-type]
+        return len(dataset) if isinstance(dataset, _grain_map_dataset()) else None
     return adapter.num_batches
 
 
-def _grain_map_dataset() -> type:
+def _grain_map_dataset() -> Any:
     import grain
 
     return grain.MapDataset
