@@ -169,11 +169,15 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._set_epoch = False
         self._progress = FitProgress()
         self._data: InputPosition | None = None
+        self._steps_per_execution = 1
 
     # -- fit hooks -------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored = False, None
+        # Read here: `self.model` syncs the JAX state, which `_save_may_follow` must not do (it
+        # runs inside a train step, reading the next batch).
+        self._steps_per_execution = self.model.steps_per_execution
         self._data = InputPosition.of_fit(self._save_may_follow)  # the input of this fit
         checkpointer = self._saves.open()
         try:
@@ -352,7 +356,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if not isinstance(self.save_freq, int) or not batches:
             return False
         step = self._progress.step_after(batches)
-        return step // self.save_freq > (step - self.model.steps_per_execution) // self.save_freq
+        return step // self.save_freq > (step - self._steps_per_execution) // self.save_freq
 
     def _param(self, name: str) -> Any:
         """What `fit` told its callbacks (`epochs`, `steps` per epoch, `verbose`), None before."""
