@@ -197,10 +197,11 @@ def _resume(
     per_batch: int = 1,
     epochs: int = EPOCHS,
     save_freq: str | int = "epoch",
+    saved_at: int | None = None,
 ) -> tuple[keras_orbax.ModelCheckpoint, int]:
     """Runs the three fits; asserts the resumed state is the uninterrupted one, exactly, and
     returns the resumed fit's checkpoint and the batches it read. The stopped fit saves at its
-    stop (preempted) and every `save_freq`."""
+    stop (preempted: after `saved_at` batches, by default `stop_after`) and every `save_freq`."""
     keras.utils.set_random_seed(1)
     uninterrupted = _mlp()
     uninterrupted.fit(**inputs(), epochs=epochs, shuffle=shuffle, verbose=0)
@@ -221,7 +222,8 @@ def _resume(
         **inputs(), epochs=epochs, shuffle=shuffle, verbose=0,
         callbacks=[_CountFromTrainBegin(reads), checkpoint],
     )  # fmt: skip
-    assert checkpoint.restored is not None and checkpoint.restored.step == stop_after
+    assert checkpoint.restored is not None
+    assert checkpoint.restored.step == (stop_after if saved_at is None else saved_at)
     for variable, got, want in zip(
         resumed.variables + resumed.optimizer.variables + resumed.metrics_variables,
         _state(resumed),
@@ -519,6 +521,21 @@ def test_inputs_resume_exactly_when_keras_reads_one_batch_ahead(
         assert read <= 2 * BATCHES - 6
     elif kind != "arrays":  # arrays are sliced, not read
         assert read == 2 * BATCHES - 6
+
+
+def test_a_preemption_waits_a_batch_where_keras_read_tf_data_ahead_of_the_notice(
+    tmp_path, accelerator_path, reads
+):
+    pytest.importorskip("tensorflow", reason="tf_data inputs need tensorflow, an optional extra")
+    # SIGTERM after batch 6, which Keras read with batch 7: the save comes after batch 7, whose
+    # read (batch 8) came after the notice.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "fit's input cannot be put back", KerasOrbaxWarning)
+        _, read = _resume(
+            tmp_path / "ckpt", lambda: {"x": _tf_dataset(reads)}, reads, stop_after=6,
+            shuffle=False, epochs=2, saved_at=7,
+        )  # fmt: skip
+    assert read <= 2 * BATCHES - 7
 
 
 def test_each_step_holds_the_position_of_each_process(tmp_path, mp, reads):

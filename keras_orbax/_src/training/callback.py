@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
@@ -224,7 +225,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             self._progress.last_batch = batch  # trained before the checkpoint; read and dropped now
             return
         previous = self._progress.end_batch(batch)
-        preempted = self.save_on_preemption and self._watcher.reached()
+        preempted = self.save_on_preemption and self._watcher.reached() and self._input_known()
         if (
             isinstance(self.save_freq, int)
             and self._progress.step // self.save_freq > previous // self.save_freq
@@ -347,6 +348,16 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         return self._data.resume_from(
             self.model, step_dir, record, steps_per_epoch=self._param("steps")
         )
+
+    def _input_known(self) -> bool:
+        """Whether the input's position after this batch can be saved. Not where Keras read a
+        tf.data iterator one batch ahead before a preemption notice came: the save then waits one
+        batch, whose read came after it. Under jax.distributed, every process saves at the step
+        JAX's preemption service agreed on, whatever its input (it may then read and drop)."""
+        if self._data is None or jax.process_count() > 1:
+            return True
+        _, batch = self._progress.position(False, self._param("steps"))
+        return batch is None or self._data.known_at(batch)
 
     def _save_may_follow(self, batches: int) -> bool:
         """Whether a save may follow the batch that makes `batches` batches of this epoch trained

@@ -227,6 +227,12 @@ class InputPosition:
                 state["iterator"] = iterator
         return state
 
+    def known_at(self, batch: int) -> bool:
+        """Whether `state` knows the position after `batch` batches of this epoch exactly."""
+        if self.kind not in ITERATED or self._why_not is not None:
+            return True  # positioned by index, or never (its resume reads and drops, and says so)
+        return self._reads == batch or batch in self._states
+
     def close(self) -> None:
         """Gives `fit`'s input back its own way of reading batches, and `fit` its train step."""
         if self._put_back is not None:
