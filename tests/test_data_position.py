@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -79,9 +82,9 @@ class _CountFromTrainBegin(keras.callbacks.Callback):
 
 
 class _Batches(keras.utils.PyDataset):
-    def __init__(self, reads: _Reads, **kwargs: Any) -> None:
+    def __init__(self, reads: _Reads, batch: int = BATCH, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.reads = reads
+        self.reads, self.batch = reads, batch
         self.x, self.y = _data()
 
     def __len__(self) -> int:
@@ -89,15 +92,45 @@ class _Batches(keras.utils.PyDataset):
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         self.reads.add()
-        return self.x[i * BATCH : (i + 1) * BATCH], self.y[i * BATCH : (i + 1) * BATCH]
+        rows = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[rows], self.y[rows]
+
+
+class _Reshuffled(_Batches):
+    """The Keras `Sequence` idiom: its own order of the samples, drawn again from its own
+    generator in `on_epoch_end`."""
+
+    def __init__(self, reads: _Reads) -> None:
+        super().__init__(reads)
+        self.rng = np.random.default_rng(5)
+        self.order = np.arange(len(self.x))
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        self.reads.add()
+        rows = self.order[i * BATCH : (i + 1) * BATCH]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self) -> None:
+        self.order = self.rng.permutation(len(self.x))
+
+
+class _ReshuffledWithState(_Reshuffled):
+    """Opts in to being positioned: its own state, JSON-safe, saved with each step."""
+
+    def get_state(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"])
 
 
 class _Records:
     """A grain data source: record i is (x[i], y[i]); BATCH records read count one batch."""
 
-    def __init__(self, reads: _Reads) -> None:
+    def __init__(self, reads: _Reads, batches: int = BATCHES) -> None:
         self.reads = reads
-        self.x, self.y = _data()
+        self.x, self.y = _data(batches)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -110,17 +143,24 @@ class _Records:
         return self.x[i], self.y[i]
 
 
-def _grain_map(reads: _Reads) -> Any:
+class _UnnamedRecords(_Records):
+    """A data source with Python's own repr, which names its address: another in each process."""
+
+    __repr__ = object.__repr__
+
+
+def _grain_map(reads: _Reads, records: int = BATCHES * BATCH, batch: int = BATCH) -> Any:
     import grain
 
-    return grain.MapDataset.source(_Records(reads)).shuffle(seed=3).batch(BATCH)
+    source = _Records(reads, records // BATCH)
+    return grain.MapDataset.source(source).shuffle(seed=3).batch(batch)
 
 
 def _grain_iter(reads: _Reads) -> Any:
     return _grain_map(reads).to_iter_dataset()
 
 
-def _grain_loader(reads: _Reads) -> Any:
+def _grain_loader(reads: _Reads, source: type[_Records] = _Records, workers: int = 2) -> Any:
     import grain
     from absl import flags
 
@@ -132,10 +172,10 @@ def _grain_loader(reads: _Reads) -> Any:
         num_epochs=1,
     )  # fmt: skip
     return grain.DataLoader(
-        data_source=_Records(reads),
+        data_source=source(reads),
         sampler=sampler,
         operations=[grain.transforms.Batch(BATCH)],
-        worker_count=2,
+        worker_count=workers,
     )
 
 
@@ -156,16 +196,19 @@ def _resume(
     shuffle: bool,
     per_batch: int = 1,
     epochs: int = EPOCHS,
+    save_freq: str | int = "epoch",
+    saved_at: int | None = None,
 ) -> tuple[keras_orbax.ModelCheckpoint, int]:
     """Runs the three fits; asserts the resumed state is the uninterrupted one, exactly, and
-    returns the resumed fit's checkpoint and the batches it read."""
+    returns the resumed fit's checkpoint and the batches it read. The stopped fit saves at its
+    stop (preempted: after `saved_at` batches, by default `stop_after`) and every `save_freq`."""
     keras.utils.set_random_seed(1)
     uninterrupted = _mlp()
     uninterrupted.fit(**inputs(), epochs=epochs, shuffle=shuffle, verbose=0)
 
     keras.utils.set_random_seed(1)
     stopped = _mlp()
-    checkpoint = keras_orbax.ModelCheckpoint(directory, save_freq="epoch", max_to_keep=None)
+    checkpoint = keras_orbax.ModelCheckpoint(directory, save_freq=save_freq, max_to_keep=None)
     stopped.fit(
         **inputs(), epochs=epochs, shuffle=shuffle, verbose=0,
         callbacks=[_StopAfter(stop_after), checkpoint],
@@ -179,7 +222,8 @@ def _resume(
         **inputs(), epochs=epochs, shuffle=shuffle, verbose=0,
         callbacks=[_CountFromTrainBegin(reads), checkpoint],
     )  # fmt: skip
-    assert checkpoint.restored is not None and checkpoint.restored.step == stop_after
+    assert checkpoint.restored is not None
+    assert checkpoint.restored.step == (stop_after if saved_at is None else saved_at)
     for variable, got, want in zip(
         resumed.variables + resumed.optimizer.variables + resumed.metrics_variables,
         _state(resumed),
@@ -304,6 +348,194 @@ def test_another_batch_size_is_not_positioned_and_says_so(tmp_path, mp, reads):
     resumed = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
     with pytest.warns(KerasOrbaxWarning, match="the input changed: saved .*'batch_size': 8"):
         _mlp().fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[resumed])
+
+
+# -- a PyDataset that orders itself -----------------------------------------------------------
+
+
+def test_a_pydataset_that_reorders_itself_resumes_exactly_from_its_own_state(tmp_path, mp, reads):
+    # Stopped in its second epoch, whose order the dataset drew in its own on_epoch_end.
+    _, read = _resume(
+        tmp_path / "ckpt", lambda: {"x": _ReshuffledWithState(reads)}, reads, stop_after=6,
+        shuffle=False, epochs=2,
+    )  # fmt: skip
+    assert read == 2 * BATCHES - 6
+
+
+def test_a_pydataset_that_reorders_itself_without_a_state_warns(tmp_path, mp, reads):
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=6, max_to_keep=None)
+    _mlp().fit(_Reshuffled(reads), epochs=2, shuffle=False, verbose=0, callbacks=[checkpoint])
+    resumed = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    with pytest.warns(
+        KerasOrbaxWarning,
+        match=r"_Reshuffled defines its own on_epoch_end .* Define _Reshuffled.get_state\(\)",
+    ):
+        _mlp().fit(_Reshuffled(reads), epochs=2, shuffle=False, verbose=0, callbacks=[resumed])
+
+
+class _ReshuffledWithArrayState(_Reshuffled):
+    def get_state(self) -> np.ndarray:
+        return self.order
+
+    def set_state(self, state: np.ndarray) -> None:
+        self.order = state
+
+
+def test_a_pydataset_state_that_is_not_json_warns_and_is_not_saved(tmp_path, mp, reads):
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=2, max_to_keep=None)
+    with pytest.warns(
+        KerasOrbaxWarning, match=r"get_state\(\) returned a ndarray that is not JSON"
+    ):
+        _mlp().fit(_ReshuffledWithArrayState(reads), epochs=1, verbose=0, callbacks=[checkpoint])
+    from keras_orbax._src.format import data_state
+
+    assert "dataset" not in data_state.read(tmp_path / "2", 0)
+
+
+# -- grain's DataLoader, and inputs that changed -----------------------------------------------
+
+
+def test_a_grain_loader_over_a_source_with_pythons_repr_reads_no_trained_batch(
+    tmp_path, mp, reads, recwarn
+):
+    pytest.importorskip("grain", reason="grain is the `grain` extra of keras-orbax")
+    _, read = _resume(
+        tmp_path / "ckpt", lambda: {"x": _grain_loader(reads, _UnnamedRecords, workers=0)},
+        reads, stop_after=2, shuffle=False, per_batch=BATCH, epochs=1,
+    )  # fmt: skip
+    assert read == BATCHES - 2
+    assert not [w for w in recwarn if issubclass(w.category, KerasOrbaxWarning)]
+
+
+_CHANGED = {  # what the step was saved with, what the resumed fit reads, what it says
+    "grain_fewer_records": (
+        _grain_map,
+        lambda reads: _grain_map(reads, records=3 * BATCH),
+        r"the input changed: saved \{'batches': 4, 'batch_size': 8\}, now \{'batches': 3, ",
+    ),
+    "grain_larger_batches": (
+        _grain_map,
+        lambda reads: _grain_map(reads, records=8 * BATCH, batch=2 * BATCH),
+        r"the input changed: .* now \{'batches': 4, 'batch_size': 16\}",
+    ),
+    "pydataset_smaller_batches": (
+        _Batches,
+        lambda reads: _Batches(reads, batch=BATCH // 2),
+        "The PyDataset's batches hold 4 samples, those of the checkpoint's run 8",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGED))
+def test_an_input_of_another_length_or_batch_size_is_not_resumed_silently(
+    tmp_path, mp, reads, change
+):
+    pytest.importorskip("grain", reason="grain is the `grain` extra of keras-orbax")
+    saved, resumed, says = _CHANGED[change]
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    fit = {"epochs": 1, "shuffle": False, "verbose": 0}
+    _mlp().fit(saved(reads), **fit, callbacks=[_StopAfter(2), checkpoint])  # step 2: batch 2 of 4
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    with pytest.warns(KerasOrbaxWarning, match=says):
+        _mlp().fit(resumed(reads), **fit, callbacks=[checkpoint])
+    assert checkpoint.restored is not None and checkpoint.restored.step == 2
+
+
+def test_a_grain_iter_dataset_of_another_length_warns_when_the_resumed_epoch_ends(
+    tmp_path, mp, reads
+):
+    # An IterDataset says its length only once read: the saving fit read a whole epoch of 4.
+    pytest.importorskip("grain", reason="grain is the `grain` extra of keras-orbax")
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    fit = {"epochs": 2, "verbose": 0}
+    _mlp().fit(_grain_iter(reads), **fit, callbacks=[_StopAfter(6), checkpoint])  # epoch 1, batch 2
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    shorter = _grain_map(reads, records=3 * BATCH).to_iter_dataset()
+    with pytest.warns(KerasOrbaxWarning, match="epoch 2 of fit's grain input had 3 batches, .* 4"):
+        _mlp().fit(shorter, **fit, callbacks=[checkpoint])
+
+
+# -- Keras's accelerator path: one batch read ahead ---------------------------------------------
+
+
+class _AcceleratorJax(types.ModuleType):
+    """`jax` as Keras's trainer sees it on a GPU: its `JAXEpochIterator` then reads each batch
+    one ahead of the one trained (`_one_batch_ahead_iterator`) when no distribution is set."""
+
+    def __init__(self) -> None:
+        super().__init__("jax")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+    @staticmethod
+    def default_backend() -> str:
+        return "gpu"
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch):
+    from keras.src.backend.jax import trainer
+
+    monkeypatch.setattr(trainer, "jax", _AcceleratorJax())
+
+
+class _ReadsAtFirstBatch(keras.callbacks.Callback):
+    def __init__(self, reads: _Reads) -> None:
+        super().__init__()
+        self.reads, self.seen = reads, None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.reads.reset()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.seen = self.seen if self.seen is not None else self.reads.count()
+
+
+def test_keras_reads_one_batch_ahead_on_the_accelerator_path(accelerator_path, reads):
+    probe = _ReadsAtFirstBatch(reads)
+    _mlp().fit(_Batches(reads), epochs=1, verbose=0, callbacks=[probe])
+    assert probe.seen == 2  # the batch trained, and the next
+
+
+@pytest.mark.parametrize("kind", ["arrays", "pydataset", "grain_map", "tf_data"])
+def test_inputs_resume_exactly_when_keras_reads_one_batch_ahead(
+    tmp_path, accelerator_path, reads, kind
+):
+    module = {"grain_map": "grain", "tf_data": "tensorflow"}.get(kind, "keras")
+    pytest.importorskip(module, reason=f"{kind} inputs need {module}, an optional extra")
+    inputs = {
+        "arrays": lambda: _arrays(reads),
+        "pydataset": lambda: {"x": _Batches(reads)},
+        "grain_map": lambda: {"x": _grain_map(reads)},
+        "tf_data": lambda: {"x": _tf_dataset(reads)},
+    }[kind]
+    with warnings.catch_warnings():
+        # No fallback to reading and dropping the trained batches.
+        warnings.filterwarnings("error", "fit's input cannot be put back", KerasOrbaxWarning)
+        _, read = _resume(
+            tmp_path / "ckpt", inputs, reads, stop_after=6, shuffle=True,
+            per_batch=BATCH if kind == "grain_map" else 1, epochs=2, save_freq=6,
+        )  # fmt: skip
+    if kind == "tf_data":  # its prefetch read ahead, and its checkpoint holds what it read
+        assert read <= 2 * BATCHES - 6
+    elif kind != "arrays":  # arrays are sliced, not read
+        assert read == 2 * BATCHES - 6
+
+
+def test_a_preemption_waits_a_batch_where_keras_read_tf_data_ahead_of_the_notice(
+    tmp_path, accelerator_path, reads
+):
+    pytest.importorskip("tensorflow", reason="tf_data inputs need tensorflow, an optional extra")
+    # SIGTERM after batch 6, which Keras read with batch 7: the save comes after batch 7, whose
+    # read (batch 8) came after the notice.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "fit's input cannot be put back", KerasOrbaxWarning)
+        _, read = _resume(
+            tmp_path / "ckpt", lambda: {"x": _tf_dataset(reads)}, reads, stop_after=6,
+            shuffle=False, epochs=2, saved_at=7,
+        )  # fmt: skip
+    assert read <= 2 * BATCHES - 7
 
 
 def test_each_step_holds_the_position_of_each_process(tmp_path, mp, reads):

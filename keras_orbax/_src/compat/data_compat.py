@@ -1,5 +1,5 @@
 """Private Keras symbols of `fit`'s input pipeline, wrapped for positioning it on resume
-(`training/data_position.py`).
+(`training/input_position.py`).
 
 Why private: Keras 3.15 gives a callback no handle on the input `fit` reads, and no way to start an
 epoch after its first batches. `fit` builds a data adapter (one class per input kind) inside an
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import random
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +44,11 @@ _sliceable: Callable[..., Any] = Private(
 _jax_compatible: Callable[[Iterator[Any]], Iterator[Any]] = Private(
     "keras", f"{_ADAPTERS}.data_adapter_utils", "get_jax_iterator"
 ).get()
+_ONE_BATCH_AHEAD: Any = inspect.unwrap(
+    Private(
+        "keras", "keras.src.backend.jax.trainer", "JAXEpochIterator._one_batch_ahead_iterator"
+    ).get()
+)
 # `fit` keeps its EpochIterator in this local; found from a callback hook it runs. `keras.Model.fit`
 # is the JAX backend's trainer's own `fit` (named `JAXTrainer` in Keras 3.15, `Trainer` in 3.16).
 _FIT = inspect.unwrap(keras.Model.fit)
@@ -61,6 +68,17 @@ def fit_epoch_iterator() -> Any | None:
         return None
     finally:
         del frame
+
+
+def read_one_batch_ahead(frame: Any) -> bool:
+    """Whether `frame`, the frame that asked the adapter's batches for their first one, is Keras's
+    `_one_batch_ahead_iterator`: `fit` then reads each batch before the one before it is trained.
+
+    Why private: Keras's `JAXEpochIterator._get_iterator` wraps the adapter's batches in it (to
+    start each batch's transfer to the device while the one before trains) on a GPU or TPU
+    without a distribution, and says so nowhere else.
+    """
+    return frame is not None and frame.f_code is _ONE_BATCH_AHEAD.__code__
 
 
 def replace_batches(adapter: Any, batches: Callable[[], Iterator[Any]]) -> Callable[[], None]:
@@ -128,21 +146,25 @@ def py_dataset_layout(adapter: Any) -> dict[str, Any]:
     return {"batches": adapter.py_dataset.num_batches, "shuffle": bool(adapter.shuffle)}
 
 
-def py_dataset_batches(adapter: Any, start: int) -> Iterator[Any]:
-    """The epoch's batches from `start` on, in the order Keras draws (`random.shuffle` of the batch
-    indices from Python's global generator, as `PyDatasetAdapter` does). Not for a dataset with
-    workers (`reads_ahead_across_epochs`)."""
-    return _jax_compatible(_py_dataset_batches(adapter, start))
-
-
-def _py_dataset_batches(adapter: Any, start: int) -> Iterator[Any]:
-    dataset = adapter.py_dataset
-    order = list(range(dataset.num_batches))
+def py_dataset_order(adapter: Any) -> list[int]:
+    """The epoch's batch indices in the order Keras draws them (`random.shuffle` of the indices
+    from Python's global generator, as `PyDatasetAdapter._finite_generator` does)."""
+    order = list(range(adapter.py_dataset.num_batches))
     if adapter.shuffle:
         random.shuffle(order)
+    return order
+
+
+def py_dataset_batches(adapter: Any, indices: list[int]) -> Iterator[Any]:
+    """What Keras's `PyDatasetAdapter.get_jax_iterator()` yields for the batches at `indices`. Not
+    for a dataset with workers (`reads_ahead_across_epochs`)."""
+    return _jax_compatible(_py_dataset_batches(adapter, indices))
+
+
+def _py_dataset_batches(adapter: Any, indices: list[int]) -> Iterator[Any]:
     standardize = attribute(adapter, "_standardize_batch")
-    for index in order[start:]:
-        yield standardize(dataset[index])
+    for index in indices:
+        yield standardize(adapter.py_dataset[index])
 
 
 def reads_ahead_across_epochs(adapter: Any) -> bool:
@@ -150,6 +172,44 @@ def reads_ahead_across_epochs(adapter: Any) -> bool:
     keeps the batches its workers read ahead and yields them first in the next epoch, so an epoch's
     batches depend on how far the workers got, not on the epoch alone."""
     return adapter.enqueuer is not None
+
+
+def batches_per_epoch(adapter: Any) -> int | None:
+    """The batches of a grain or tf.data pipeline's epoch, where it says before it is read: a grain
+    `MapDataset`'s length, a `tf.data` dataset's cardinality (Keras's grain adapter says None for
+    every grain pipeline)."""
+    if isinstance(adapter, GrainDatasetAdapter):
+        dataset: Any = attribute(adapter, "_dataset")
+        return len(dataset) if isinstance(dataset, _grain_map_dataset()) else None
+    return adapter.num_batches
+
+
+def _grain_map_dataset() -> Any:
+    import grain
+
+    return grain.MapDataset
+
+
+# Python's default repr: the class and the object's address, which a new process changes.
+_DEFAULT_REPR = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
+
+
+def grain_loader_state(saved: bytes, fresh: bytes) -> bytes:
+    """A grain `DataLoader` iterator's `saved` state, to be given to a new iterator whose own
+    state is `fresh`.
+
+    Why: the loader refuses a state whose `repr` of the data source differs from its own; a source
+    without its own `__repr__` has Python's, which names its address, so every new process would
+    be refused and read the epoch again. Where both are that default repr of the same class, the
+    new one is put in the state; the loader still checks its sampler (the records, shuffle and
+    seed) and worker count. The state's JSON layout is grain's (`data_loader._DATA_SOURCE`).
+    """
+    state, current = json.loads(saved), json.loads(fresh)
+    before = _DEFAULT_REPR.fullmatch(str(state.get("data_source")))
+    now = _DEFAULT_REPR.fullmatch(str(current.get("data_source")))
+    if before is not None and now is not None and before.group(1) == now.group(1):
+        state["data_source"] = current["data_source"]
+    return json.dumps(state).encode()
 
 
 def tf_batches(adapter: Any, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -183,3 +243,44 @@ class _Iterated:
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterator
+
+
+def drop_train_steps(
+    model: keras.Model, executions: int, logs: dict[str, Any], *, read: bool = True
+) -> Callable[[], None]:
+    """Makes `fit`'s next `executions` train steps drop the batches they were given (with `read`
+    False: they read none; the input was positioned past them, `training/input_position.py`).
+
+    Each dropped step leaves the training state as it is and reports `logs`. Returns a function
+    that puts the real train step back early (it is put back by itself after the last drop).
+
+    Why private: Keras has no way to start `fit` after the first batches of an epoch, as resuming a
+    checkpoint taken mid-epoch needs. The JAX trainer's `fit` calls `model.train_function(state,
+    iterator)` once per execution, which reads `steps_per_execution` batches from the input's
+    iterator (an attribute that `fit` does not replace once made): swapping it for the first
+    executions of the resumed epoch drops exactly those batches, whatever the input (arrays,
+    PyDataset, generator).
+    """
+    original = model.train_function
+    remaining = executions
+
+    def put_back() -> None:
+        if model.train_function is drop:
+            model.train_function = original
+
+    def drop(state: Any, iterator: Iterator[Any]) -> tuple[dict[str, Any], Any]:
+        nonlocal remaining
+        remaining -= 1
+        if remaining <= 0:
+            put_back()
+        if not read:
+            return logs, state
+        next(iterator)  # StopIteration ends the epoch, as in Keras's own step
+        for _ in range(model.steps_per_execution - 1):
+            if next(iterator, None) is None:
+                break
+        return logs, state
+
+    if executions > 0:
+        model.train_function = drop
+    return put_back

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
@@ -17,10 +18,9 @@ from keras_orbax._src.storage import locations
 from keras_orbax._src.training import local_tier
 from keras_orbax._src.training.best_so_far import BestSoFar
 from keras_orbax._src.training.callback_args import validate
-from keras_orbax._src.training.data_position import DataPosition
-from keras_orbax._src.training.fit_progress import FitProgress
+from keras_orbax._src.training.input_position import FitProgress, InputPosition
 from keras_orbax._src.training.preemption import PreemptionWatcher
-from keras_orbax._src.training.resume import Resumed, ResumePoint, resume
+from keras_orbax._src.training.resume import Resumed, resume
 from keras_orbax._src.training.retention import Retention, loggable
 from keras_orbax._src.training.saving import Saves
 from keras_orbax._src.write import step_writer
@@ -202,16 +202,18 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._best = BestSoFar(self._retention)
         self._watcher = PreemptionWatcher()
         self._set_epoch = False
-        self._resume_point: ResumePoint | None = None
         self._progress = FitProgress()
-        self._data: DataPosition | None = None
+        self._data: InputPosition | None = None
+        self._steps_per_execution = 1
 
     # -- fit hooks -------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.preempted, self.restored = False, None
-        self._resume_point = None
-        self._data = DataPosition.of_fit()  # the input of the fit calling this hook
+        # Read here: `self.model` syncs the JAX state, which `_save_may_follow` must not do (it
+        # runs inside a train step, reading the next batch).
+        self._steps_per_execution = self.model.steps_per_execution
+        self._data = InputPosition.of_fit(self._save_may_follow)  # the input of this fit
         checkpointer = self._saves.open()
         try:
             if self._local is not None:
@@ -254,20 +256,16 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._set_epoch:  # fit has read it by now; a later fit must not start there again
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
-        if self._resume_point is not None:
-            self._resume_point.begin_epoch(self.model, epoch)
         if self._data is not None:
-            self._data.begin_epoch(epoch)
+            self._data.begin_epoch(self.model, epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
-        if self._resume_point is not None and self._resume_point.dropped(
-            self._progress.epoch, batch
-        ):
+        if self._data is not None and self._data.dropped(self._progress.epoch, batch):
             self._progress.last_batch = batch  # trained before the checkpoint; read and dropped now
             return
         previous = self._progress.end_batch(batch)
-        preempted = self.save_on_preemption and self._watcher.reached()
+        preempted = self.save_on_preemption and self._watcher.reached() and self._input_known()
         if (
             isinstance(self.save_freq, int)
             and self._progress.step // self.save_freq > previous // self.save_freq
@@ -280,8 +278,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
-        if self._resume_point is not None:
-            self._resume_point.close()  # the input may have ended before the dropped batches did
+        if self._data is not None:
+            self._data.end_epoch()
         if self.preempted:
             return  # saved and stopping already; this epoch did not finish
         if self.save_freq == "epoch":
@@ -403,8 +401,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if resumed is None:
             resumed = self._resume_from(self.directory, checkpointer)
         if resumed is not None:
-            self.restored, self._resume_point = resumed.restored, resumed.point
-            self._set_epoch = self._resume_point is not None
+            self.restored = resumed.restored
+            self._set_epoch = resumed.epoch is not None
 
     def _resume_from(
         self,
@@ -417,19 +415,42 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             directory,
             checkpointer,
             epochs=self._param("epochs"),
-            steps_per_epoch=self._param("steps"),
             verbose=self.verbose,
             position_input=functools.partial(self._position_input, directory),
             newer_than=newer_than,
         )
 
     def _position_input(self, directory: str, step: int, record: Any) -> bool:
-        """Puts the input where step `step` of `directory` left it (`DataPosition`); whether it
-        could."""
-        if self._data is None:
-            return False
+        """Sets `fit` to go on where step `step` of `directory` left it (`InputPosition`); whether
+        its input is put past the batches trained before (else it reads and drops them)."""
+        assert self._data is not None, "made in on_train_begin, before the restore"
         step_dir = locations.as_path(directory) / str(step)
-        return self._data.resume_from(step_dir, epoch=record.epoch, batch=record.batch or 0)
+        return self._data.resume_from(
+            self.model, step_dir, record, steps_per_epoch=self._param("steps")
+        )
+
+    def _input_known(self) -> bool:
+        """Whether the input's position after this batch can be saved. Not where Keras read a
+        tf.data iterator one batch ahead before a preemption notice came: the save then waits one
+        batch, whose read came after it. Under jax.distributed, every process saves at the step
+        JAX's preemption service agreed on, whatever its input (it may then read and drop)."""
+        if self._data is None or jax.process_count() > 1:
+            return True
+        _, batch = self._progress.position(False, self._param("steps"))
+        return batch is None or self._data.known_at(batch)
+
+    def _save_may_follow(self, batches: int) -> bool:
+        """Whether a save may follow the batch that makes `batches` batches of this epoch trained
+        (a preemption notice, or a multiple of an int `save_freq` reached in that execution)."""
+        if self.save_on_preemption and self._watcher.requested:
+            return True
+        if not batches:
+            return False
+        step = self._progress.step_after(batches)
+        every = [self.save_freq] if isinstance(self.save_freq, int) else []
+        if self._local is not None:
+            every.append(self._local.every)
+        return any(step // n > (step - self._steps_per_execution) // n for n in every)
 
     def _param(self, name: str) -> Any:
         """What `fit` told its callbacks (`epochs`, `steps` per epoch, `verbose`), None before."""
@@ -458,9 +479,6 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         if self._set_epoch:
             keras_compat.set_initial_epoch(self.model, None)
             self._set_epoch = False
-        if self._resume_point is not None:
-            self._resume_point.close()
-            self._resume_point = None
         if self._data is not None:
             self._data.close()
             self._data = None

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
@@ -29,12 +27,12 @@ logger = logging.getLogger("keras_orbax")
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """What `resume` did: the restore, where `fit` goes on (None: the step records no epoch), and
-    the newer steps it passed over because they could not be restored, each moved aside to
-    `set_aside[step]`."""
+    """What `resume` did: the restore, the epoch `fit` goes on at (None: the step records none,
+    `fit` starts at its own `initial_epoch`), and the newer steps it passed over because they could
+    not be restored, each moved aside to `set_aside[step]`."""
 
     restored: RestoreResult
-    point: ResumePoint | None
+    epoch: int | None
     unreadable: tuple[int, ...] = ()
     set_aside: dict[int, str] = dataclasses.field(default_factory=dict)
 
@@ -45,7 +43,6 @@ def resume(
     checkpointer: ocp.training.Checkpointer,
     *,
     epochs: int | None,
-    steps_per_epoch: int | None = None,
     verbose: int,
     position_input: Callable[[int, StepRecord], bool] | None = None,
     newer_than: int | None = None,
@@ -61,10 +58,10 @@ def resume(
     a `KerasOrbaxWarning` naming the step, why and where it went: this run writes those steps
     again.
 
-    `position_input(step, record)` puts `fit`'s input at the position the step saved, and says
-    whether it could (`data_position.DataPosition`); if not, the trained batches of a resumed epoch
-    are read and dropped. `newer_than`: only steps after it are considered (None where there
-    is no such step).
+    `position_input(step, record)` sets `fit`'s input to go on where the step left it, and says
+    whether it is put past the batches trained before or reads and drops them
+    (`input_position.InputPosition.resume_from`). `newer_than`: only steps after it are
+    considered (None where there is no such step).
 
     Raises:
         CorruptCheckpointError: the directory holds steps, and none of them can be restored
@@ -104,9 +101,12 @@ def resume(
         and position_input(restored.step, record)
     )
     _announce(restored, directory, epochs, verbose, positioned=positioned)
-    point = _resume_point(model, restored, directory, steps_per_epoch, positioned=positioned)
+    _warn_if_no_optimizer_state(model, restored, directory)
+    keras_compat.set_initial_epoch(model, record.epoch)
     skipped_steps = tuple(s for s, _ in passed_over)
-    return Resumed(restored, point, skipped_steps, dict(zip(skipped_steps, moved, strict=True)))
+    return Resumed(
+        restored, record.epoch, skipped_steps, dict(zip(skipped_steps, moved, strict=True))
+    )
 
 
 def _restore_newest_intact(
@@ -134,49 +134,19 @@ def _restore_newest_intact(
             steps = [s for s in steps if s < step]
 
 
-def _resume_point(
-    model: keras.Model,
-    restored: RestoreResult,
-    directory: str,
-    steps_per_epoch: int | None,
-    *,
-    positioned: bool,
-) -> ResumePoint | None:
-    """Sets `fit` to start at the epoch `restored` records; its batches to drop (and, unless the
-    input was `positioned` past them, to read), if any."""
-    record, step = restored.record, restored.step
+def _warn_if_no_optimizer_state(
+    model: keras.Model, restored: RestoreResult, directory: str
+) -> None:
     if model.optimizer is not None and not any(
-        v.role == OPTIMIZER for v in record.variables.values()
+        v.role == OPTIMIZER for v in restored.record.variables.values()
     ):
         warnings.warn(  # restored as Keras's load_weights would, but not what resuming promises
-            f"Step {step} of '{directory}' holds no optimizer state (saved with "
+            f"Step {restored.step} of '{directory}' holds no optimizer state (saved with "
             "save_weights_only=True, or from a model without an optimizer): fit resumes from its "
             "weights with the optimizer as it is, not where that run's optimizer was.",
             KerasOrbaxWarning,
             stacklevel=3,
         )
-    if record.epoch is None:
-        return None
-    saved_steps = record.extra.get("steps_per_epoch")
-    if (
-        not positioned
-        and record.batch
-        and saved_steps is not None
-        and steps_per_epoch not in (None, saved_steps)
-    ):
-        batches = counted(saved_steps, "batch", "batches")
-        dropped = counted(record.batch, "batch", "batches")
-        warnings.warn(  # the batches dropped are counted, not recognized
-            f"Step {step} of '{directory}' was saved after batch {record.batch} of an epoch of "
-            f"{batches}; this fit's epochs have {steps_per_epoch}. It drops the first {dropped} "
-            f"of its epoch {record.epoch + 1} as trained already, which are other samples than "
-            "the checkpoint trained (another batch size or dataset): resume mid-epoch with the "
-            "same batches.",
-            KerasOrbaxWarning,
-            stacklevel=3,
-        )
-    keras_compat.set_initial_epoch(model, record.epoch)
-    return ResumePoint(model, record.epoch, record.batch or 0, read=not positioned)
 
 
 def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
@@ -276,52 +246,3 @@ def _announce(
 
 def _position(epoch: int, batch: int | None) -> str:
     return f"epoch {epoch + 1}, batch {batch}" if batch else f"{counted(epoch, 'epoch')} done"
-
-
-class ResumePoint:
-    """Epoch `epoch` resumes after its first `batches` batches, which were trained already.
-
-    `fit` starts at `epoch` (see `keras_compat.set_initial_epoch`). In that epoch, the first `batches`
-    train steps are dropped, untrained, and the metrics' running values of the checkpoint (which
-    `fit` resets when an epoch begins) are put back: the epoch ends exactly as it would have
-    without the interruption. With `read`, the dropped steps read their batches from the input
-    (which must yield the same batches again); without, the input was put past them already
-    (`data_position.DataPosition`) and they read nothing.
-
-    Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
-    checkpoint's metric values: Keras builds the `CallbackList` inside `fit` and calls every
-    callback in it for every execution, and gives a callback no way to hide batches from the
-    others (docs/resuming.md).
-    """
-
-    def __init__(self, model: keras.Model, epoch: int, batches: int, *, read: bool = True) -> None:
-        self.epoch = epoch
-        self.batches = batches
-        self.read = read  # False: the input starts past them (`data_position`), nothing to read
-        self._metrics = [keras_compat.current_value(v) for v in model.metrics_variables]
-        self._put_back: Callable[[], None] | None = None
-
-    def begin_epoch(self, model: keras.Model, epoch: int) -> None:
-        """Call from `on_epoch_begin`: in the resumed epoch, starts dropping its trained batches."""
-        if epoch != self.epoch or not self.batches:
-            return
-        for variable, value in zip(model.metrics_variables, self._metrics, strict=True):
-            variable.assign(value)
-        logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
-        executions = math.ceil(self.batches / model.steps_per_execution)
-        self._put_back = keras_compat.drop_train_steps(model, executions, logs, read=self.read)
-
-    def dropped(self, epoch: int, batch: int) -> bool:
-        """Whether batch `batch` (0-based, as in `on_train_batch_end`) of `epoch` was dropped."""
-        return epoch == self.epoch and batch < self.batches
-
-    def close(self) -> None:
-        """Puts `fit`'s train step back if the epoch ended before every drop happened."""
-        if self._put_back is not None:
-            self._put_back()
-            self._put_back = None
-
-
-def _python(value: Any) -> Any:
-    array = np.asarray(value)
-    return array.item() if array.ndim == 0 else array

@@ -1,5 +1,5 @@
 """A `tf.data` iterator's own checkpoint (`tf.train.Checkpoint(iterator=...)`), as JSON for the
-step's input position (`data_position`): the checkpoint's files, base64-encoded. Its size is what
+step's input position (`input_kinds`): the checkpoint's files, base64-encoded. Its size is what
 TensorFlow saves for the pipeline: small for a pipeline that maps and batches, as large as the
 buffer for a `shuffle` or `prefetch` buffer that holds elements.
 
