@@ -72,6 +72,18 @@ def refuse_unparsable_spec(directory: Any, record: VariableRecord, raw: bytes) -
     )
 
 
+def refuse_another_array(
+    directory: Any, record: VariableRecord, data_type: str, shape: tuple[int, ...]
+) -> None:
+    """A `zarr.json` describing another array than the step's record says is there is damage
+    (read through Orbax, its bytes would be cast from the dtype it names: other values)."""
+    raise CorruptCheckpointError(
+        f"{record.key}: its array metadata file {directory}/zarr.json describes a {shape} "
+        f"{data_type} array, the step's record a {record.shape} {record.dtype} one. The step is "
+        "damaged: restore another step."
+    )
+
+
 def fast_codec(chunk: tuple[int, ...], one_byte_dtype: bool) -> dict[str, Any]:
     """The one codec of a fast-format array's `zarr.json`: a shard per chunk, uncompressed, its
     index checksummed (what tensorstore writes for Orbax's fast options, and all this reader reads
