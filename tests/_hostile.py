@@ -238,7 +238,7 @@ def st_header_nested(intact: Path, work: Path) -> Hostile:
     """A header of JSON arrays nested a million deep."""
     directory = _safetensors(intact, work)[0]
     file = directory / "model.safetensors"
-    _write_safetensors(file, b"[" * 10**6 + b"]" * 10**6, b"")
+    _write_safetensors(file, NESTED_JSON.encode(), b"")
     return Hostile(directory, file, "tied_llama")
 
 
@@ -310,10 +310,11 @@ def shard_truncated(intact: Path, work: Path) -> Hostile:
 
 
 def compact_truncated(intact: Path, work: Path) -> Hostile:
-    """The largest data file of a compact step's OCDBT database, cut in half."""
+    """Every data file of a compact step's OCDBT databases cut to a quarter (tensorstore may
+    leave bytes no longer referenced at the end of one: a cut in half can miss every array)."""
     step = _copy(intact, "compact", work)
-    data = max((step / "1" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    for data in (step / "1" / "state").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 4])
     return Hostile(step, step / "1", "mlp")
 
 
@@ -329,6 +330,23 @@ def zarr_lies_about_dtype(intact: Path, work: Path) -> Hostile:
     step = _copy(intact, "fast", work)
     spec = step / ARRAY / "zarr.json"
     _edit_json(spec, lambda s: s.update(data_type="int32"))
+    return Hostile(step, spec, "mlp")
+
+
+NESTED_JSON = "[" * 10**6 + "]" * 10**6  # nested a million deep: past any parser's recursion
+
+
+def record_nested(intact: Path, work: Path) -> Hostile:
+    """A step's metadata file (its record) of JSON arrays nested a million deep."""
+    step = _copy(intact, "fast", work)
+    (step / "1" / "_CHECKPOINT_METADATA").write_text(NESTED_JSON)
+    return Hostile(step, step / "1", "mlp")
+
+
+def zarr_json_nested(intact: Path, work: Path) -> Hostile:
+    step = _copy(intact, "fast", work)
+    spec = step / ARRAY / "zarr.json"
+    spec.write_text(NESTED_JSON)
     return Hostile(step, spec, "mlp")
 
 
@@ -354,6 +372,8 @@ VERBS: dict[Callable[[Path, Path], Hostile], tuple[str, ...]] = {
     compact_truncated: STEP_VERBS,
     record_lies_about_dtype: STEP_VERBS,
     zarr_lies_about_dtype: STEP_VERBS,
+    record_nested: ("inspect", *STEP_VERBS),
+    zarr_json_nested: STEP_VERBS,
 }
 BUILDERS = {builder.__name__: builder for builder in VERBS}
 VERBS_BY_NAME = {builder.__name__: verbs for builder, verbs in VERBS.items()}

@@ -69,9 +69,8 @@ def test_every_verb_refuses_the_input_naming_its_file(built, tmp_path, capsys, n
     before = _files(work), _files(tmp_path)
     destination = tmp_path / "destination"
     if verb == "cli":
-        command = "inspect" if name.startswith("h5") or "json" in name else "verify"
         capsys.readouterr()
-        code = cli.main([command, str(hostile.location)])
+        code = cli.main(["verify", str(hostile.location)])
         out, err = capsys.readouterr()
         assert code != 0 and not out
         assert len(err.splitlines()) == 1, err

@@ -64,7 +64,7 @@ def refuse_unparsable_spec(directory: Any, record: VariableRecord, raw: bytes) -
         if isinstance(json.loads(raw), dict):
             return
         problem = "not a JSON object"
-    except ValueError as error:  # UnicodeDecodeError too
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError; JSON nested too deep
         problem = f"not valid JSON ({error})"
     raise CorruptCheckpointError(
         f"{record.key}: its array metadata file {directory}/zarr.json is damaged: {problem}. "
@@ -109,7 +109,7 @@ def plain_layout(
         spec = json.loads(raw)
         chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
         shape = tuple(spec["shape"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     fits = (
         spec.get("zarr_format") == 3
