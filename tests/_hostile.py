@@ -350,6 +350,29 @@ def zarr_json_nested(intact: Path, work: Path) -> Hostile:
     return Hostile(step, spec, "mlp")
 
 
+def checksums_nested(intact: Path, work: Path) -> Hostile:
+    """A fast step's checksum file of JSON nested a million deep."""
+    step = _copy(intact, "fast", work)
+    checksums = step / "1" / "state" / "keras_orbax_checksums" / "process_0.json"
+    checksums.write_text(NESTED_JSON)
+    return Hostile(step, checksums, "mlp")
+
+
+def keras_state_nested(intact: Path, work: Path) -> Hostile:
+    """A step's `keras_state/manifest.json` (layers' non-variable state) nested a million deep."""
+    step = _copy(intact, "fast", work)
+    (step / "1" / "keras_state").mkdir()
+    (step / "1" / "keras_state" / "manifest.json").write_text(NESTED_JSON)
+    return Hostile(step, step / "1", "mlp")
+
+
+def hf_config_nested(intact: Path, work: Path) -> Hostile:
+    """A Hugging Face directory whose config.json is JSON nested a million deep."""
+    directory = _copy(intact, "hf", work)
+    (directory / "config.json").write_text(NESTED_JSON)
+    return Hostile(directory, directory / "config.json", "tied_llama")
+
+
 # Each input's builder and the verbs that read what it damages.
 VERBS: dict[Callable[[Path, Path], Hostile], tuple[str, ...]] = {
     h5_shape_bomb: WEIGHTS_VERBS,
@@ -374,6 +397,9 @@ VERBS: dict[Callable[[Path, Path], Hostile], tuple[str, ...]] = {
     zarr_lies_about_dtype: STEP_VERBS,
     record_nested: ("inspect", *STEP_VERBS),
     zarr_json_nested: STEP_VERBS,
+    checksums_nested: STEP_VERBS,
+    keras_state_nested: STEP_VERBS,
+    hf_config_nested: HF_VERBS,
 }
 BUILDERS = {builder.__name__: builder for builder in VERBS}
 VERBS_BY_NAME = {builder.__name__: verbs for builder, verbs in VERBS.items()}

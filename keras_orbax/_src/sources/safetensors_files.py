@@ -23,6 +23,7 @@ from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+FILES = (SINGLE_FILE, INDEX_FILE)  # one of them makes a Hugging Face model directory
 
 # The header's dtype names (safetensors 0.4+ spec) -> numpy's (`np_dtype`); bytes are
 # little-endian.
