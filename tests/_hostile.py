@@ -414,14 +414,23 @@ BOMBS = (
 )
 
 
-def run_verb(verb: str, hostile: Hostile, destination: Path) -> object:
-    """`verb` on the hostile location, as a user calls it (the CLI separately: `test_...`)."""
+def model_for(hostile: Hostile) -> keras.Model:
+    """A model `restore_sharded` reads the whole source into (the MLP's optimizer state too)."""
+    model = BUILD[hostile.architecture]()
+    if hostile.architecture == "mlp":
+        model.compile(optimizer="adam", loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def run_verb(
+    verb: str, hostile: Hostile, destination: Path, model: keras.Model | None = None
+) -> object:
+    """`verb` on the hostile location, as a user calls it (`model`: the one `restore_sharded`
+    restores into)."""
     location = hostile.location
     if verb == "restore_sharded":
-        model = BUILD[hostile.architecture]()
-        if hostile.architecture == "mlp":  # its optimizer's state is read too
-            model.compile(optimizer="adam", loss="mse")
-        return keras_orbax.restore_sharded(model, location)
+        return keras_orbax.restore_sharded(model or model_for(hostile), location)
     if verb == "load_model":
         return keras_orbax.load_model(location)
     if verb == "from_preset":

@@ -5,7 +5,8 @@ member names outside a `.keras` (#23010, #23101), size lies in npz (#23016); ker
 preset paths outside the preset (#2716). keras-orbax reads all of these and more: safetensors
 headers, `zarr.json`, its own step records. Each input x each verb that reads what was damaged
 must give one `keras_orbax.errors` error naming the file (the command line: one line on stderr,
-a non-zero exit), write nothing outside the destination, and allocate nothing sized by a declared
+a non-zero exit), leave the model `restore_sharded` was given as it was, write nothing outside the
+destination, and allocate nothing sized by a declared
 value before it is checked against the file (the bombs' peak memory, in one worker process).
 """
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from keras_orbax import cli
@@ -77,9 +79,16 @@ def test_every_verb_refuses_the_input_naming_its_file(built, tmp_path, capsys, n
         assert str(hostile.named) in err
         assert "(location given" not in err  # said of another library's error
     else:
+        model = _hostile.model_for(hostile) if verb == "restore_sharded" else None
+        values = [np.asarray(v.value) for v in model.variables] if model is not None else None
         with pytest.raises(KerasOrbaxError) as raised:
-            _hostile.run_verb(verb, hostile, destination)
+            _hostile.run_verb(verb, hostile, destination, model)
         assert str(hostile.named) in str(raised.value)
+        if model is not None:  # all or nothing: the model is as it was
+            for variable, value in zip(model.variables, values, strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(variable.value), value, err_msg=variable.path
+                )
     written = {f for f in _files(tmp_path) if not f.startswith(f"{destination}/")}
     assert (_files(work), written) == (before[0], set(before[1]))
     assert not list(work.parent.glob("**/escaped-by-hostile-input.txt"))
