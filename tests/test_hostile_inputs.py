@@ -103,7 +103,10 @@ def test_the_bombs_are_refused_before_anything_is_allocated_by_their_declared_si
     for name in _hostile.BOMBS:
         _, hostile = built(name)
         for verb in _hostile.VERBS_BY_NAME[name]:
-            if verb != "cli":
+            # A keras-hub model would cost the worker keras-hub's import: the safetensors bomb
+            # goes to `inspect` and `verify`, which open it as every other verb does.
+            needs_hub = hostile.architecture != "mlp" and verb not in ("inspect", "verify")
+            if verb != "cli" and not needs_hub:
                 cases.append([name, verb, str(hostile.location), hostile.architecture])
     env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="1048576")
     done = subprocess.run(
