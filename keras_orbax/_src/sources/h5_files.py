@@ -60,7 +60,6 @@ def _file_datasets(h5: Any, file: Path, base: int) -> dict[str, H5Array]:
 
     def visit(name: str, obj: Any) -> None:
         if isinstance(obj, h5py.Dataset):
-            _refuse_hostile(name, obj, file)
             found[name] = _array(name, obj, file, base)
 
     try:
@@ -81,6 +80,7 @@ def _array(name: str, dataset: h5py.Dataset, file: Path, base: int) -> H5Array:
     if int(np.prod(shape)) == 0:
         return ContiguousArray(name, file, base + (offset or 0), shape, dtype)
     if dataset.chunks is not None or dataset.compression is not None or offset is None:
+        _refuse_hostile(name, dataset, file)  # a dataset with an address is read at it, checked
         return H5SliceArray(name, file, name, shape, dtype)
     if stored.isnative:  # bfloat16's opaque 2-byte data is read as bfloat16 directly
         return ContiguousArray(name, file, base + offset, shape, dtype)
