@@ -45,8 +45,8 @@ _DTYPES: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
 }
 # safetensors refuses headers over 100 MB; keras-orbax over 16 MiB: a header lists each tensor in
-# about 150 bytes, so that is 100,000 tensors in one file (Hugging Face shards hold hundreds), and
-# parsing 100 MB of JSON into Python objects takes gigabytes and minutes.
+# about 150 bytes, so that is 100,000 tensors in one file (Hugging Face shards hold hundreds), where
+# 100 MB of JSON would be millions of Python objects, gigabytes of host memory.
 _MAX_HEADER_BYTES = 16 << 20
 
 
