@@ -111,7 +111,7 @@ def _step_metadata(step_dir: Any) -> dict[str, Any]:
     reads it (`_src.metadata.checkpoint`): missing, unreadable or not JSON reads as nothing."""
     try:
         serialized = json.loads(step_metadata_file(step_dir).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
         return {}
     return serialized if isinstance(serialized, dict) else {}
 

@@ -171,7 +171,7 @@ def recorded_checksums(state: Path) -> dict[str, tuple[Crc, int]]:
     for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
         try:
             content = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise CorruptCheckpointError(f"Cannot read checksum file {path}: {error}") from error
         if content.get("algorithm") != ALGORITHM:
             raise CorruptCheckpointError(

@@ -85,7 +85,7 @@ def read(step_dir: Any) -> OwnState | None:
         manifest = json.loads((folder / MANIFEST).read_bytes())
         expected = manifest["files"]
         files = {name: (folder / _plain(name)).read_bytes() for name in expected}
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise CorruptCheckpointError(
             f"{what}: its {KERAS_STATE}/ (layers' non-variable state and assets) is unreadable: "
             f"{type(error).__name__}: {error}. No variable was modified."

@@ -98,7 +98,7 @@ def _variable_problems(i: int, entry: Any, keys: set[str], arrays: set[str]) -> 
         problems.append(f"{where}: the key appears twice")
     keys.add(key)
     array = entry["array"]
-    if not _plain_name(array):
+    if not plain_name(array):
         problems.append(
             f"{where}: array name {array!r} is not a plain name inside the step directory"
         )
@@ -125,7 +125,7 @@ def _plain_key(key: str) -> bool:
     return bool(key) and "\0" not in key and all(p not in ("", ".", "..") for p in key.split("/"))
 
 
-def _plain_name(name: str) -> bool:
+def plain_name(name: str) -> bool:
     """One path component: no separator, not `.`/`..`, nothing a filesystem reads specially."""
     return (
         name not in ("", ".", "..")

@@ -259,7 +259,7 @@ def _no_record_message(path: Path, file: Path) -> str:
         )
     try:
         json.loads(file.read_bytes())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         return f"The metadata file {file} of checkpoint step '{path}' is unreadable: {error}"
     return (
         f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "

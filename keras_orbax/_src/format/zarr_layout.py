@@ -64,11 +64,23 @@ def refuse_unparsable_spec(directory: Any, record: VariableRecord, raw: bytes) -
         if isinstance(json.loads(raw), dict):
             return
         problem = "not a JSON object"
-    except ValueError as error:  # UnicodeDecodeError too
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError; JSON nested too deep
         problem = f"not valid JSON ({error})"
     raise CorruptCheckpointError(
         f"{record.key}: its array metadata file {directory}/zarr.json is damaged: {problem}. "
         "The step is damaged: restore another step."
+    )
+
+
+def refuse_another_array(
+    directory: Any, record: VariableRecord, data_type: str, shape: tuple[int, ...]
+) -> None:
+    """A `zarr.json` describing another array than the step's record says is there is damage
+    (read through Orbax, its bytes would be cast from the dtype it names: other values)."""
+    raise CorruptCheckpointError(
+        f"{record.key}: its array metadata file {directory}/zarr.json describes a {shape} "
+        f"{data_type} array, the step's record a {record.shape} {record.dtype} one. The step is "
+        "damaged: restore another step."
     )
 
 
@@ -97,7 +109,7 @@ def plain_layout(
         spec = json.loads(raw)
         chunk = tuple(spec["chunk_grid"]["configuration"]["chunk_shape"])
         shape = tuple(spec["shape"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     fits = (
         spec.get("zarr_format") == 3

@@ -35,6 +35,7 @@ from keras_orbax._src.format.zarr_layout import (
     data_offset,
     fast_codec,
     plain_layout,
+    refuse_another_array,
     refuse_missing_spec,
     refuse_unparsable_spec,
 )
@@ -54,6 +55,10 @@ from keras_orbax.errors import CorruptCheckpointError
 
 # What write/ takes from here (the layout is zarr_layout's).
 __all__ = ["ONE_FILE_KEYS", "ONE_FILE_SEPARATOR", "FastArray", "chunk_key", "fast_codec"]
+
+# Shard files of one array that are checked by name, one by one, without counting them first:
+# one per device of a 65,536-device mesh.
+_MANY_FILES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +101,33 @@ class FastArray:
             refuse_unparsable_spec(directory, record, raw)
             return None  # another layout: Orbax reads it, or says what is wrong
         if layout[:2] != (record.dtype, record.shape):
-            return None
+            refuse_another_array(directory, record, *layout[:2])
         _, shape, chunk, separator = layout
-        return cls(record.key, directory, shape, chunk, np_dtype(record.dtype), separator)
+        array = cls(record.key, directory, shape, chunk, np_dtype(record.dtype), separator)
+        array.refuse_a_grid_beyond_its_files()
+        return array
+
+    def refuse_a_grid_beyond_its_files(self) -> None:
+        """A grid of more than `_MANY_FILES` shard files is counted against the files the
+        directory holds before anything walks it: a hostile `zarr.json` and record declaring a
+        huge shape in small chunks would have every check walk billions of names.
+
+        Raises:
+            CorruptCheckpointError: naming the array's directory.
+        """
+        grid = math.prod(n // c for n, c in zip(self.shape, self.chunk_shape, strict=True))
+        if grid <= _MANY_FILES:
+            return
+        if locations.is_remote(self.directory):
+            there = len(self._object_sizes())
+        else:
+            there = sum(len(files) for _, _, files in os.walk(self.directory)) - 1  # zarr.json
+        if there < grid:
+            raise CorruptCheckpointError(
+                f"Checkpoint array '{self.directory}' ({self.key}) is damaged: its shape "
+                f"{self.shape} in chunks of {self.chunk_shape} makes {grid} shard files, and the "
+                f"directory holds {there}. No variable was modified."
+            )
 
     @property
     def chunk_bytes(self) -> int:

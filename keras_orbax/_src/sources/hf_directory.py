@@ -23,6 +23,7 @@ from keras_orbax._src.sources import safetensors_files
 from keras_orbax._src.sources.base import Prepared, Source
 from keras_orbax._src.sources.safetensors_files import SafetensorsTensor
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty
+from keras_orbax.errors import CorruptCheckpointError
 
 # Keras, JAX and the restore's modules load in the methods that restore: `resolve` asks
 # `is_transformers_directory` of every location, `keras-orbax inspect`'s included (see `base`).
@@ -34,13 +35,22 @@ if TYPE_CHECKING:
 
 
 def is_transformers_directory(path: Path) -> bool:
-    """A Hugging Face model directory: its `config.json` has a `model_type`, beside safetensors."""
+    """A Hugging Face model directory: its `config.json` has a `model_type`, beside safetensors.
+
+    Raises:
+        CorruptCheckpointError: a `config.json` beside safetensors that is not JSON.
+    """
     config = path / "config.json"
     if not (path.is_dir() and config.is_file()):
         return False
     try:
         return "model_type" in json.loads(config.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested too deep
+        if any((path / name).is_file() for name in safetensors_files.FILES):
+            raise CorruptCheckpointError(
+                f"'{config}' of the Hugging Face model directory '{path}' is unreadable: "
+                f"{type(error).__name__}: {error}"
+            ) from None
         return False
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from keras_orbax._src.format.dtypes import np_dtype
+from keras_orbax._src.format.record_check import plain_name
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+FILES = (SINGLE_FILE, INDEX_FILE)  # one of them makes a Hugging Face model directory
 
 # The header's dtype names (safetensors 0.4+ spec) -> numpy's (`np_dtype`); bytes are
 # little-endian.
@@ -42,7 +44,10 @@ _DTYPES: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
+# safetensors refuses headers over 100 MB; keras-orbax over 16 MiB: a header lists each tensor in
+# about 150 bytes, so that is 100,000 tensors in one file (Hugging Face shards hold hundreds), where
+# 100 MB of JSON would be millions of Python objects, gigabytes of host memory.
+_MAX_HEADER_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +87,18 @@ def read_file_header(path: str | os.PathLike) -> dict[str, SafetensorsTensor]:
         if len(prefix) < 8:
             raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors file.")
         (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+        if header_len > size - 8:
             raise CorruptCheckpointError(
                 f"{path}: header length {header_len} does not fit a file of {size} bytes."
             )
+        if header_len > _MAX_HEADER_BYTES:
+            raise CorruptCheckpointError(
+                f"{path}: its header is {header_len} bytes of JSON; keras-orbax reads headers of "
+                f"up to {_MAX_HEADER_BYTES} bytes (about 100,000 tensors in one file)."
+            )
         try:
             header = json.loads(f.read(header_len))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
             raise CorruptCheckpointError(f"{path}: header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object.")
@@ -145,10 +155,14 @@ def read_directory(directory: str | os.PathLike) -> dict[str, SafetensorsTensor]
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         parts = {str(part) for part in weight_map.values()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{index_path}: no readable weight_map ({e!r}).") from None
     headers = {}
     for part in sorted(parts):
+        if not plain_name(part):  # Hugging Face keeps every part beside its index
+            raise CorruptCheckpointError(
+                f"{index_path} names the part '{part}', which is not a file of {directory}."
+            )
         if not (directory / part).exists():
             raise CheckpointNotFoundError(f"{index_path} names {part}, which does not exist.")
         headers[part] = read_file_header(directory / part)
