@@ -8,7 +8,7 @@ args: {"action": ..., "directory": ...}
   window; reports the peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of
   keras_orbax's export and of keras-hub's own.
 - "memory_moved" (1 process): a Gemma backbone whose hidden size is not heads x head_dim (its
-  query projections a reshape across axes, moved on the host), exported with a 1 MiB window;
+  query projections transposed from host blocks), exported with a 1 MiB window;
   reports the peak RSS growth and the largest query projection's bytes.
 - "multiprocess" (2 processes x 4 devices): Gemma and Llama3 backbones on a (2, 4) mesh of all 8
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a

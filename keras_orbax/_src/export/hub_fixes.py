@@ -1,0 +1,90 @@
+"""Where keras-hub 0.32's exporters write files their readers refuse or misread: the files
+corrected, or the export refused, never written wrong.
+
+- Its Gemma exporter (`get_gemma_weights_map`) is right only in Gemma 2B's layout (one key/value
+  head, `hidden_dim == num_query_heads * head_dim`): with more key/value heads it writes the first
+  one only (`weights[0][0]`), and otherwise it reshapes the query kernel where a transpose is due.
+  Here the three projections are written as keras-hub's own Hugging Face loader reads them.
+- Its Gemma config names transformers' `gemma` model, which has none of Gemma 2's options (post
+  norms, soft caps, a sliding window) nor another norm epsilon: such a backbone is refused.
+- Some backbones' `get_config()` drop a constructor argument they keep (`Llama3Backbone`:
+  `tie_word_embeddings`), so a preset's `config.json` rebuilds another model than was saved:
+  `completed_config` puts it back.
+
+LoRA is merged for every exporter by `hub_tensors.trace_tensors`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_orbax.errors import UnsupportedSourceError
+
+WeightsMap = Callable[..., dict[str, Any]]
+
+# The `GemmaBackbone` arguments transformers' `gemma` model cannot express, with the value it
+# computes as (keras-hub's config for it names none of them).
+_GEMMA_FIXED = {
+    "query_head_dim_normalize": True,
+    "use_post_ffw_norm": False,
+    "use_post_attention_norm": False,
+    "attention_logit_soft_cap": None,
+    "final_logit_soft_cap": None,
+    "use_sliding_window_attention": False,
+    "layer_norm_epsilon": 1e-6,
+}
+
+
+def weights_map(backbone: keras.Model, keras_hubs: WeightsMap) -> WeightsMap:
+    """keras-hub's `get_*_weights_map` for `backbone`, corrected where it is wrong; raises
+    `UnsupportedSourceError` where the export cannot describe the model."""
+    if type(backbone).__name__ != "GemmaBackbone":
+        return keras_hubs
+    config = backbone.get_config()
+    differ = {k: config[k] for k, v in _GEMMA_FIXED.items() if k in config and config[k] != v}
+    if differ:
+        given = ", ".join(f"{k}={v!r}" for k, v in differ.items())
+        raise UnsupportedSourceError(
+            f"Cannot export {backbone.name!r} to Hugging Face format: keras-hub writes a "
+            f"GemmaBackbone as transformers' `gemma` model, which has no {given} (Gemma 2's "
+            "options); the files would load and compute something else. Save it as a keras-hub "
+            "preset instead: `keras_orbax.save_to_preset(model, directory)`."
+        )
+
+    def gemma(backbone: keras.Model, include_lm_head: bool = False) -> dict[str, Any]:
+        weights = keras_hubs(backbone, include_lm_head=include_lm_head)
+        for i in range(backbone.num_layers):
+            attention = backbone.get_layer(f"decoder_block_{i}").attention
+            projections = {
+                "q_proj": attention.query_dense,
+                "k_proj": attention.key_dense,
+                "v_proj": attention.value_dense,
+            }
+            for name, dense in projections.items():
+                # (heads, hidden, head_dim) -> (heads * head_dim, hidden), as keras-hub's loader
+                # (`convert_gemma`) and transformers read it
+                kernel = keras.ops.transpose(dense.kernel, (0, 2, 1))
+                weights[f"model.layers.{i}.self_attn.{name}.weight"] = keras.ops.reshape(
+                    kernel, (-1, backbone.hidden_dim)
+                )
+        return weights
+
+    return gemma
+
+
+def completed_config(model: keras.Layer, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (what `model.get_config()` gave) with each constructor argument it dropped whose
+    value `model` keeps under the argument's name and differs from the default: what rebuilds
+    `model` from the config."""
+    dropped = {}
+    for name, parameter in inspect.signature(type(model).__init__).parameters.items():
+        if name in config or parameter.default is inspect.Parameter.empty:
+            continue
+        value = getattr(model, name, parameter.default)
+        if isinstance(value, bool | int | float | str) and value != parameter.default:
+            dropped[name] = value
+    return {**config, **dropped}
