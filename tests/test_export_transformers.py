@@ -272,6 +272,39 @@ def test_convert_writes_a_hugging_face_directory_from_a_preset(tmp_path, capsys,
     _assert_same_files(tmp_path / "cli", tmp_path / "keras_hub")
 
 
+def test_a_tied_model_goes_hugging_face_to_preset_to_hugging_face_and_back(tmp_path, distribution):
+    """The chain docs/exporting.md shows, twice round: a tied Llama 3 export converted to a preset
+    and that preset exported again gives the same config and tensors. keras-hub's
+    `Llama3Backbone.get_config()` drops `tie_word_embeddings`, so a preset written from its config
+    alone rebuilds an untied model, which cannot load the tied weights."""
+    distribution(_hf_export.model_parallel("llama3"))
+    backbone = _hf_export.backbone_class("llama3")(
+        **dict(_hf_export.LLAMA3, tie_word_embeddings=True)
+    )
+    _hf_export.fill(backbone)
+    keras_orbax.export_to_transformers(backbone, tmp_path / "hf")
+    keras_orbax.convert(tmp_path / "hf", tmp_path / "preset", preset=True)
+    keras_orbax.convert(tmp_path / "preset", tmp_path / "hf_again", transformers=True)
+    keras_orbax.convert(tmp_path / "hf_again", tmp_path / "preset_again", preset=True)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hf_again" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    configs = [
+        json.loads((tmp_path / p / "config.json").read_text()) for p in ("preset", "preset_again")
+    ]
+    for config in configs:
+        config["config"].pop("name")  # each build's own
+    assert configs[0] == configs[1]
+    assert configs[0]["config"]["tie_word_embeddings"] is True
+    distribution(None)
+    reloaded = keras_hub.models.Backbone.from_preset(str(tmp_path / "preset"))
+    assert reloaded.tie_word_embeddings is True
+    values = {v.path: np.asarray(v.value) for v in reloaded.variables}
+    want = _hf_export.exported_values(backbone)
+    assert sorted(values) == sorted(want)
+    for path, value in want.items():
+        np.testing.assert_array_equal(values[path], value, err_msg=path)
+
+
 def test_a_model_keras_hub_does_not_export_is_refused(tmp_path):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)], name="plain")
     with pytest.raises(UnsupportedSourceError, match=r"backbone or a CausalLM.*model='plain'"):

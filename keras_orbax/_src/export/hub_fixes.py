@@ -9,7 +9,7 @@ corrected, or the export refused, never written wrong.
   norms, soft caps, a sliding window) nor another norm epsilon: such a backbone is refused.
 - Some backbones' `get_config()` drop a constructor argument they keep (`Llama3Backbone`:
   `tie_word_embeddings`), so a preset's `config.json` rebuilds another model than was saved:
-  `completed_config` puts it back.
+  `complete_preset_config` puts it back.
 
 LoRA is merged for every exporter by `hub_tensors.trace_tensors`.
 """
@@ -17,7 +17,9 @@ LoRA is merged for every exporter by `hub_tensors.trace_tensors`.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -76,15 +78,39 @@ def weights_map(backbone: keras.Model, keras_hubs: WeightsMap) -> WeightsMap:
     return gemma
 
 
-def completed_config(model: keras.Layer, config: dict[str, Any]) -> dict[str, Any]:
-    """`config` (what `model.get_config()` gave) with each constructor argument it dropped whose
-    value `model` keeps under the argument's name and differs from the default: what rebuilds
-    `model` from the config."""
+def complete_preset_config(path: Path, backbone: keras.Model) -> None:
+    """Adds to the preset config file `path` (keras-hub's `config.json` or `task.json`) each
+    argument of `backbone`'s constructor that its `get_config()` dropped, where `backbone` keeps
+    it under the argument's name with a value other than the default: so that the config rebuilds
+    the model saved. The file is rewritten only if one was dropped."""
+    serialized = json.loads(path.read_text())
+    found = _serialized(serialized, type(backbone).__name__)
+    if found is None:
+        return
+    config = found["config"]
     dropped = {}
-    for name, parameter in inspect.signature(type(model).__init__).parameters.items():
+    for name, parameter in inspect.signature(type(backbone).__init__).parameters.items():
         if name in config or parameter.default is inspect.Parameter.empty:
             continue
-        value = getattr(model, name, parameter.default)
+        value = getattr(backbone, name, parameter.default)
         if isinstance(value, bool | int | float | str) and value != parameter.default:
             dropped[name] = value
-    return {**config, **dropped}
+    if dropped:
+        config.update(dropped)
+        path.write_text(json.dumps(serialized, indent=4))  # as keras-hub writes it
+
+
+def _serialized(tree: Any, class_name: str) -> dict[str, Any] | None:
+    """The serialized object of class `class_name` in a Keras serialization `tree`."""
+    if isinstance(tree, dict):
+        if tree.get("class_name") == class_name and isinstance(tree.get("config"), dict):
+            return tree
+        children = list(tree.values())
+    elif isinstance(tree, list):
+        children = tree
+    else:
+        return None
+    for child in children:
+        if (found := _serialized(child, class_name)) is not None:
+            return found
+    return None
