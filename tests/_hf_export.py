@@ -55,6 +55,18 @@ def causal_lm_class(name: str) -> type:
     ]
 
 
+def keras_hubs_export(backbone: keras.Model, directory: str) -> None:
+    """keras-hub's own export of `backbone`; of one with untied embeddings, its CausalLM's (the same
+    files with `lm_head.weight`), as keras-orbax writes a backbone whose LM head is its own."""
+    import keras_hub
+
+    if backbone.get_layer("token_embedding").tie_weights:
+        backbone.export_to_transformers(directory)
+        return
+    task_class = {keras_hub.models.Llama3Backbone: keras_hub.models.Llama3CausalLM}[type(backbone)]
+    task_class(backbone=backbone, preprocessor=None).export_to_transformers(directory)
+
+
 def config(name: str) -> dict:
     return {"gemma": GEMMA, "llama3": LLAMA3}[name]
 

@@ -7,6 +7,9 @@ corrected, or the export refused, never written wrong.
   Here the three projections are written as keras-hub's own Hugging Face loader reads them.
 - Its Gemma config names transformers' `gemma` model, which has none of Gemma 2's options (post
   norms, soft caps, a sliding window) nor another norm epsilon: such a backbone is refused.
+- A backbone's export leaves out its LM head, also where the head is a variable of the backbone
+  (untied embeddings: `reverse_embeddings`) and the config names a `...ForCausalLM`: keras-hub's
+  loader then refuses the files and transformers initializes a random head. Here it is written.
 - Some backbones' `get_config()` drop a constructor argument they keep (`Llama3Backbone`:
   `tie_word_embeddings`), so a preset's `config.json` rebuilds another model than was saved:
   `complete_preset_config` puts it back.
@@ -76,6 +79,11 @@ def weights_map(backbone: keras.Model, keras_hubs: WeightsMap) -> WeightsMap:
         return weights
 
     return gemma
+
+
+def has_untied_lm_head(backbone: keras.Model) -> bool:
+    """Whether `backbone` holds an LM head of its own (untied reverse embeddings)."""
+    return any(v.path.endswith("/reverse_embeddings") for v in backbone.variables)
 
 
 def complete_preset_config(path: Path, backbone: keras.Model) -> None:

@@ -178,11 +178,12 @@ class TransformersSink(commit.ExportSink):
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:
-    """(backbone, tokenizer or None, whether the LM head is exported), as keras-hub decides."""
+    """(backbone, tokenizer or None, whether the LM head is exported), as keras-hub decides, but
+    for a backbone whose LM head is a variable of its own (untied embeddings), which it leaves out."""
     import keras_hub  # the `hub` extra
 
     if isinstance(model, keras_hub.models.Backbone):
-        return model, None, False
+        return model, None, hub_fixes.has_untied_lm_head(model)
     if not isinstance(model, keras_hub.models.CausalLM):
         raise UnsupportedSourceError(
             f"keras-hub exports a backbone or a CausalLM to Hugging Face format, not a "
