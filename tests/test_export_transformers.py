@@ -202,6 +202,7 @@ def export_case(tmp_path_factory):
         done[case.id] = exported
         return exported
 
+    export.root = root  # where each case's directory is
     return export
 
 
@@ -214,6 +215,7 @@ def test_keras_hubs_loader_reads_the_export_exactly_or_it_is_refused(tmp_path, e
     if case.refused:
         with pytest.raises(UnsupportedSourceError, match=re.escape(case.refused)):
             export_case(case)
+        assert not any(case.id in p.name for p in export_case.root.iterdir())
         return
     exported = export_case(case)
     reloaded = keras_hub.models.Backbone.from_preset(str(exported.directory))

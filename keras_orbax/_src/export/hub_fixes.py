@@ -31,8 +31,8 @@ from keras_orbax.errors import UnsupportedSourceError
 
 WeightsMap = Callable[..., dict[str, Any]]
 
-# The `GemmaBackbone` arguments transformers' `gemma` model cannot express, with the value it
-# computes as (keras-hub's config for it names none of them).
+# The `GemmaBackbone` arguments that transformers' `gemma` model fixes, with the value it fixes
+# (keras-hub's config for it names none of them).
 _GEMMA_FIXED = {
     "query_head_dim_normalize": True,
     "use_post_ffw_norm": False,
@@ -55,8 +55,9 @@ def weights_map(backbone: keras.Model, keras_hubs: WeightsMap) -> WeightsMap:
         given = ", ".join(f"{k}={v!r}" for k, v in differ.items())
         raise UnsupportedSourceError(
             f"Cannot export {backbone.name!r} to Hugging Face format: keras-hub writes a "
-            f"GemmaBackbone as transformers' `gemma` model, which has no {given} (Gemma 2's "
-            "options); the files would load and compute something else. Save it as a keras-hub "
+            f"GemmaBackbone as transformers' `gemma` model, which cannot express {given} (it has "
+            "no post norms, soft caps or sliding window, and a norm epsilon of 1e-06); the files "
+            "would load and compute something else. Nothing was written. Save it as a keras-hub "
             "preset instead: `keras_orbax.save_to_preset(model, directory)`."
         )
 
