@@ -42,17 +42,23 @@ LLAMA3 = dict(
 def backbone_class(name: str) -> type:
     import keras_hub
 
-    return {"gemma": keras_hub.models.GemmaBackbone, "llama3": keras_hub.models.Llama3Backbone}[
-        name
-    ]
+    return getattr(keras_hub.models, _CLASSES[name] + "Backbone")
 
 
 def causal_lm_class(name: str) -> type:
     import keras_hub
 
-    return {"gemma": keras_hub.models.GemmaCausalLM, "llama3": keras_hub.models.Llama3CausalLM}[
-        name
-    ]
+    return getattr(keras_hub.models, _CLASSES[name] + "CausalLM")
+
+
+_CLASSES = {
+    "gemma": "Gemma",
+    "gemma3": "Gemma3",
+    "gpt2": "GPT2",
+    "llama3": "Llama3",
+    "mistral": "Mistral",
+    "qwen": "Qwen",
+}
 
 
 def keras_hubs_export(backbone: keras.Model, directory: str) -> None:
@@ -80,8 +86,10 @@ def model_parallel(
     cannot be split over it: its key/value kernels are split along the hidden axis instead.
     """
     mesh = keras.distribution.DeviceMesh(mesh_shape, ("batch", "model"), jax.devices())
+    if not hasattr(backbone_class(name), "get_layout_map"):  # keras-hub has none: replicated
+        return keras.distribution.DataParallel(devices=jax.devices())
     layout_map = backbone_class(name).get_layout_map(mesh)
-    key_value_heads = (model_config or config(name))["num_key_value_heads"]
+    key_value_heads = (model_config or config(name)).get("num_key_value_heads", 1)
     if name == "gemma" and key_value_heads % mesh_shape[1]:
         query_key_value = "decoder_block.*attention.*(query|key|value).kernel"
         layout_map["decoder_block.*attention.*query.kernel"] = layout_map.pop(query_key_value)
@@ -151,6 +159,8 @@ class ExportCase:
     config: dict
     lora: bool
     refused: str | None = None
+    # keras-hub's loader rounds every tensor through this dtype (`convert_mistral`: float16)
+    loaded_as: str | None = None
 
     @property
     def id(self) -> str:
@@ -159,6 +169,7 @@ class ExportCase:
 
 _GEMMA_CASE = dict(GEMMA, dtype="float32")  # float32: transformers' logits compare tightly
 _LLAMA3_CASE = dict(LLAMA3, dtype="float32")
+_SMALL = dict(vocabulary_size=64, num_layers=2, hidden_dim=16, dtype="float32")
 _LAYOUTS = [
     ("gemma", "mqa", "1 key/value head, hidden = heads x head_dim (Gemma 2B)", _GEMMA_CASE, None),
     (
@@ -191,9 +202,61 @@ _LAYOUTS = [
     ),
     ("llama3", "untied", "untied embeddings, 2 key/value heads of 4", _LLAMA3_CASE, None),
     ("llama3", "tied", "tied embeddings", dict(_LLAMA3_CASE, tie_word_embeddings=True), None),
+    (
+        "gemma3",
+        "text",
+        "text only, 2 key/value heads of 4",
+        dict(
+            _GEMMA_CASE,
+            num_key_value_heads=2,
+            image_size=16,
+            use_post_ffw_norm=True,
+            use_post_attention_norm=True,
+            vision_encoder=None,
+        ),
+        None,
+    ),
+    (
+        "gemma3",
+        "no_post_norms",
+        "without post norms",
+        dict(_GEMMA_CASE, image_size=16, vision_encoder=None),
+        "use_post_ffw_norm=False, use_post_attention_norm=False",
+    ),
+    (
+        "gpt2",
+        "mha",
+        "intermediate = 4 x hidden",
+        dict(_SMALL, num_heads=4, intermediate_dim=64, max_sequence_length=16),
+        None,
+    ),
+    (
+        "mistral",
+        "gqa",
+        "2 key/value heads of 4",
+        dict(
+            _SMALL, num_query_heads=4, num_key_value_heads=2, intermediate_dim=32, sliding_window=8
+        ),
+        None,
+    ),
+    (
+        "qwen",
+        "gqa",
+        "2 key/value heads of 4, tied embeddings",
+        dict(_SMALL, num_query_heads=4, num_key_value_heads=2, intermediate_dim=32),
+        None,
+    ),
 ]
 EXPORT_CASES = [
-    ExportCase(architecture, key, layout, model_config, lora, refused)
+    ExportCase(
+        architecture,
+        key,
+        layout,
+        model_config,
+        lora,
+        refused,
+        loaded_as="float16" if architecture == "mistral" else None,
+    )
     for architecture, key, layout, model_config, refused in _LAYOUTS
     for lora in (False, True)
 ]
@@ -201,7 +264,14 @@ EXPORT_CASES = [
 
 def support_table(cases: list[ExportCase]) -> str:
     """The markdown table of `cases`: one row per architecture and layout."""
-    names = {"gemma": "Gemma", "llama3": "Llama 3"}
+    names = {
+        "gemma": "Gemma",
+        "gemma3": "Gemma 3",
+        "gpt2": "GPT-2",
+        "llama3": "Llama 3",
+        "mistral": "Mistral",
+        "qwen": "Qwen",
+    }
     rows = {}
     for case in cases:
         outcome = "refused" if case.refused else "exact"

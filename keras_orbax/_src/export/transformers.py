@@ -102,7 +102,8 @@ def export_to_transformers(
 
     def other_files(staging: Path) -> None:
         with open(staging / "config.json", "w") as f:
-            json.dump(_with_tokens(get_config(backbone), tokenizer), f, indent=2)
+            config = hub_fixes.hf_config(backbone, _with_tokens(get_config(backbone), tokenizer))
+            json.dump(config, f, indent=2)
         if model is not backbone:
             hub_compat.hf_write_extra_files(backbone, tokenizer, os.fspath(staging))
 
