@@ -141,18 +141,15 @@ def _merged_state(
     merge of `state`'s values) and its factors holding zeros."""
     with keras.StatelessScope(state_mapping=state):
         merged = {id(m.frozen): m.merged() for m in lora}
-    factors = {id(f) for m in lora for f in m.factors}
-    return [
-        (
-            v,
-            merged[id(v)]
-            if id(v) in merged
-            else keras.ops.zeros_like(x)
-            if id(v) in factors
-            else x,
-        )
-        for v, x in state
-    ]
+    zeros = {id(f) for m in lora for f in m.factors}
+    replaced = []
+    for variable, value in state:
+        if id(variable) in merged:
+            value = merged[id(variable)]
+        elif id(variable) in zeros:
+            value = keras.ops.zeros_like(value)
+        replaced.append((variable, value))
+    return replaced
 
 
 def _chain_to_input(out: Any, producer: dict, arg_of: dict) -> tuple[Any, list[Any]] | None:
