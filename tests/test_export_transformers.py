@@ -7,8 +7,10 @@ header, order, data, config, tokenizer files), the `safetensors` package's reade
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -17,8 +19,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.compat import hub_compat
-from keras_orbax._src.export import file_windows, hub_tensors
+from keras_orbax._src.export import file_windows
 from keras_orbax.errors import UnsupportedSourceError
 from tests import _hf_export
 from tests._direct_io import direct_bytes_written, refuses_o_direct
@@ -63,7 +64,7 @@ def _sharded_backbone(name: str, distribution) -> keras.Model:
 def test_a_sharded_backbone_gives_keras_hubs_files(tmp_path, distribution, name):
     backbone = _sharded_backbone(name, distribution)
     assert any(not v.value.is_fully_replicated for v in backbone.variables)
-    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
+    _hf_export.keras_hubs_export(backbone, str(tmp_path / "keras_hub"))
     written = keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=WINDOW)
     assert written == tmp_path / "ours"
     _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
@@ -83,45 +84,8 @@ def test_bands_written_straight_to_the_disk_give_keras_hubs_files(tmp_path, dist
     with direct_bytes_written(minimum=file_windows.ALIGN) as direct:
         keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=64 << 10)
     assert direct and direct[0] >= 3 * (6 * 64 * 512 * 4) // 4  # most of the six FFN kernels
-    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
+    _hf_export.keras_hubs_export(backbone, str(tmp_path / "keras_hub"))
     _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
-
-
-def test_gemma_projections_moved_on_the_host_give_keras_hubs_files(
-    tmp_path, distribution, monkeypatch
-):
-    """hidden 24 != 4 heads x 8, two key/value heads, on the (2, 4) mesh: keras-hub's exporter
-    reshapes each query kernel across axes and slices the first key/value head. The trace finds
-    those moves; with a window that holds a variable and its tensor they are replayed on the host
-    (keras-hub's operations never run on the devices), with a 256-byte window they are computed
-    on the devices; both give keras-hub's files byte for byte."""
-    distribution(_hf_export.model_parallel("gemma"))
-    backbone = _hf_export.backbone_class("gemma")(**_hf_export.GEMMA_SPLIT)
-    _hf_export.fill(backbone)
-    query = backbone.get_layer("decoder_block_0").attention.query_dense.kernel
-    assert query.shape == (4, 24, 8) and not query.value.is_fully_replicated
-    _, weights_map = hub_compat.hf_export_functions("GemmaBackbone")
-    traced = hub_tensors.trace_tensors(lambda: weights_map(backbone), backbone.variables)
-    moved = sorted(t.name for t in traced if isinstance(t.source, hub_tensors.Moved))
-    projections = ("q_proj", "k_proj", "v_proj")
-    assert moved == sorted(
-        f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1) for p in projections
-    )
-    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
-    computed: list[tuple[int, ...]] = []
-    evaluator = hub_tensors._evaluator
-
-    def counted(closed, eqns, out, variables):  # keras-hub's operations, each run recorded
-        compute = evaluator(closed, eqns, out, variables)
-        return lambda: computed.append(tuple(out.aval.shape)) or compute()
-
-    monkeypatch.setattr(hub_tensors, "_evaluator", counted)
-    keras_orbax.export_to_transformers(backbone, tmp_path / "host", window_bytes=64 << 10)
-    assert computed == []
-    _assert_same_files(tmp_path / "host", tmp_path / "keras_hub")
-    keras_orbax.export_to_transformers(backbone, tmp_path / "devices", window_bytes=WINDOW)
-    assert sorted(computed) == sorted([(24, 32), (8, 24), (8, 24)] * 2)
-    _assert_same_files(tmp_path / "devices", tmp_path / "keras_hub")
 
 
 def test_a_causal_lm_with_its_tokenizer_and_lora_gives_keras_hubs_files(tmp_path, distribution):
@@ -194,20 +158,110 @@ def test_round_trip_loaded_sharded_trained_exported_reloaded(tmp_path, distribut
         np.testing.assert_array_equal(values[path], value, err_msg=path)
 
 
-def test_gemma_lora_is_exported_as_keras_hub_exports_it_without_the_update(tmp_path, distribution):
-    """keras-hub's Gemma exporter reads `kernel` variables (`weights[0]`), not the LoRA-merged
-    `kernel` property that Llama3's reads: the LoRA update is not exported. Same files here."""
-    backbone = _sharded_backbone("gemma", distribution)
-    backbone.enable_lora(2)
-    _hf_export.fill(backbone, seed=3)
-    backbone.export_to_transformers(str(tmp_path / "keras_hub"))
-    keras_orbax.export_to_transformers(backbone, tmp_path / "ours", window_bytes=WINDOW)
-    _assert_same_files(tmp_path / "ours", tmp_path / "keras_hub")
-    value = backbone.get_layer("decoder_block_0").attention.value_dense
-    got = safetensors_numpy.load_file(tmp_path / "ours" / "model.safetensors")
-    v_proj = got["model.layers.0.self_attn.v_proj.weight"]
-    np.testing.assert_array_equal(v_proj, np.asarray(value._kernel.value)[0].T)
-    assert not np.array_equal(v_proj, np.asarray(value.kernel)[0].T.astype(v_proj.dtype))
+@dataclasses.dataclass
+class _Exported:
+    directory: Path
+    values: dict[str, np.ndarray]  # what each variable of a model without LoRA should read back
+    task: keras.Model  # the model exported
+    distribution: keras.distribution.Distribution  # the one it was built under
+
+
+@pytest.fixture(scope="module")
+def export_case(tmp_path_factory):
+    """Exports an `ExportCase`'s CausalLM, once per module, from a (2, 4) mesh under keras-hub's
+    own layout map (replicated where keras-hub has none); the directory, the values it should
+    hold, the model and its distribution."""
+    done: dict[str, _Exported] = {}
+    root = tmp_path_factory.mktemp("export_cases")
+
+    def export(case: _hf_export.ExportCase) -> _Exported:
+        if case.id in done:
+            return done[case.id]
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(
+            _hf_export.model_parallel(case.architecture, model_config=case.config)
+        )
+        try:
+            backbone = _hf_export.backbone_class(case.architecture)(**case.config)
+            if case.lora:
+                backbone.enable_lora(2)
+            _hf_export.fill(backbone, seed=3)  # LoRA factors too: the update is not zero
+            task = _hf_export.causal_lm_class(case.architecture)(
+                backbone=backbone, preprocessor=None
+            )
+            keras_orbax.export_to_transformers(task, root / case.id, window_bytes=WINDOW)
+            values = _hf_export.exported_values(backbone)
+            exported = _Exported(
+                root / case.id,
+                {v.path: values[v.path] for v in _weights(backbone) if v.path in values},
+                task,
+                keras.distribution.distribution(),
+            )
+        finally:
+            keras.distribution.set_distribution(previous)
+        done[case.id] = exported
+        return exported
+
+    export.root = root  # where each case's directory is
+    return export
+
+
+@pytest.mark.parametrize("case", _hf_export.EXPORT_CASES, ids=lambda case: case.id)
+def test_keras_hubs_loader_reads_the_export_exactly_or_it_is_refused(tmp_path, export_case, case):
+    """Where keras-hub 0.32's own exporter writes one key/value head of several, reshapes a query
+    kernel where a transpose is due, or drops a Gemma LoRA update, keras-orbax writes the tensors
+    keras-hub's Hugging Face loader reads back exactly; what transformers' `gemma` model cannot
+    express is refused, naming it, with nothing written."""
+    if case.refused:
+        with pytest.raises(UnsupportedSourceError, match=re.escape(case.refused)):
+            export_case(case)
+        assert not any(case.id in p.name for p in export_case.root.iterdir())
+        return
+    exported = export_case(case)
+    reloaded = keras_hub.models.Backbone.from_preset(str(exported.directory))
+    values = {v.path: np.asarray(v.value) for v in _weights(reloaded)}
+    assert sorted(values) == sorted(exported.values)
+    for path, value in exported.values.items():
+        if case.loaded_as:
+            value = value.astype(case.loaded_as).astype(value.dtype)
+        np.testing.assert_array_equal(values[path], value, err_msg=path)
+
+
+def _weights(model: keras.Model) -> list[keras.Variable]:
+    """The model's variables but its dropout layers' seed generators (numbered per process)."""
+    return [v for v in model.variables if not v.path.endswith("seed_generator_state")]
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in _hf_export.EXPORT_CASES if not c.refused], ids=lambda case: case.id
+)
+def test_transformers_computes_the_models_logits_from_the_export(export_case, distribution, case):
+    """The consumer as oracle: transformers' `AutoModelForCausalLM` on the exported directory
+    gives the Keras model's logits (an optional test dependency: skipped without torch)."""
+    torch = pytest.importorskip("torch", reason="transformers' check needs torch (optional)")
+    transformers = pytest.importorskip("transformers", reason="transformers is optional")
+    exported = export_case(case)
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 8)).astype("int32")
+    distribution(exported.distribution)
+    want = exported.task({"token_ids": tokens, "padding_mask": np.ones_like(tokens)})
+    want = np.asarray(want, "float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        exported.directory, dtype=torch.float32
+    )
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    # float32 sums in another order: within 2e-5 of the largest logit (|logit| up to ~40 with
+    # these weights); a dropped LoRA update or a wrong head moves them by units
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_the_docs_support_table_is_what_the_tests_check():
+    """docs/exporting.md's export support table is rendered from `EXPORT_CASES`, the cases the two
+    tests above run."""
+    text = (Path(__file__).parents[1] / "docs" / "exporting.md").read_text()
+    begin, end = "<!-- export-support:begin -->\n", "\n<!-- export-support:end -->"
+    table = text[text.index(begin) + len(begin) : text.index(end)]
+    assert table == _hf_export.support_table(_hf_export.EXPORT_CASES)
 
 
 def test_convert_writes_a_hugging_face_directory_from_a_preset(tmp_path, capsys, distribution):
@@ -228,6 +282,41 @@ def test_convert_writes_a_hugging_face_directory_from_a_preset(tmp_path, capsys,
     assert cli.main([*command, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(tmp_path / "cli")
     _assert_same_files(tmp_path / "cli", tmp_path / "keras_hub")
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_hugging_face_to_preset_to_hugging_face_and_back(tmp_path, distribution, tied):
+    """The chain docs/exporting.md shows, twice round: a Llama 3 backbone's export converted to a
+    preset and that preset exported again gives the same config and tensors. keras-hub's
+    `Llama3Backbone.get_config()` drops `tie_word_embeddings`, so a preset written from its config
+    alone rebuilds an untied model, which cannot load the tied weights; and keras-hub's export of
+    an untied backbone leaves out its LM head, so its loader cannot read the export back."""
+    distribution(_hf_export.model_parallel("llama3"))
+    backbone = _hf_export.backbone_class("llama3")(
+        **dict(_hf_export.LLAMA3, tie_word_embeddings=tied)
+    )
+    _hf_export.fill(backbone)
+    keras_orbax.export_to_transformers(backbone, tmp_path / "hf")
+    keras_orbax.convert(tmp_path / "hf", tmp_path / "preset", preset=True)
+    keras_orbax.convert(tmp_path / "preset", tmp_path / "hf_again", transformers=True)
+    keras_orbax.convert(tmp_path / "hf_again", tmp_path / "preset_again", preset=True)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "hf_again" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    configs = [
+        json.loads((tmp_path / p / "config.json").read_text()) for p in ("preset", "preset_again")
+    ]
+    for config in configs:
+        config["config"].pop("name")  # each build's own
+    assert configs[0] == configs[1]
+    assert configs[0]["config"].get("tie_word_embeddings", False) is tied
+    distribution(None)
+    reloaded = keras_hub.models.Backbone.from_preset(str(tmp_path / "preset"))
+    assert reloaded.tie_word_embeddings is tied
+    values = {v.path: np.asarray(v.value) for v in reloaded.variables}
+    want = _hf_export.exported_values(backbone)
+    assert sorted(values) == sorted(want)
+    for path, value in want.items():
+        np.testing.assert_array_equal(values[path], value, err_msg=path)
 
 
 def test_a_model_keras_hub_does_not_export_is_refused(tmp_path):
@@ -260,10 +349,11 @@ def test_host_memory_stays_within_the_window(tmp_path):
     assert result["keras_hub"] >= largest, result
 
 
-def test_host_memory_of_moved_projections_stays_within_the_window(tmp_path):
-    """Gemma with hidden 192 != 4 heads x 128, window 1 MiB: each 192 KiB query projection (a
-    reshape across axes) is moved on the host, held once, and the export's peak RSS growth stays
-    within 1.25 windows (computed on the 8 CPU devices, XLA's result held 8 copies: 1.5 MiB)."""
+def test_host_memory_of_gemma_projections_stays_within_the_window(tmp_path):
+    """Gemma with hidden 192 != 4 heads x 128, window 1 MiB: each 192 KiB query projection
+    (transposed to (heads x head_dim, hidden), where keras-hub's exporter reshapes across axes) is
+    written from host blocks of its shards, and the export's peak RSS growth stays within 1.25
+    windows (computed on the 8 CPU devices, XLA's result would be held 8 copies: 1.5 MiB)."""
     [result] = run_workers(
         WORKER, 1, 8, {"action": "memory_moved", "directory": str(tmp_path)}, 300
     )

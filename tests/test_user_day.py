@@ -320,14 +320,19 @@ def test_the_demo_says_which_mesh_it_restores_onto(tmp_path):
 )
 def test_what_keras_hub_reads_back_of_a_gemma_hugging_face_export(tmp_path, layout, breaks):
     """docs/exporting.md says which Gemma exports keras-hub 0.32 reads back: its own exporter's
-    limits, which keras-orbax's export (the same bytes) shares. A keras-hub that fixes them fails
-    this test, and the page is to be updated."""
+    limits, which keras-orbax's export corrects (keras-hub's loader reads every variable back). A
+    keras-hub that fixes them fails this test, and the page is to be updated."""
     config = {**GEMMA, "num_query_heads": 4, "head_dim": 8, **layout}
     backbone = keras_hub.models.GemmaBackbone(**config)
     backbone.export_to_transformers(str(tmp_path / "hub"))
     keras_orbax.export_to_transformers(backbone, tmp_path / "ours")
-    for name in ("config.json", "model.safetensors"):
-        assert (tmp_path / "hub" / name).read_bytes() == (tmp_path / "ours" / name).read_bytes()
+    same = (tmp_path / "hub" / "model.safetensors").read_bytes() == (
+        tmp_path / "ours" / "model.safetensors"
+    ).read_bytes()
+    assert same is (breaks is None)
+    ours = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "ours"))
+    for a, b in zip(backbone.weights, ours.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     if breaks == "load":
         with pytest.raises(ValueError, match="cannot reshape array"):
             keras_hub.models.GemmaBackbone.from_preset(str(tmp_path / "hub"))

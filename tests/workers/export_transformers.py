@@ -8,7 +8,7 @@ args: {"action": ..., "directory": ...}
   window; reports the peak RSS growth (VmHWM, reset through /proc/self/clear_refs) of
   keras_orbax's export and of keras-hub's own.
 - "memory_moved" (1 process): a Gemma backbone whose hidden size is not heads x head_dim (its
-  query projections a reshape across axes, moved on the host), exported with a 1 MiB window;
+  query projections transposed from host blocks), exported with a 1 MiB window;
   reports the peak RSS growth and the largest query projection's bytes.
 - "multiprocess" (2 processes x 4 devices): Gemma and Llama3 backbones on a (2, 4) mesh of all 8
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
@@ -161,7 +161,7 @@ def multiprocess(root: Path, process_id: int) -> dict:
             keras.distribution.set_distribution(None)
             reference = cls(**config)
             _hf_export.fill(reference)
-            reference.export_to_transformers(str(root / name / "keras_hub"))
+            _hf_export.keras_hubs_export(reference, str(root / name / "keras_hub"))
 
     # Loaded sharded from a preset, LoRA-enabled, trained one step, exported.
     keras.distribution.set_distribution(None)
@@ -208,7 +208,7 @@ def _straight_to_the_disk(directory: Path, process_id: int) -> dict:
     with direct_bytes_written(minimum=file_windows.ALIGN) as written:
         keras_orbax.export_to_transformers(backbone, directory / "ours", window_bytes=1 << 20)
     if process_id == 0:  # keras-hub's export of the same values, on one device
-        _wide_llama3(None).export_to_transformers(str(directory / "keras_hub"))
+        _hf_export.keras_hubs_export(_wide_llama3(None), str(directory / "keras_hub"))
     return {"direct_bytes": sum(written)}
 
 

@@ -11,6 +11,7 @@ every one in the installed versions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -316,3 +317,54 @@ def optimizer_steps(optimizer: keras.optimizers.Optimizer) -> int:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     return int(attribute(optimizer, "_iterations"))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraMerge:
+    """A LoRA-enabled layer's frozen variable, its two factors, and `merged()`: the layer's own
+    merged tensor (its `kernel` or `embeddings` property), in the frozen variable's dtype, as
+    Keras's `save_own_variables` stores it."""
+
+    frozen: keras.Variable
+    factors: tuple[keras.Variable, keras.Variable]
+    merged: Callable[[], Any]
+
+
+# Keras's LoRA-capable layers: the property that merges, the frozen variable, the two factors.
+_LORA_PARTS = (
+    ("kernel", "_kernel", "lora_kernel_a", "lora_kernel_b"),  # Dense, EinsumDense, Conv
+    ("embeddings", "_embeddings", "lora_embeddings_a", "lora_embeddings_b"),  # Embedding
+)
+
+
+def lora_merges(model: keras.Layer) -> list[LoraMerge]:
+    """Every LoRA-enabled layer of `model`, as a `LoraMerge`.
+
+    Why private: Keras merges LoRA only in the `kernel`/`embeddings` property; the frozen variable
+    (`_kernel`, `_embeddings`, which `layer.weights[0]` also returns) has no public name, and an
+    exporter that reads it (keras-hub's Gemma exporter reads `weights[0]`) drops the update.
+    """
+    from keras_orbax._src.compat import saving_compat
+
+    merges = []
+    for layer in saving_compat.all_layers(model):
+        if getattr(layer, "lora_enabled", False) is not True:
+            continue
+        for prop, frozen, a, b in _LORA_PARTS:
+            if isinstance(getattr(layer, frozen, None), keras.Variable):
+                variable = attribute(layer, frozen, "keras")
+                merges.append(
+                    LoraMerge(
+                        variable,
+                        (attribute(layer, a, "keras"), attribute(layer, b, "keras")),
+                        functools.partial(_merged, layer, prop, variable.dtype),
+                    )
+                )
+                break
+        else:
+            raise unsupported("keras", f"{type(layer).__name__}'s LoRA variables")
+    return merges
+
+
+def _merged(layer: keras.Layer, prop: str, dtype: str) -> Any:
+    return keras.ops.cast(getattr(layer, prop), dtype)

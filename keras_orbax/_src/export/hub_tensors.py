@@ -30,6 +30,7 @@ import keras
 import numpy as np
 from jax.extend import core as jax_core
 
+from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.export import host_moves
 
 _SHAPE_ONLY = ("reshape", "squeeze", "expand_dims")
@@ -78,7 +79,9 @@ class HubTensor:
 
 
 def trace_tensors(
-    weights_map: Callable[[], dict[str, Any]], variables: Sequence[keras.Variable]
+    weights_map: Callable[[], dict[str, Any]],
+    variables: Sequence[keras.Variable],
+    lora: Sequence[keras_compat.LoraMerge] = (),
 ) -> list[HubTensor]:
     """Traces `weights_map()` (keras-hub's exporter for one backbone) over `variables`.
 
@@ -86,11 +89,18 @@ def trace_tensors(
         weights_map: Returns `{hf_name: keras.Variable or tensor}`, as keras-hub's
             `get_*_weights_map(backbone, include_lm_head=...)` does.
         variables: Every variable it may read (the backbone's, LoRA factors included).
+        lora: The LoRA layers among them, merged before `weights_map` reads them: it sees each
+            frozen variable holding the merged tensor and zero factors, so an exporter that
+            reads the variable (`weights[0]`) and one that reads the layer's merging property
+            both get the merged tensor, once.
     """
     variables = list(variables)
 
     def traced(values: list[jax.Array]) -> dict[str, jax.Array]:
-        with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
+        state = list(zip(variables, values, strict=True))
+        if lora:
+            state = _merged_state(state, lora)
+        with keras.StatelessScope(state_mapping=state):
             mapped = weights_map()
             return {
                 name: (v.value if isinstance(v, keras.Variable) else keras.ops.convert_to_tensor(v))
@@ -122,6 +132,24 @@ def trace_tensors(
                 source = Moved(variables[arg_of[chain[0]]], moves, source)
         tensors.append(HubTensor(name, tuple(shape.shape), np.dtype(shape.dtype), source))
     return tensors
+
+
+def _merged_state(
+    state: list[tuple[keras.Variable, Any]], lora: Sequence[keras_compat.LoraMerge]
+) -> list[tuple[keras.Variable, Any]]:
+    """`state` with each LoRA layer's frozen variable holding its merged tensor (the layer's own
+    merge of `state`'s values) and its factors holding zeros."""
+    with keras.StatelessScope(state_mapping=state):
+        merged = {id(m.frozen): m.merged() for m in lora}
+    zeros = {id(f) for m in lora for f in m.factors}
+    replaced = []
+    for variable, value in state:
+        if id(variable) in merged:
+            value = merged[id(variable)]
+        elif id(variable) in zeros:
+            value = keras.ops.zeros_like(value)
+        replaced.append((variable, value))
+    return replaced
 
 
 def _chain_to_input(out: Any, producer: dict, arg_of: dict) -> tuple[Any, list[Any]] | None:

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 from keras_orbax._src.compat import hub_compat, saving_compat
-from keras_orbax._src.export import regions, weights_h5
+from keras_orbax._src.export import hub_fixes, regions, weights_h5
 from keras_orbax._src.storage import commit, locations
 
 
@@ -123,9 +123,11 @@ class PresetSink(commit.ExportSink):
         weights_h5.remove_regions(staging)
         config = hub_compat.preset_file("CONFIG_FILE")
         hub_compat.save_preset_config(str(staging), self.backbone, config, metadata=True)
+        hub_fixes.complete_preset_config(staging / config, self.backbone)
         if self.model is not self.backbone:
             config = hub_compat.preset_file("TASK_CONFIG_FILE")
             hub_compat.save_preset_config(str(staging), self.model, config, metadata=False)
+            hub_fixes.complete_preset_config(staging / config, self.backbone)
             if self.model.preprocessor is not None:
                 self.model.preprocessor.save_to_preset(str(staging))
 

@@ -22,9 +22,10 @@ from typing import Any
 
 import keras
 
-from keras_orbax._src.compat import hub_compat
+from keras_orbax._src.compat import hub_compat, keras_compat
 from keras_orbax._src.export import (
     file_windows,
+    hub_fixes,
     hub_tensors,
     regions,
     safetensors_writer,
@@ -51,7 +52,8 @@ def export_to_transformers(
     The files are those of keras-hub's `model.export_to_transformers(directory)` (`config.json`,
     `model.safetensors`, and for a `CausalLM` the tokenizer's and other configs), with the same
     tensors, bytes and header, but written from each process's own shards, at most `window_bytes`
-    of a variable on the host at a time. Under `jax.distributed`, call it on every process, with
+    of a variable on the host at a time; LoRA layers merged, and Gemma's attention projections
+    written as transformers reads them, where keras-hub 0.32's exporter writes them wrong. Under `jax.distributed`, call it on every process, with
     `directory` on a filesystem they share.
 
     ```python
@@ -73,7 +75,8 @@ def export_to_transformers(
         The directory, as an absolute path.
 
     Raises:
-        UnsupportedSourceError: keras-hub cannot export this model to Hugging Face format.
+        UnsupportedSourceError: keras-hub cannot export this model to Hugging Face format, or
+            the format keras-hub writes it as cannot describe it (a Gemma with Gemma 2's options).
         SaveFailedError: writing failed on some process (each process raises, naming it); the
             previous export in `directory` is untouched.
     """
@@ -87,16 +90,20 @@ def export_to_transformers(
             f"keras-hub cannot export a {type(backbone).__name__} to Hugging Face format; it "
             f"exports {', '.join(hub_compat.hf_exported_classes())}."
         )
-    get_config, get_weights_map = functions
+    get_config, keras_hubs_map = functions
+    get_weights_map = hub_fixes.weights_map(backbone, keras_hubs_map)
     tensors = hub_tensors.trace_tensors(
-        lambda: get_weights_map(backbone, include_lm_head=include_lm_head), backbone.variables
+        lambda: get_weights_map(backbone, include_lm_head=include_lm_head),
+        backbone.variables,
+        keras_compat.lora_merges(backbone),
     )
     specs = [TensorSpec(t.name, t.shape, t.dtype) for t in tensors]
     layouts = safetensors_writer.plan_files(specs, max_shard_bytes)
 
     def other_files(staging: Path) -> None:
         with open(staging / "config.json", "w") as f:
-            json.dump(_with_tokens(get_config(backbone), tokenizer), f, indent=2)
+            config = hub_fixes.hf_config(backbone, _with_tokens(get_config(backbone), tokenizer))
+            json.dump(config, f, indent=2)
         if model is not backbone:
             hub_compat.hf_write_extra_files(backbone, tokenizer, os.fspath(staging))
 
@@ -172,11 +179,12 @@ class TransformersSink(commit.ExportSink):
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:
-    """(backbone, tokenizer or None, whether the LM head is exported), as keras-hub decides."""
+    """(backbone, tokenizer or None, whether the LM head is exported), as keras-hub decides, but
+    for a backbone whose LM head is a variable of its own (untied embeddings), which it leaves out."""
     import keras_hub  # the `hub` extra
 
     if isinstance(model, keras_hub.models.Backbone):
-        return model, None, False
+        return model, None, hub_fixes.has_untied_lm_head(model)
     if not isinstance(model, keras_hub.models.CausalLM):
         raise UnsupportedSourceError(
             f"keras-hub exports a backbone or a CausalLM to Hugging Face format, not a "
