@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ ALGORITHM = "crc32"
 PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is written
 INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
+OCDBT_FILE = "ocdbt.json"  # beside them in a compact step: its OCDBT files (`ocdbt_checksums`)
 _READ_BYTES = 8 << 20
 
 
@@ -79,6 +81,7 @@ def check_files(
     """
     checksums = recorded_checksums(path / STATE)
     problems: list[str] = []
+    io_error: OSError | None = None  # kept as the cause: an I/O error is retried, damage is not
     files, nbytes, compared = 0, 0, 0
     uncovered: dict[str, None] = {}
     for key, array in arrays.items():
@@ -89,6 +92,8 @@ def check_files(
             name = str(file.relative_to(path / STATE))
             algorithm, recorded = checksums.get(name, (None, 0))
             problem, size, crc = check_file(file, array.chunk_bytes, algorithm)
+            if isinstance(problem, Unreadable):
+                io_error = io_error or problem.error
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
@@ -107,7 +112,7 @@ def check_files(
             + "\n".join(problems[:50])
             + (f"\n  and {len(problems) - 50} more" if len(problems) > 50 else "")
             + "\nNo variable was modified."
-        )
+        ) from io_error
     return files, nbytes, compared, tuple(uncovered)
 
 
@@ -167,8 +172,60 @@ def recorded_checksums(state: Path) -> dict[str, tuple[Crc, int]]:
     Raises:
         CorruptCheckpointError: a checksum file cannot be read, or uses another algorithm.
     """
+    return _read_checksum_files(sorted((state / CHECKSUMS_DIR).glob("process_*.json")))
+
+
+def recorded_ocdbt(state: Path) -> dict[str, tuple[Crc, int]]:
+    """A compact step's OCDBT files (`manifest.ocdbt`, `d/<id>`, `ocdbt.process_<i>/...`) -> the
+    strongest CRC recorded that this process computes, and its value ({} for a fast step, or a
+    compact one saved before checksums: `write/ocdbt_checksums.py`).
+
+    Raises:
+        CorruptCheckpointError: the checksum file cannot be read, or uses another algorithm.
+    """
+    path = state / CHECKSUMS_DIR / OCDBT_FILE
+    return _read_checksum_files([path] if path.exists() else [])
+
+
+def check_whole_files(
+    state: Path, recorded: Mapping[str, tuple[Crc, int]], what: str
+) -> tuple[int, int]:
+    """Reads each file of `recorded` (by name under `state`) whole, and checks it against its CRC;
+    (files, bytes) read.
+
+    Raises:
+        CorruptCheckpointError: naming each file that is missing, unreadable (raised from its
+            `OSError`) or fails its checksum.
+    """
+    problems, io_error, nbytes = [], None, 0
+    for name, (algorithm, value) in sorted(recorded.items()):
+        path = state / name
+        try:
+            size, crc = file_crc(os.fspath(path), algorithm)
+        except FileNotFoundError:
+            problems.append(f"  {path}: missing")
+            continue
+        except OSError as error:
+            problems.append(f"  {path}: unreadable ({type(error).__name__}: {error.strerror})")
+            io_error = io_error or error
+            continue
+        nbytes += size
+        if crc != value:
+            problems.append(
+                f"  {path}: checksum {crc:#010x}, recorded {value:#010x} ({algorithm.label}): "
+                "its bytes as read are not those written"
+            )
+    if problems:
+        failed = f"{len(problems)} {'file' if len(problems) == 1 else 'files'} failed"
+        raise CorruptCheckpointError(
+            f"{what} is damaged; {failed}:\n" + "\n".join(problems[:50]) + f"\n{_NOT_MODIFIED}"
+        ) from io_error
+    return len(recorded), nbytes
+
+
+def _read_checksum_files(paths: list[Path]) -> dict[str, tuple[Crc, int]]:
     found: dict[str, tuple[Crc, int]] = {}
-    for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
+    for path in paths:
         try:
             content = json.loads(path.read_text())
         except (OSError, ValueError) as error:
@@ -205,10 +262,22 @@ def check_file(file: Path, chunk_bytes: int, algorithm: Crc | None) -> tuple[str
     except FileNotFoundError:
         return "missing", 0, 0
     except OSError as error:  # EIO; a directory in its place; an object replaced since listed
-        return f"unreadable ({type(error).__name__}: {error.strerror or error})", size, crc
+        return Unreadable(error), size, crc
     if size != expected:
         return f"{size} bytes, expected {expected} (truncated or overwritten)", size, crc
     if tail != shard_index(chunk_bytes):
         offset, stored = struct.unpack("<QQ", tail[:16])
         return f"bad zarr shard index (offset {offset}, {stored} bytes)", size, crc
     return None, size, crc
+
+
+class Unreadable(str):
+    """A file's problem that is an `OSError` (`check_file`), which it keeps: the caller raises its
+    error from it, so that an I/O error is told from damage (`runtime.io_faults`)."""
+
+    error: OSError
+
+    def __new__(cls, error: OSError) -> Unreadable:
+        text = super().__new__(cls, f"unreadable ({type(error).__name__}: {error.strerror or error})")
+        text.error = error
+        return text
