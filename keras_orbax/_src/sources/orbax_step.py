@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_orbax._src.format import checksum, own_state, step_dirs
+from keras_orbax._src.format import checksum, data_state, own_state, step_dirs
 from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
@@ -77,6 +77,7 @@ class OrbaxStepSource(Source):
         self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
     ) -> FileCheck:
         own_state.read(self.step_dir)  # checks `keras_state/` against its manifest
+        data_state.read_all(self.step_dir)  # checks each input position against its checksum
         records = self.record.variables
         arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
         checked = checksum.check_files(
@@ -100,12 +101,15 @@ class OrbaxStepSource(Source):
         Raises:
             CorruptCheckpointError: naming each file that failed.
         """
-        if all(array is not None for array in arrays.values()):
-            return None
-        recorded = checksum.recorded_ocdbt(self.step_dir / STATE)
+        keys = [key for key, array in arrays.items() if array is None]
+        recorded = checksum.recorded_ocdbt(self.step_dir / STATE) if keys else {}
         if not recorded:
             return None
-        what = f"Step {self.step} of '{self.location}'"
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        what = (
+            f"Step {self.step} of '{self.location}' (the OCDBT files of the compact format's "
+            f"arrays {', '.join(keys[:5])}{more})"
+        )
         return checksum.check_whole_files(self.step_dir / STATE, recorded, what)
 
     def verified_reads(
