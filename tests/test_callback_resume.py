@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -347,6 +348,69 @@ def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp
     assert keras_orbax.inspect(tmp_path).step == 6
     assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == damaged  # all of it, moved
     assert (earlier / "keep").read_text() == "x"
+    for variable, got, want in zip(
+        _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
+    ):
+        np.testing.assert_array_equal(got, want, err_msg=variable.path)
+
+
+@pytest.mark.parametrize("passes", [True, False], ids=["passing", "lasting"])
+def test_an_io_error_is_retried_before_a_step_is_moved_aside(tmp_path, mp, caplog, passes):
+    """A read of step 6 that fails with EIO from the kernel (its largest array file served by an
+    ext4 filesystem that is shut down) is tried again. One that passes (the filesystem is mounted
+    again before the second attempt, as an NFS server comes back) resumes from step 6; one that
+    lasts moves step 6 aside, and the warning says it was an I/O error, with its errno: the step
+    may well be intact."""
+    from keras_orbax._src.storage import commit
+    from tests import _faults
+
+    inputs, root = _arrays(2), tmp_path / "ckpt"
+    keras.utils.set_random_seed(1)
+    uninterrupted = _mlp()()
+    saving = keras_orbax.ModelCheckpoint(root, max_to_keep=None)
+    uninterrupted.fit(**inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[saving])
+    state = root / "6" / "state"
+    file = max((f for f in state.rglob("c*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+    keras.utils.set_random_seed(2)
+    resumed = _mlp()()
+    checkpoint = keras_orbax.ModelCheckpoint(root, max_to_keep=None, resume=True)
+    with _faults.failing_file(file, tmp_path / "ext4.img", tmp_path / "disk") as heal:
+        healed: list[str] = []
+
+        def come_back(stage: str) -> None:
+            if stage == "retry" and passes and not healed:
+                healed.append(stage)
+                heal()
+
+        with (
+            commit.on_stage(come_back),
+            caplog.at_level("WARNING", logger="keras_orbax"),
+            warnings.catch_warnings(record=True) as warned,
+        ):
+            warnings.simplefilter("always")
+            history = resumed.fit(
+                **inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
+            )
+    passed_over = [str(w.message) for w in warned if "cannot be restored" in str(w.message)]
+    assert checkpoint.restored is not None
+    if passes:
+        assert passed_over == [] and step_dirs.committed_steps(root) == [2, 4, 6]
+        assert checkpoint.restored.step == 6 and history.epoch == []  # all 3 epochs were done
+    assert re.search(
+        r"Restoring step 6 of .* failed with an I/O error \(errno 5, EIO: Input/output error\); "
+        r"trying again in 0.25 s \(attempt 2 of 3\)",
+        caplog.text,
+    ), caplog.text
+    if not passes:
+        assert checkpoint.restored.step == 4 and history.epoch == [2]
+        (message,) = passed_over
+        assert re.search(
+            r"Step 6 failed to read with an I/O error \(errno 5, EIO: Input/output error\) in "
+            rf"each of 3 attempts: it may be intact.*{re.escape(str(file.relative_to(root / '6')))}",
+            message,
+        ), message
+        assert (root / "6.unreadable").is_dir()  # kept, to be restored once the storage reads
     for variable, got, want in zip(
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):
