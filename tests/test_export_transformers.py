@@ -19,6 +19,7 @@ import pytest
 import keras_orbax
 from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.export import file_windows, hub_tensors
+from keras_orbax._src.export.export_checksums import SIDECAR
 from keras_orbax.errors import UnsupportedSourceError
 from tests import _hf_export
 from tests._direct_io import direct_bytes_written, refuses_o_direct
@@ -39,7 +40,10 @@ def _header(path: Path) -> dict:
 
 
 def _assert_same_files(ours: Path, theirs: Path) -> None:
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    """keras-hub's files, byte for byte, and the checksums of each tensor beside them."""
+    assert sorted(p.name for p in ours.iterdir()) == sorted(
+        [SIDECAR, *(p.name for p in theirs.iterdir())]
+    )
     mine, keras_hubs = _header(ours / "model.safetensors"), _header(theirs / "model.safetensors")
     assert list(mine) == list(keras_hubs)  # keys, in order, with dtype, shape and offsets
     assert mine == keras_hubs
