@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import keras_orbax
 from keras_orbax._src.compat import hub_compat
 from keras_orbax._src.export import file_windows, hub_tensors
 from keras_orbax._src.export.export_checksums import SIDECAR
-from keras_orbax.errors import UnsupportedSourceError
+from keras_orbax.errors import CorruptCheckpointError, UnsupportedSourceError
 from tests import _hf_export
 from tests._direct_io import direct_bytes_written, refuses_o_direct
 from tests._harness import WORKERS_DIR, run_workers, start_workers
@@ -337,6 +339,42 @@ def test_a_failure_on_one_process_fails_both_and_leaves_nothing(two_processes):
         assert "failed on 1 of 2 processes" in error and "process 1" in error, (process, error)
     assert not (root / "failed").exists()  # not even a config.json without weights
     assert not (root / ".failed.partial").exists()  # what it staged, removed
+
+
+def test_process_0_reads_back_every_region_and_each_tensor_is_checksummed(two_processes):
+    """Each process reports each region's CRC as it wrote it; process 0 reads every region back
+    from the shared file before the commit: a byte changed there after its writer wrote it (by
+    process 1, before it reported) fails the export on both processes, naming the file and the
+    tensor. The exports that committed carry each tensor's CRC, which `verify` and a restore
+    check: a changed byte is named by file and tensor."""
+    root, results = two_processes
+    for process, result in enumerate(results):
+        error = result["torn"]["error"]
+        assert re.search(
+            r"SaveFailedError: .*1 region of the export read back from the shared files is not "
+            r"the bytes its process wrote \(CRC-32C?\):\n.*model\.safetensors: \S+, region ",
+            error,
+            re.S,
+        ), (process, error)
+    assert not (root / "torn").exists() and not (root / ".torn.partial").exists()
+
+    ours = root / "llama3" / "ours"
+    assert keras_orbax.verify(ours).intact
+    damaged = root / "llama3" / "damaged"
+    shutil.copytree(ours, damaged)
+    entries = json.loads((damaged / SIDECAR).read_text())["tensors"]
+    name, entry = max(entries.items(), key=lambda item: item[1]["bytes"])
+    with open(damaged / entry["file"], "r+b") as f:
+        f.seek(entry["offset"] + entry["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    where = rf"model\.safetensors: {re.escape(name)}: checksum .*, recorded "
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.verify(damaged)
+    # keras-hub's own loader reads the directory, sidecar and all, as it reads its own export
+    reloaded = keras_hub.models.Backbone.from_preset(str(ours))
+    assert len(reloaded.weights) > 0
 
 
 def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,12 @@ import numpy as np
 from keras_orbax._src.export import regions
 from keras_orbax._src.export.safetensors_writer import FileLayout
 from keras_orbax._src.format import crc
-from keras_orbax._src.format.checksum import ALGORITHM
+from keras_orbax._src.format.checksum import ALGORITHM, EXPORT_FILE
 from keras_orbax.errors import SaveFailedError
 
-SIDECAR = "keras_orbax_checksums.json"
+SIDECAR = EXPORT_FILE
 REGION_CRC = crc.CRC32C or crc.CRC32  # the fastest this install computes: every process's is
-_PIECE = 16 << 20  # a tensor's bytes are checksummed in pieces of this many (from the mapping)
+_SLAB = 256 << 10  # a strided region is copied this much at a time to be checksummed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +50,28 @@ class Placement:
     kept: tuple[int, ...]
     permutation: tuple[int, ...]
 
+    def box(self, key: str) -> regions.Index:
+        """The region `key` (in the variable's coordinates) as a box of the tensor."""
+        index = regions.parse_region_key(key)
+        kept = tuple(index[axis] for axis in self.kept)
+        return tuple(kept[p] for p in self.permutation)
 
-def region_crc(block: np.ndarray) -> int:
-    """The CRC of a region's bytes in its C order, as a process reports what it wrote."""
-    return REGION_CRC.of(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+
+def region_crc(block: np.ndarray, crc: int = 0) -> int:
+    """The CRC of a region's bytes in its C order (`block`: the region as the tensor holds it,
+    any strides), extended from `crc`; a strided block is copied a slab at a time, so no host
+    buffer near its size is made."""
+    if block.flags.c_contiguous:
+        return REGION_CRC.update(crc, block.reshape(-1).view(np.uint8))
+    if block.ndim > 1 and block[0].nbytes > _SLAB:
+        for row in block:
+            crc = region_crc(row, crc)
+        return crc
+    rows = max(1, _SLAB // max(1, block[0].nbytes if block.ndim > 1 else block.itemsize))
+    for start in range(0, len(block), rows):
+        slab = np.ascontiguousarray(block[start : start + rows])
+        crc = REGION_CRC.update(crc, slab.reshape(-1).view(np.uint8))
+    return crc
 
 
 def check_read_back(
@@ -59,68 +79,80 @@ def check_read_back(
     layouts: list[FileLayout],
     placements: Mapping[str, Placement],
     reported: Mapping[str, int],
+    band_bytes: int,
 ) -> dict[str, dict[str, Any]]:
-    """Process 0: reads every reported region (`<tensor>/<region key>` -> CRC) back from the
-    staged files and checks it; returns each tensor's sidecar entry (its CRCs over its bytes in
-    the file).
+    """Process 0: reads every tensor back from the staged files in bands of at most `band_bytes`
+    (or a row), checks each reported region (`<tensor>/<region key>` -> CRC) against it, and
+    returns each tensor's sidecar entry (its CRCs over its bytes in the file).
 
     Raises:
         SaveFailedError: a region's bytes in the file are not those its process wrote; naming the
             file, the tensor and the region.
     """
-    wrong = []
-    entries = {}
     by_tensor: dict[str, list[tuple[str, int]]] = {}
     for key, value in reported.items():
         name, _, region = key.rpartition("/")
         by_tensor.setdefault(name, []).append((region, value))
+    wrong, entries = [], {}
+    buffer = np.empty(0, np.uint8)
     for layout in layouts:
         path = staging / layout.file_name
-        for name, offset in layout.offsets.items():
-            spec = layout.specs[name]
-            if spec.nbytes == 0:
-                entries[name] = _entry(layout.file_name, offset, b"")
-                continue
-            data = np.memmap(path, np.uint8, "r", offset, spec.nbytes)
-            entries[name] = _entry(layout.file_name, offset, data)
-            placement = placements[name]
-            tensor = data.view(spec.dtype).reshape(placement.view)
-            for region, value in by_tensor.get(name, ()):
-                if region_crc(_region(tensor, placement, region)) != value:
-                    wrong.append(f"  {path}: {name}, region {region}")
-            del tensor, data
+        with open(path, "rb", buffering=0) as handle:
+            for name, offset in layout.offsets.items():
+                spec, placement = layout.specs[name], placements[name]
+                boxes = [(r, placement.box(r), v) for r, v in by_tensor.get(name, ())]
+                found = {region: 0 for region, _, _ in boxes}
+                crcs = [0] * len(crc.RECORDED)
+                itemsize = spec.dtype.itemsize
+                strides = [math.prod(placement.view[d + 1 :]) for d in range(len(placement.view))]
+                for band in regions.windows(placement.view, itemsize, band_bytes):
+                    extent = [s.stop - s.start for s in band]
+                    nbytes = math.prod(extent) * itemsize
+                    if buffer.nbytes < nbytes:
+                        buffer = np.empty(nbytes, np.uint8)
+                    start = sum(b.start * n for b, n in zip(band, strides, strict=True))
+                    view = memoryview(buffer)[:nbytes]
+                    _read_exactly(handle.fileno(), view, offset + start * itemsize, path)
+                    crcs = [c.update(v, view) for c, v in zip(crc.RECORDED, crcs, strict=True)]
+                    data = buffer[:nbytes].view(spec.dtype).reshape(extent)
+                    for region, box, _ in boxes:
+                        common = [
+                            (max(b.start, i.start), min(b.stop, i.stop))
+                            for b, i in zip(band, box, strict=True)
+                        ]
+                        if all(lo < hi for lo, hi in common):
+                            part = data[
+                                tuple(
+                                    slice(lo - b.start, hi - b.start)
+                                    for (lo, hi), b in zip(common, band, strict=True)
+                                )
+                            ]
+                            found[region] = region_crc(part, found[region])
+                wrong += [f"  {path}: {name}, region {r}" for r, _, v in boxes if found[r] != v]
+                entries[name] = {
+                    "file": layout.file_name,
+                    "offset": offset,
+                    "bytes": spec.nbytes,
+                    **{c.key: v for c, v in zip(crc.RECORDED, crcs, strict=True)},
+                }
     if wrong:
         raise SaveFailedError(
             f"{len(wrong)} {'region' if len(wrong) == 1 else 'regions'} of the export read back "
-            f"from the shared files are not the bytes their process wrote ({REGION_CRC.label}):\n"
+            f"from the shared files {'is' if len(wrong) == 1 else 'are'} not the bytes their "
+            f"process wrote ({REGION_CRC.label}):\n"
             + "\n".join(wrong[:20])
             + "\nThe export is abandoned; the previous one is untouched."
         )
     return entries
 
 
-def _region(tensor: np.ndarray, placement: Placement, key: str) -> np.ndarray:
-    """The region `key` (in the variable's coordinates) of `tensor` as the file holds it, in the
-    variable's axes again (the region's block as its process wrote it)."""
-    index = regions.parse_region_key(key)
-    kept = tuple(index[axis] for axis in placement.kept)
-    box = tuple(kept[p] for p in placement.permutation)
-    block = tensor[box]
-    inverse = tuple(np.argsort(placement.permutation))
-    return block.transpose(inverse).reshape([s.stop - s.start for s in index])
-
-
-def _entry(file: str, offset: int, data: Any) -> dict[str, Any]:
-    crcs = [0] * len(crc.RECORDED)
-    for start in range(0, len(data), _PIECE):
-        piece = data[start : start + _PIECE]
-        crcs = [c.update(value, piece) for c, value in zip(crc.RECORDED, crcs, strict=True)]
-    return {
-        "file": file,
-        "offset": offset,
-        "bytes": len(data),
-        **{c.key: value for c, value in zip(crc.RECORDED, crcs, strict=True)},
-    }
+def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise SaveFailedError(f"{path} is shorter than its layout: written in part only.")
+        done += n
 
 
 def write_sidecar(staging: Path, entries: Mapping[str, dict[str, Any]]) -> None:

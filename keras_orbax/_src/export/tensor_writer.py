@@ -81,13 +81,13 @@ class TensorWriter:
         boxes: list[tuple[regions.Index, np.ndarray]] = []
         for region in _own_regions(array, window, whole):
             keys.append(regions.region_key(region.index))
-            self.region_crcs[f"{tensor.name}/{keys[-1]}"] = export_checksums.region_crc(
-                region.block
-            )
             index = tuple(region.index[axis] for axis in kept)
             block = region.block.reshape([s.stop - s.start for s in index])
             index = tuple(index[p] for p in permutation)
             block = block.transpose(permutation) if moved else block
+            # in the tensor's C order: process 0 reads it back so from the file
+            crc = export_checksums.region_crc(block)
+            self.region_crcs[f"{tensor.name}/{keys[-1]}"] = crc
             if whole:
                 boxes.append((index, block))
             elif moved:

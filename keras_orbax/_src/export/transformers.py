@@ -170,7 +170,7 @@ class TransformersSink(commit.ExportSink):
         nothing)."""
         placements = {} if self.writer is None else self.writer.placements
         entries = export_checksums.check_read_back(
-            staging, self.layouts, placements, self.reported
+            staging, self.layouts, placements, self.reported, max(1, self.window_bytes // 2)
         )
         export_checksums.write_sidecar(staging, entries)
         if len(self.layouts) > 1:

@@ -9,16 +9,17 @@ checks when it reads a shard.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format.crc import Crc, strongest
 from keras_orbax._src.format.step_record import STATE
+from keras_orbax._src.runtime import thread_pools
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import CorruptCheckpointError
 
@@ -32,6 +33,8 @@ PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is wri
 INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 OCDBT_FILE = "ocdbt.json"  # beside them in a compact step: its OCDBT files (`ocdbt_checksums`)
+# In a Hugging Face directory keras-orbax exported: each tensor's CRCs (`export_checksums`).
+EXPORT_FILE = "keras_orbax_checksums.json"
 _READ_BYTES = 8 << 20
 
 
@@ -197,30 +200,83 @@ def check_whole_files(
         CorruptCheckpointError: naming each file that is missing, unreadable (raised from its
             `OSError`) or fails its checksum.
     """
-    problems, io_error, nbytes = [], None, 0
-    for name, (algorithm, value) in sorted(recorded.items()):
-        path = state / name
-        try:
-            size, crc = file_crc(os.fspath(path), algorithm)
-        except FileNotFoundError:
-            problems.append(f"  {path}: missing")
-            continue
-        except OSError as error:
-            problems.append(f"  {path}: unreadable ({type(error).__name__}: {error.strerror})")
-            io_error = io_error or error
-            continue
-        nbytes += size
-        if crc != value:
-            problems.append(
-                f"  {path}: checksum {crc:#010x}, recorded {value:#010x} ({algorithm.label}): "
-                "its bytes as read are not those written"
-            )
+    ranges = [Recorded("", state / name, 0, None, *value) for name, value in recorded.items()]
+    return check_ranges(ranges, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """Bytes whose CRC was recorded: `nbytes` (None: to its end) from byte `offset` of `path`,
+    named `name` in messages (a tensor; "" for a whole file)."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int | None
+    algorithm: Crc
+    value: int
+
+
+def check_ranges(
+    ranges: Sequence[Recorded], what: str, advice: str = _NOT_MODIFIED
+) -> tuple[int, int]:
+    """Reads each of `ranges` and checks it against its recorded CRC, several at a time (the CRCs
+    release the GIL); (ranges, bytes) read.
+
+    Raises:
+        CorruptCheckpointError: naming each file (and tensor) that is missing, unreadable (raised
+            from its `OSError`), short or fails its checksum.
+    """
+    pool = thread_pools.shared("checksums", 8)
+    outcomes = list(pool.map(_range_problem, ranges))
+    problems = [problem for problem, _, _ in outcomes if problem is not None]
+    io_error = next((error for _, error, _ in outcomes if error is not None), None)
     if problems:
-        failed = f"{len(problems)} {'file' if len(problems) == 1 else 'files'} failed"
+        failed = f"{len(problems)} {'check' if len(problems) == 1 else 'checks'} failed"
         raise CorruptCheckpointError(
-            f"{what} is damaged; {failed}:\n" + "\n".join(problems[:50]) + f"\n{_NOT_MODIFIED}"
+            f"{what} is damaged; {failed}:\n" + "\n".join(problems[:50]) + f"\n{advice}"
         ) from io_error
-    return len(recorded), nbytes
+    return len(ranges), sum(nbytes for _, _, nbytes in outcomes)
+
+
+def _range_problem(recorded: Recorded) -> tuple[str | None, OSError | None, int]:
+    """(what is wrong with the range or None, the `OSError` reading it raised, bytes read)."""
+    where = f"  {recorded.path}" + (f": {recorded.name}" if recorded.name else "")
+    try:
+        size, crc = _range_crc(recorded)
+    except FileNotFoundError:
+        return f"{where}: missing", None, 0
+    except OSError as error:
+        return f"{where}: unreadable ({type(error).__name__}: {error.strerror})", error, 0
+    if recorded.nbytes is not None and size != recorded.nbytes:
+        return f"{where}: {size} bytes, expected {recorded.nbytes} (truncated)", None, size
+    if crc != recorded.value:
+        label = recorded.algorithm.label
+        return (
+            f"{where}: checksum {crc:#010x}, recorded {recorded.value:#010x} ({label}): its "
+            "bytes as read are not those written",
+            None,
+            size,
+        )
+    return None, None, size
+
+
+def _range_crc(recorded: Recorded) -> tuple[int, int]:
+    """(bytes, CRC) of the range, read in large blocks."""
+    crc, size = 0, 0
+    left = recorded.nbytes
+    block = bytearray(_READ_BYTES)
+    view = memoryview(block)
+    with open(recorded.path, "rb", buffering=0) as handle:
+        handle.seek(recorded.offset)
+        while left is None or left > 0:
+            n = handle.readinto(view if left is None else view[: min(left, len(block))])
+            if not n:
+                break
+            crc = recorded.algorithm.update(crc, view[:n])
+            size += n
+            left = None if left is None else left - n
+    return size, crc
 
 
 def _read_checksum_files(paths: list[Path]) -> dict[str, tuple[Crc, int]]:
