@@ -352,15 +352,16 @@ def test_process_0_reads_back_every_region_and_each_tensor_is_checksummed(two_pr
         error = result["torn"]["error"]
         assert re.search(
             r"SaveFailedError: .*1 region of the export read back from the shared files is not "
-            r"the bytes its process wrote \(CRC-32C?\):\n.*model\.safetensors: \S+, region ",
+            r"the bytes their process wrote \(CRC-32C?\):\n.*model\.safetensors: \S+, region ",
             error,
             re.S,
         ), (process, error)
     assert not (root / "torn").exists() and not (root / ".torn.partial").exists()
 
-    ours = root / "llama3" / "ours"
+    assert keras_orbax.verify(root / "llama3" / "ours").intact
+    ours = root / "trained" / "ours"  # keras-hub's from_preset reads it: sidecar and all
     assert keras_orbax.verify(ours).intact
-    damaged = root / "llama3" / "damaged"
+    damaged = root / "trained" / "damaged"
     shutil.copytree(ours, damaged)
     entries = json.loads((damaged / SIDECAR).read_text())["tensors"]
     name, entry = max(entries.items(), key=lambda item: item[1]["bytes"])
@@ -372,9 +373,12 @@ def test_process_0_reads_back_every_region_and_each_tensor_is_checksummed(two_pr
     where = rf"model\.safetensors: {re.escape(name)}: checksum .*, recorded "
     with pytest.raises(CorruptCheckpointError, match=where):
         keras_orbax.verify(damaged)
-    # keras-hub's own loader reads the directory, sidecar and all, as it reads its own export
-    reloaded = keras_hub.models.Backbone.from_preset(str(ours))
-    assert len(reloaded.weights) > 0
+    backbone = _hf_export.backbone_class("llama3")(**_hf_export.LLAMA3)
+    before = [np.asarray(v.value) for v in backbone.weights]
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.restore_sharded(backbone, damaged)
+    for variable, value in zip(backbone.weights, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), value, err_msg=variable.path)
 
 
 def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):
