@@ -326,9 +326,7 @@ def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp
 
     keras.utils.set_random_seed(2)
     resumed = build()
-    checkpoint = keras_orbax.ModelCheckpoint(
-        tmp_path, max_to_keep=1, resume=True, format=format
-    )
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=1, resume=True, format=format)
     aside = tmp_path / "6.unreadable-2"
     with pytest.warns(
         KerasOrbaxWarning,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from keras_orbax._src.export import regions
-from keras_orbax._src.export.safetensors_writer import FileLayout
+from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.format import crc
 from keras_orbax._src.format.checksum import ALGORITHM, EXPORT_FILE
 from keras_orbax.errors import SaveFailedError
@@ -93,42 +93,21 @@ def check_read_back(
     for key, value in reported.items():
         name, _, region = key.rpartition("/")
         by_tensor.setdefault(name, []).append((region, value))
+    reader = _ReadBack(band_bytes)
     wrong, entries = [], {}
-    buffer = np.empty(0, np.uint8)
     for layout in layouts:
         path = staging / layout.file_name
         with open(path, "rb", buffering=0) as handle:
             for name, offset in layout.offsets.items():
-                spec, placement = layout.specs[name], placements[name]
-                boxes = [(r, placement.box(r), v) for r, v in by_tensor.get(name, ())]
-                found = {region: 0 for region, _, _ in boxes}
-                crcs = [0] * len(crc.RECORDED)
-                itemsize = spec.dtype.itemsize
-                strides = [math.prod(placement.view[d + 1 :]) for d in range(len(placement.view))]
-                for band in regions.windows(placement.view, itemsize, band_bytes):
-                    extent = [s.stop - s.start for s in band]
-                    nbytes = math.prod(extent) * itemsize
-                    if buffer.nbytes < nbytes:
-                        buffer = np.empty(nbytes, np.uint8)
-                    start = sum(b.start * n for b, n in zip(band, strides, strict=True))
-                    view = memoryview(buffer)[:nbytes]
-                    _read_exactly(handle.fileno(), view, offset + start * itemsize, path)
-                    crcs = [c.update(v, view) for c, v in zip(crc.RECORDED, crcs, strict=True)]
-                    data = buffer[:nbytes].view(spec.dtype).reshape(extent)
-                    for region, box, _ in boxes:
-                        common = [
-                            (max(b.start, i.start), min(b.stop, i.stop))
-                            for b, i in zip(band, box, strict=True)
-                        ]
-                        if all(lo < hi for lo, hi in common):
-                            part = data[
-                                tuple(
-                                    slice(lo - b.start, hi - b.start)
-                                    for (lo, hi), b in zip(common, band, strict=True)
-                                )
-                            ]
-                            found[region] = region_crc(part, found[region])
-                wrong += [f"  {path}: {name}, region {r}" for r, _, v in boxes if found[r] != v]
+                placement = placements[name]
+                boxes = {r: placement.box(r) for r, _ in by_tensor.get(name, ())}
+                spec = layout.specs[name]
+                crcs, found = reader.tensor(handle.fileno(), path, offset, spec, placement, boxes)
+                wrong += [
+                    f"  {path}: {name}, region {region}"
+                    for region, value in by_tensor.get(name, ())
+                    if found[region] != value
+                ]
                 entries[name] = {
                     "file": layout.file_name,
                     "offset": offset,
@@ -144,6 +123,49 @@ def check_read_back(
             + "\nThe export is abandoned; the previous one is untouched."
         )
     return entries
+
+
+class _ReadBack:
+    """Reads tensors back band by band into one buffer, reused (at most `band_bytes`, or a row)."""
+
+    def __init__(self, band_bytes: int) -> None:
+        self.band_bytes = band_bytes
+        self.buffer = np.empty(0, np.uint8)
+
+    def tensor(
+        self,
+        fd: int,
+        path: Path,
+        offset: int,
+        spec: TensorSpec,
+        placement: Placement,
+        boxes: Mapping[str, regions.Index],
+    ) -> tuple[list[int], dict[str, int]]:
+        """The tensor's CRCs (`crc.RECORDED`) over its bytes in the file, and each region
+        box's CRC (`REGION_CRC`) over its bytes in C order (the tensor's, whose C order the
+        bands follow: each box's bytes come band after band, in order)."""
+        view_shape = placement.view
+        itemsize = spec.dtype.itemsize
+        strides = [math.prod(view_shape[d + 1 :]) for d in range(len(view_shape))]
+        crcs, found = [0] * len(crc.RECORDED), dict.fromkeys(boxes, 0)
+        for band in regions.windows(view_shape, itemsize, self.band_bytes):
+            extent = [s.stop - s.start for s in band]
+            nbytes = math.prod(extent) * itemsize
+            if self.buffer.nbytes < nbytes:
+                self.buffer = np.empty(nbytes, np.uint8)
+            start = sum(b.start * n for b, n in zip(band, strides, strict=True))
+            view = memoryview(self.buffer.data)[:nbytes]
+            _read_exactly(fd, view, offset + start * itemsize, path)
+            crcs = [c.update(v, view) for c, v in zip(crc.RECORDED, crcs, strict=True)]
+            data = self.buffer[:nbytes].view(spec.dtype).reshape(extent)
+            for region, box in boxes.items():
+                common = [(max(b.start, i.start), min(b.stop, i.stop)) for b, i in zip(band, box)]
+                if all(lo < hi for lo, hi in common):
+                    part = tuple(
+                        slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(common, band)
+                    )
+                    found[region] = region_crc(data[part], found[region])
+        return crcs, found
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:

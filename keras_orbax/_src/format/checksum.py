@@ -334,6 +334,8 @@ class Unreadable(str):
     error: OSError
 
     def __new__(cls, error: OSError) -> Unreadable:
-        text = super().__new__(cls, f"unreadable ({type(error).__name__}: {error.strerror or error})")
+        text = super().__new__(
+            cls, f"unreadable ({type(error).__name__}: {error.strerror or error})"
+        )
         text.error = error
         return text
