@@ -159,7 +159,10 @@ class _ReadBack:
             crcs = [c.update(v, view) for c, v in zip(crc.RECORDED, crcs, strict=True)]
             data = self.buffer[:nbytes].view(spec.dtype).reshape(extent)
             for region, box in boxes.items():
-                common = [(max(b.start, i.start), min(b.stop, i.stop)) for b, i in zip(band, box)]
+                common = [
+                    (max(b.start, i.start), min(b.stop, i.stop))
+                    for b, i in zip(band, box, strict=True)
+                ]
                 if all(lo < hi for lo, hi in common):
                     part = tuple(
                         slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(common, band)
