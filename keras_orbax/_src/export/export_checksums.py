@@ -165,7 +165,8 @@ class _ReadBack:
                 ]
                 if all(lo < hi for lo, hi in common):
                     part = tuple(
-                        slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(common, band)
+                        slice(lo - b.start, hi - b.start)
+                        for (lo, hi), b in zip(common, band, strict=True)
                     )
                     found[region] = region_crc(data[part], found[region])
         return crcs, found
