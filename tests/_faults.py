@@ -273,13 +273,16 @@ def _mounts_under(root: Path) -> list[str]:
 def commits(sink: str, stage: str, fault: str) -> bool:
     """Whether an export with `fault` injected at the start of `stage` still commits: a fault at
     `prune` comes after the commit point; a full disk stops only what writes data (every file is
-    staged by then, except a preset's configs, which it writes once the regions are in)."""
+    staged by then, except a preset's configs, which it writes once the regions are in, and a
+    Hugging Face export's checksums, written once every region is read back)."""
     if stage == "prune":
         return True
     if sink.startswith("step"):  # at "fsync", Orbax has renamed the step: only a power cut loses it
         return stage == "fsync" and fault != "EIO"
     if fault == "ENOSPC":
-        return stage in ("fsync", "rename") or (stage == "agree" and sink != "preset")
+        return stage in ("fsync", "rename") or (
+            stage == "agree" and sink not in ("preset", "transformers")
+        )
     return False
 
 
