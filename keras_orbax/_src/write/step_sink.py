@@ -14,8 +14,9 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
    whose files Orbax's tensorstore names, each process due to write data reports its OCDBT
    database, found whole by name (`ocdbt_regions`). A failure is `SaveFailedError` on every
    process, before any enters Orbax's barrier.
-3. **rename**: Orbax's finalize (its barriers, metadata and rename), bounded from the agreement on
-   by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
+3. **rename**: Orbax's finalize (its barriers, metadata and rename; for `"compact"`, process 0
+   records the CRCs of every file of the merged databases before the rename, `ocdbt_checksums`),
+   bounded from the agreement on by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
    (`orbax_compat.pytree_handler_with_array_writer`), then the `AsyncCheckpointer`'s two around
    process 0's rename (`orbax_barriers.bound_commit_barriers`).
 4. **fsync**: every file and directory of the renamed step, and its root (`DurableResponse`).
