@@ -251,7 +251,7 @@ def test_a_disk_full_mid_export_leaves_the_previous_export(tmp_path):
         WORKER, 1, 8, {"action": "disk_full", "directory": str(tmp_path / "hf")}, 300
     )
     assert result["error"].startswith("SaveFailedError") and "File too large" in result["error"]
-    assert sorted(result["before"]) == ["config.json", "model.safetensors"]
+    assert sorted(result["before"]) == ["config.json", SIDECAR, "model.safetensors"]
     assert result["after"] == result["before"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging left beside it
 
