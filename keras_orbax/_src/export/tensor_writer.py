@@ -45,8 +45,11 @@ class TensorWriter:
         self.files, self.window_bytes = files, max(1, window_bytes)
         self._buffers: list[np.ndarray | None] = [None, None]
         # What this process wrote, for process 0 to read back (`export_checksums`): each
-        # region's CRC by `<tensor>/<region key>`, and where each tensor's regions lie in it.
+        # region's CRC by `<tensor>/<region key>` (under `jax.distributed` only: one process
+        # has no other's bytes to check, and a transposed region's CRC costs a copy of it), and
+        # where each tensor's regions lie in it.
         self.region_crcs: dict[str, int] = {}
+        self._report = jax.process_count() > 1
         self.placements: dict[str, export_checksums.Placement] = {}
 
     def write(
@@ -85,9 +88,9 @@ class TensorWriter:
             block = region.block.reshape([s.stop - s.start for s in index])
             index = tuple(index[p] for p in permutation)
             block = block.transpose(permutation) if moved else block
-            # in the tensor's C order: process 0 reads it back so from the file
-            crc = export_checksums.region_crc(block)
-            self.region_crcs[f"{tensor.name}/{keys[-1]}"] = crc
+            if self._report:  # in the tensor's C order: process 0 reads it back so
+                crc = export_checksums.region_crc(block)
+                self.region_crcs[f"{tensor.name}/{keys[-1]}"] = crc
             if whole:
                 boxes.append((index, block))
             elif moved:
@@ -126,9 +129,9 @@ class TensorWriter:
         value = source.variable.value
         result = host_moves.on_host(value, source.moves, self.window_bytes, self.files.copy)
         _check(tensor, result)
-        self.region_crcs[f"{tensor.name}/{regions.region_key(whole)}"] = (
-            export_checksums.region_crc(result)
-        )
+        if self._report:
+            key = f"{tensor.name}/{regions.region_key(whole)}"
+            self.region_crcs[key] = export_checksums.region_crc(result)
         if result.flags.c_contiguous:
             self.files.write_boxes(fd, offset, tensor.shape, [(whole, result)])
         else:

@@ -170,7 +170,7 @@ class TransformersSink(commit.ExportSink):
         nothing)."""
         placements = {} if self.writer is None else self.writer.placements
         entries = export_checksums.check_read_back(
-            staging, self.layouts, placements, self.reported, max(1, self.window_bytes // 2)
+            staging, self.layouts, placements, self.reported, _read_back_bytes(self.window_bytes)
         )
         export_checksums.write_sidecar(staging, entries)
         if len(self.layouts) > 1:
@@ -197,6 +197,12 @@ class TransformersSink(commit.ExportSink):
             or re.fullmatch(r"model-\d+-of-\d+\.safetensors", relative) is not None
             or (relative.startswith(".") and relative.endswith(".partial"))
         )
+
+
+def _read_back_bytes(window_bytes: int) -> int:
+    """The bands process 0 reads the export back in: at most half the window, and small enough
+    to stay in the CPU's cache while they are checksummed (one buffer, reused)."""
+    return max(1, min(window_bytes // 2, 8 << 20))
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:
