@@ -15,7 +15,7 @@ import hashlib
 import os
 import struct
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,16 +232,57 @@ def shut_down(mount_point: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def failing_file(path: Path, image: Path, mount_point: Path) -> Iterator[Callable[[], None]]:
+    """`path` served from an ext4 filesystem of its own (bind-mounted over it), shut down: every
+    read of that file fails with EIO from the kernel, and nothing else does, until `heal()` (what
+    the context gives) mounts the filesystem again, as an NFS server that comes back. The file may
+    be moved meanwhile (with its directory): every mount under the directory holding `image` is
+    unmounted on exit."""
+    make_ext4(image)
+    mount(mount_point, "-o", "loop", str(image))
+    served = mount_point / path.name
+    served.write_bytes(path.read_bytes())
+    os.sync()
+
+    def bind() -> None:
+        subprocess.run(["mount", "--bind", str(served), str(path)], check=True, capture_output=True)
+
+    def heal() -> None:
+        unmount(path)
+        unmount(mount_point)
+        mount(mount_point, "-o", "loop", str(image))
+        bind()
+
+    bind()
+    shut_down(mount_point)
+    try:
+        yield heal
+    finally:
+        for point in _mounts_under(image.parent):
+            unmount(Path(point))
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """The mount points under `root`, deepest first."""
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return sorted((p for p in points if p.startswith(f"{root}/")), key=len, reverse=True)
+
+
 def commits(sink: str, stage: str, fault: str) -> bool:
     """Whether an export with `fault` injected at the start of `stage` still commits: a fault at
     `prune` comes after the commit point; a full disk stops only what writes data (every file is
-    staged by then, except a preset's configs, which it writes once the regions are in)."""
+    staged by then, except a preset's configs, which it writes once the regions are in, and a
+    Hugging Face export's checksums, written once every region is read back)."""
     if stage == "prune":
         return True
     if sink.startswith("step"):  # at "fsync", Orbax has renamed the step: only a power cut loses it
         return stage == "fsync" and fault != "EIO"
     if fault == "ENOSPC":
-        return stage in ("fsync", "rename") or (stage == "agree" and sink != "preset")
+        return stage in ("fsync", "rename") or (
+            stage == "agree" and sink not in ("preset", "transformers")
+        )
     return False
 
 

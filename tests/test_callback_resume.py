@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -90,9 +92,11 @@ def _full_model() -> keras.Model:
     return _models.compile_adam(_models.full_model())  # Dropout: its seed state must resume too
 
 
-def _mlp(steps_per_execution: int = 1, **optimizer_kwargs: Any) -> Callable[[], keras.Model]:
+def _mlp(
+    width: int = 32, steps_per_execution: int = 1, **optimizer_kwargs: Any
+) -> Callable[[], keras.Model]:
     def build() -> keras.Model:
-        model = _models.mlp()
+        model = _models.mlp(width)
         optimizer = keras.optimizers.Adam(1e-2, **optimizer_kwargs)
         model.compile(
             optimizer=optimizer,
@@ -268,9 +272,34 @@ def _largest_array_file(step_dir) -> Any:
     return max(files, key=lambda f: f.stat().st_size)
 
 
-def _damage(step_dir, how: str) -> None:
-    """Damages the step as a power loss, a bad disk or a failing mount could."""
+def _change_digit(path, after: str) -> None:
+    """Adds 1 to the first digit after `after` in the file: it still parses, and says another
+    thing (an epoch, a position)."""
+    text = path.read_text()
+    at = text.index(after) + len(after)
+    at += next(i for i, c in enumerate(text[at:]) if c.isdigit())
+    path.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :])
+
+
+def _damage(step_dir, how: str) -> str:
+    """Damages the step as a power loss, a bad disk or a failing mount could; returns the damaged
+    file's name, as the warning names it."""
     metadata = step_dir / "_CHECKPOINT_METADATA"
+    if how == "compact_data_byte":  # the chunks of Orbax's OCDBT database: no CRC of their own
+        data = max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return str(data)
+    if how == "data_state_digit":  # the input would resume at another batch
+        position = step_dir / "data_state" / "process_0.json"
+        _change_digit(position, '"epoch"')
+        return str(position)
+    if how == "record_digit":  # the record's epoch: fit would resume at another epoch
+        _change_digit(metadata, '"epoch"')  # the record's: Orbax's own fields hold none
+        return str(metadata)
     if how == "missing":
         metadata.unlink()
     elif how == "not_json":  # also what a read failing with EIO leaves: no record
@@ -284,32 +313,52 @@ def _damage(step_dir, how: str) -> None:
             f.write(bytes([byte[0] ^ 0x40]))
     else:  # array_truncated
         os.truncate(_largest_array_file(step_dir), 10)
+    return ""
 
 
 @pytest.mark.parametrize(
-    "how", ["missing", "not_json", "bad_record", "array_bit_flipped", "array_truncated"]
+    "how",
+    [
+        "missing",
+        "not_json",
+        "bad_record",
+        "array_bit_flipped",
+        "array_truncated",
+        "compact_data_byte",
+        "data_state_digit",
+        "record_digit",
+    ],
 )
 def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp, how):
     inputs = _arrays(2)  # 2 batches per epoch
+    # Compact: chunks of random values too large for OCDBT's B-tree nodes, in its data files.
+    format, build = ("compact", _mlp(256)) if how.startswith("compact") else ("fast", _mlp())
     keras.utils.set_random_seed(1)
-    uninterrupted = _mlp()()
-    saving = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None)
+    uninterrupted = build()
+    saving = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, format=format)
     uninterrupted.fit(**inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[saving])
     assert step_dirs.committed_steps(tmp_path) == [2, 4, 6]
-    _damage(tmp_path / "6", how)
+    file = _damage(tmp_path / "6", how)
+    if file:  # what only a checksum tells: verify says so, and so does a restore that reads it
+        with pytest.raises(CorruptCheckpointError, match=re.escape(file)):
+            keras_orbax.verify(tmp_path, step=6)
+        if how != "data_state_digit":  # the input's position: the callback's to read
+            with pytest.raises(CorruptCheckpointError, match=re.escape(file)):
+                keras_orbax.restore_sharded(build(), tmp_path, step=6)
     damaged = sorted(p.relative_to(tmp_path / "6") for p in (tmp_path / "6").rglob("*"))
     earlier = tmp_path / "6.unreadable"  # set aside by an earlier resume: never overwritten
     earlier.mkdir()
     (earlier / "keep").write_text("x")
 
     keras.utils.set_random_seed(2)
-    resumed = _mlp()()
-    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=1, resume=True)
+    resumed = build()
+    checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=1, resume=True, format=format)
     aside = tmp_path / "6.unreadable-2"
     with pytest.warns(
         KerasOrbaxWarning,
-        match=rf"Step 6 of .* cannot be restored, so fit resumes from step 4, the newest intact "
-        rf"one. Step 6 was moved aside to '{aside}' \(nothing is deleted.*CorruptCheckpointError",
+        match=rf"(?s)Step 6 of .* cannot be restored, so fit resumes from step 4, the newest "
+        rf"intact one. Step 6 was moved aside to '{aside}' \(nothing is deleted.*Step 6 is "
+        rf"damaged: CorruptCheckpointError: .*{re.escape(file)}",
     ):
         history = resumed.fit(
             **inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
@@ -319,10 +368,73 @@ def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp
     # Step 6 written anew and readable; retention (max_to_keep=1) deleted 2 and 4, which this
     # run superseded, and never what was set aside.
     assert step_dirs.committed_steps(tmp_path) == [6]
-    assert keras_orbax.restore_sharded(_mlp()(), tmp_path).step == 6
+    assert keras_orbax.restore_sharded(build(), tmp_path).step == 6
     assert keras_orbax.inspect(tmp_path).step == 6
     assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == damaged  # all of it, moved
     assert (earlier / "keep").read_text() == "x"
+    for variable, got, want in zip(
+        _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
+    ):
+        np.testing.assert_array_equal(got, want, err_msg=variable.path)
+
+
+@pytest.mark.parametrize("passes", [True, False], ids=["passing", "lasting"])
+def test_an_io_error_is_retried_before_a_step_is_moved_aside(tmp_path, mp, caplog, passes):
+    """A read of step 6 that fails with EIO from the kernel (its largest array file served by an
+    ext4 filesystem that is shut down) is tried again. One that passes (the filesystem is mounted
+    again before the second attempt, as an NFS server comes back) resumes from step 6; one that
+    lasts moves step 6 aside, and the warning says it was an I/O error, with its errno: the step
+    may well be intact."""
+    from keras_orbax._src.storage import commit
+    from tests import _faults
+
+    inputs, root = _arrays(2), tmp_path / "ckpt"
+    keras.utils.set_random_seed(1)
+    uninterrupted = _mlp()()
+    saving = keras_orbax.ModelCheckpoint(root, max_to_keep=None)
+    uninterrupted.fit(**inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[saving])
+    state = root / "6" / "state"
+    file = max((f for f in state.rglob("c*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+    keras.utils.set_random_seed(2)
+    resumed = _mlp()()
+    checkpoint = keras_orbax.ModelCheckpoint(root, max_to_keep=None, resume=True)
+    with _faults.failing_file(file, tmp_path / "ext4.img", tmp_path / "disk") as heal:
+        healed: list[str] = []
+
+        def come_back(stage: str) -> None:
+            if stage == "retry" and passes and not healed:
+                healed.append(stage)
+                heal()
+
+        with (
+            commit.on_stage(come_back),
+            caplog.at_level("WARNING", logger="keras_orbax"),
+            warnings.catch_warnings(record=True) as warned,
+        ):
+            warnings.simplefilter("always")
+            history = resumed.fit(
+                **inputs(), epochs=3, shuffle=False, verbose=0, callbacks=[checkpoint]
+            )
+    passed_over = [str(w.message) for w in warned if "cannot be restored" in str(w.message)]
+    assert checkpoint.restored is not None
+    if passes:
+        assert passed_over == [] and step_dirs.committed_steps(root) == [2, 4, 6]
+        assert checkpoint.restored.step == 6 and history.epoch == []  # all 3 epochs were done
+    assert re.search(
+        r"Restoring step 6 of .* failed with an I/O error \(errno 5, EIO: Input/output error\); "
+        r"trying again in 0.25 s \(attempt 2 of 3\)",
+        caplog.text,
+    ), caplog.text
+    if not passes:
+        assert checkpoint.restored.step == 4 and history.epoch == [2]
+        (message,) = passed_over
+        assert re.search(
+            r"Step 6 failed to read with an I/O error \(errno 5, EIO: Input/output error\) in "
+            rf"each of 3 attempts: it may be intact.*{re.escape(str(file.relative_to(root / '6')))}",
+            message,
+        ), message
+        assert (root / "6.unreadable").is_dir()  # kept, to be restored once the storage reads
     for variable, got, want in zip(
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import strategies as st
 
 import keras_orbax
+from keras_orbax._src.format import json_checksum
 from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxError, UnsupportedVersionError
 from tests import _models
 
@@ -152,9 +153,13 @@ def test_files_the_fast_format_never_reads_may_go(originals, tmp_path, mesh):
 
 
 def _edit_record(directory: Path, edit: Callable[[dict], None]) -> None:
+    """Edits the step's record as a writer that lies would write it: with its checksum matching
+    (`json_checksum`), so that only the record's own checks can tell."""
     path = directory / str(STEP) / "_CHECKPOINT_METADATA"
     metadata = json.loads(path.read_text())
-    edit(metadata["custom_metadata"]["keras_orbax"])
+    record = json_checksum.without(metadata["custom_metadata"]["keras_orbax"])
+    edit(record)
+    metadata["custom_metadata"]["keras_orbax"] = json_checksum.sealed(record)
     path.write_text(json.dumps(metadata))
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.export import file_windows
-from keras_orbax.errors import UnsupportedSourceError
+from keras_orbax._src.export.export_checksums import SIDECAR
+from keras_orbax.errors import CorruptCheckpointError, UnsupportedSourceError
 from tests import _hf_export
 from tests._direct_io import direct_bytes_written, refuses_o_direct
 from tests._harness import WORKERS_DIR, run_workers, start_workers
@@ -40,7 +42,10 @@ def _header(path: Path) -> dict:
 
 
 def _assert_same_files(ours: Path, theirs: Path) -> None:
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    """keras-hub's files, byte for byte, and the checksums of each tensor beside them."""
+    assert sorted(p.name for p in ours.iterdir()) == sorted(
+        [SIDECAR, *(p.name for p in theirs.iterdir())]
+    )
     mine, keras_hubs = _header(ours / "model.safetensors"), _header(theirs / "model.safetensors")
     assert list(mine) == list(keras_hubs)  # keys, in order, with dtype, shape and offsets
     assert mine == keras_hubs
@@ -334,7 +339,7 @@ def test_a_disk_full_mid_export_leaves_the_previous_export(tmp_path):
         WORKER, 1, 8, {"action": "disk_full", "directory": str(tmp_path / "hf")}, 300
     )
     assert result["error"].startswith("SaveFailedError") and "File too large" in result["error"]
-    assert sorted(result["before"]) == ["config.json", "model.safetensors"]
+    assert sorted(result["before"]) == ["config.json", SIDECAR, "model.safetensors"]
     assert result["after"] == result["before"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging left beside it
 
@@ -423,6 +428,46 @@ def test_a_failure_on_one_process_fails_both_and_leaves_nothing(two_processes):
         assert "failed on 1 of 2 processes" in error and "process 1" in error, (process, error)
     assert not (root / "failed").exists()  # not even a config.json without weights
     assert not (root / ".failed.partial").exists()  # what it staged, removed
+
+
+def test_process_0_reads_back_every_region_and_each_tensor_is_checksummed(two_processes):
+    """Each process reports each region's CRC as it wrote it; process 0 reads every region back
+    from the shared file before the commit: a byte changed there after its writer wrote it (by
+    process 1, before it reported) fails the export on both processes, naming the file and the
+    tensor. The exports that committed carry each tensor's CRC, which `verify` and a restore
+    check: a changed byte is named by file and tensor."""
+    root, results = two_processes
+    for process, result in enumerate(results):
+        error = result["torn"]["error"]
+        assert re.search(
+            r"SaveFailedError: .*1 region of the export read back from the shared files is not "
+            r"the bytes their process wrote \(CRC-32C?\):\n.*model\.safetensors: \S+, region ",
+            error,
+            re.S,
+        ), (process, error)
+    assert not (root / "torn").exists() and not (root / ".torn.partial").exists()
+
+    assert keras_orbax.verify(root / "llama3" / "ours").intact
+    ours = root / "trained" / "ours"  # keras-hub's from_preset reads it: sidecar and all
+    assert keras_orbax.verify(ours).intact
+    damaged = root / "trained" / "damaged"
+    shutil.copytree(ours, damaged)
+    entries = json.loads((damaged / SIDECAR).read_text())["tensors"]
+    name, entry = max(entries.items(), key=lambda item: item[1]["bytes"])
+    with open(damaged / entry["file"], "r+b") as f:
+        f.seek(entry["offset"] + entry["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    where = rf"model\.safetensors: {re.escape(name)}: checksum .*, recorded "
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.verify(damaged)
+    backbone = _hf_export.backbone_class("llama3")(**_hf_export.LLAMA3)
+    before = [np.asarray(v.value) for v in backbone.weights]
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.restore_sharded(backbone, damaged)
+    for variable, value in zip(backbone.weights, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), value, err_msg=variable.path)
 
 
 def test_a_process_killed_mid_export_leaves_no_weights_file(tmp_path):

@@ -80,13 +80,24 @@ def test_a_file_whose_checksum_is_not_recorded_is_not_called_intact(saved):
     assert result.checksummed == result.files - 1
 
 
-def test_a_compact_step_says_why_it_is_unchecked(tmp_path, distribution):
+def test_a_compact_step_is_checked_by_its_files_or_says_why_not(tmp_path, distribution):
+    """A compact step records a CRC of each file of its OCDBT databases, checked whole; one saved
+    before that is read back array by array and says why it is unchecked."""
     distribution(_models.model_parallel((2, 4)))
     model = _models.mlp()
     keras_orbax.save(model, tmp_path, step=1, format="compact")
+    state = tmp_path / "1" / "state"
+    files = [*state.glob("manifest.ocdbt"), *state.glob("d/*"), *state.glob("ocdbt.process_*/*")]
+    files += [*state.glob("ocdbt.process_*/d/*")]
+    result = keras_orbax.verify(tmp_path)
+    assert result.intact and result.unchecked == ()
+    assert result.files == result.checksummed == len([f for f in files if f.is_file()])
+    assert result.bytes == sum(f.stat().st_size for f in files if f.is_file())
+
+    (state / "keras_orbax_checksums" / "ocdbt.json").unlink()  # as saved before checksums
     result = keras_orbax.verify(tmp_path)
     assert not result.intact and len(result.unchecked) == len(model.weights)
-    assert result.why_unchecked.startswith("arrays of the compact format")
+    assert result.why_unchecked.startswith("arrays of the compact format, saved before")
     assert result.bytes == sum(v.value.nbytes for v in model.weights)  # read back whole
 
 
@@ -152,17 +163,20 @@ def test_restore_refuses_a_flipped_byte_and_changes_nothing(saved, distribution,
 def test_restore_with_verify_warns_for_arrays_it_could_not_verify(
     tmp_path_factory, saved, distribution
 ):
-    """A compact step (its data has no checksum), and a fast one whose checksum file is lost, are
-    restored as read, and `verify=True` says which arrays it could not check."""
+    """A compact step saved before its files' checksums were recorded, and a fast one whose
+    checksum file is lost, are restored as read, and `verify=True` says which arrays it could not
+    check."""
     distribution(_models.model_parallel((2, 4)))
     model = _models.mlp()
     compact = tmp_path_factory.mktemp("compact")
     keras_orbax.save(model, compact, step=1, format="compact")
+    (compact / "1" / "state" / "keras_orbax_checksums" / "ocdbt.json").unlink()
     with pytest.warns(KerasOrbaxWarning) as warned:
         keras_orbax.restore_sharded(_models.mlp(), compact, verify=True)
     (message,) = [str(w.message) for w in warned if "could not verify" in str(w.message)]
     assert message.startswith("restore_sharded(verify=True) could not verify 4 arrays of ")
-    assert "whose data Orbax stores without a checksum" in message and KERNEL in message
+    assert "saved before keras-orbax recorded its files' checksums" in message
+    assert KERNEL in message
 
     for lost in (saved / "3" / "state" / "keras_orbax_checksums").iterdir():
         lost.unlink()

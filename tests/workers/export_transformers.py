@@ -14,7 +14,8 @@ args: {"action": ..., "directory": ...}
   devices exported (process 0 also writes keras-hub's export of the same values, unsharded); a
   Llama3 preset loaded sharded, LoRA-enabled, trained one step and exported (process 0 saves the
   expected values); then an export during which process 1 cannot write past 16 KiB; then the
-  "memory" backbone exported, each process's peak RSS growth measured; then that backbone
+  "memory" backbone exported, each process's peak RSS growth measured (between them, an export
+  whose shared file process 1 changes before process 0 reads every region back); then that backbone
   exported with every band of a page or more written with O_DIRECT (`file_windows.DIRECT_MIN`
   lowered: its bands are KiBs), reporting the bytes each process wrote so (process 0 also writes
   keras-hub's export of the same values).
@@ -193,9 +194,35 @@ def multiprocess(root: Path, process_id: int) -> dict:
     if old is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
     result["failed"] = {"error": error}
+    result["torn"] = _torn(backbone, root / "torn", process_id)
     result["memory"] = _memory_of_several(root / "memory")
     result["direct"] = _straight_to_the_disk(root / "wide", process_id)
     return result
+
+
+def _torn(backbone: keras.Model, directory: Path, process_id: int) -> dict:
+    """Process 1, once every process has written its regions and before it reports them, flips a
+    byte of the shared file (a region of either process's: a torn or misplaced write on the
+    shared filesystem); process 0 reads every region back before the commit, so both fail."""
+    from keras_orbax._src.storage import commit
+
+    staged = directory.with_name(f".{directory.name}.partial") / "model.safetensors"
+
+    def tear(stage: str) -> None:
+        if stage == "agree" and process_id == 1:
+            with open(staged, "r+b") as f:
+                f.seek(staged.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x01]))
+
+    with commit.on_stage(tear):
+        error = _error_of(
+            lambda: keras_orbax.export_to_transformers(
+                backbone, directory, window_bytes=_hf_export.WINDOW
+            )
+        )
+    return {"error": error}
 
 
 def _straight_to_the_disk(directory: Path, process_id: int) -> dict:

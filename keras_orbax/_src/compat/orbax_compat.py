@@ -139,6 +139,7 @@ def pytree_handler_with_array_writer(
     leaf_handler: type,
     before_commit: BeforeCommit | None = None,
     after_agreement_s: float | None = None,
+    after_finalize: Callable[[Any], None] | None = None,
 ) -> type:
     """Orbax's `PyTreeHandler`, saving every `jax.Array` leaf with `leaf_handler` instead of Orbax's,
     and calling `before_commit` between this process's writes and Orbax's commit barrier.
@@ -165,6 +166,12 @@ def pytree_handler_with_array_writer(
     the barrier for what remains of `timeout_secs` (20 minutes by default). Lowering `timeout_secs`
     itself would also cut short slow but healthy writes, so the override hands Orbax a start time
     moved back instead: the same limit, measured from the agreement, at most `after_agreement_s`.
+
+    Why `_finalize` is overridden: it is where process 0 merges the processes' OCDBT databases
+    (the compact format) into the step's own, after which none of its files changes; Orbax has no
+    hook there, and `after_finalize(directory)` (on every process, before Orbax's barrier that
+    ends the finalize and before the step's rename) records their checksums, so they commit with
+    the step.
     """
     import jax
     from orbax.checkpoint.experimental.v1.handlers import PyTreeHandler
@@ -215,6 +222,11 @@ def pytree_handler_with_array_writer(
                 operation_id=operation_id,
                 start_time=start_time,
             )
+
+        async def _finalize(self, directory: Any) -> None:
+            await super()._finalize(directory)
+            if after_finalize is not None:
+                await asyncio.to_thread(after_finalize, directory)
 
     Handler.__module__ = PyTreeHandler.__module__
     Handler.__qualname__ = Handler.__name__ = PyTreeHandler.__qualname__

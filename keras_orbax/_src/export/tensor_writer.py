@@ -21,7 +21,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_orbax._src.export import file_windows, host_moves, host_transpose, regions
+from keras_orbax._src.export import (
+    export_checksums,
+    file_windows,
+    host_moves,
+    host_transpose,
+    regions,
+)
 from keras_orbax._src.export.hub_tensors import Computed, HubTensor, Moved, Rearranged
 from keras_orbax.errors import SaveFailedError
 
@@ -38,6 +44,13 @@ class TensorWriter:
     def __init__(self, files: file_windows.FileWindows, window_bytes: int) -> None:
         self.files, self.window_bytes = files, max(1, window_bytes)
         self._buffers: list[np.ndarray | None] = [None, None]
+        # What this process wrote, for process 0 to read back (`export_checksums`): each
+        # region's CRC by `<tensor>/<region key>` (under `jax.distributed` only: one process
+        # has no other's bytes to check, and a transposed region's CRC costs a copy of it), and
+        # where each tensor's regions lie in it.
+        self.region_crcs: dict[str, int] = {}
+        self._report = jax.process_count() > 1
+        self.placements: dict[str, export_checksums.Placement] = {}
 
     def write(
         self, fd: int, offset: int, tensor: HubTensor, written_from: dict[str, tuple[Any, ...]]
@@ -63,6 +76,7 @@ class TensorWriter:
         _record(written_from, tensor.name, array, window, whole)
         # the variable's non-1 axes, permuted: the tensor's C order (it may merge some of them)
         view = tuple(tuple(array.shape[axis] for axis in kept)[p] for p in permutation)
+        self.placements[tensor.name] = export_checksums.Placement(view, tuple(kept), permutation)
         keys = []
         # Shards in host memory (their own buffers, no copy) are written together: their runs
         # merged into whole stretches of the file, or, transposed, copied band by band into
@@ -74,6 +88,9 @@ class TensorWriter:
             block = region.block.reshape([s.stop - s.start for s in index])
             index = tuple(index[p] for p in permutation)
             block = block.transpose(permutation) if moved else block
+            if self._report:  # in the tensor's C order: process 0 reads it back so
+                crc = export_checksums.region_crc(block)
+                self.region_crcs[f"{tensor.name}/{keys[-1]}"] = crc
             if whole:
                 boxes.append((index, block))
             elif moved:
@@ -105,11 +122,16 @@ class TensorWriter:
         whole = tuple(slice(0, n) for n in tensor.shape)
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         written_from[tensor.name] = (tensor.shape, tensor.dtype, sharding, True, 1, True)
+        axes = tuple(range(len(tensor.shape)))
+        self.placements[tensor.name] = export_checksums.Placement(tensor.shape, axes, axes)
         if jax.process_index() != 0:
             return []
         value = source.variable.value
         result = host_moves.on_host(value, source.moves, self.window_bytes, self.files.copy)
         _check(tensor, result)
+        if self._report:
+            key = f"{tensor.name}/{regions.region_key(whole)}"
+            self.region_crcs[key] = export_checksums.region_crc(result)
         if result.flags.c_contiguous:
             self.files.write_boxes(fd, offset, tensor.shape, [(whole, result)])
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import keras
 
 from keras_orbax._src.compat import hub_compat, keras_compat
 from keras_orbax._src.export import (
+    export_checksums,
     file_windows,
     hub_fixes,
     hub_tensors,
@@ -132,6 +133,8 @@ class TransformersSink(commit.ExportSink):
         # name -> (shape, dtype, sharding, fully addressable, window) of what each tensor was
         # written from, recorded while writing (a computed tensor's sharding is known only then)
         self.written_from: dict[str, tuple[Any, ...]] = {}
+        self.writer: tensor_writer.TensorWriter | None = None  # this process's, once staged
+        self.reported: dict[str, int] = {}  # every process's region CRCs (`check`)
 
     def prepare(self, staging: Path) -> None:
         """Process 0: `config.json` as keras-hub writes it, the other files, and each weights
@@ -143,9 +146,22 @@ class TransformersSink(commit.ExportSink):
                 f.write(layout.prefix)
 
     def stage(self, staging: Path) -> list[str]:
-        return _write_regions(
+        self.writer, written = _write_regions(
             staging, self.tensors, self.layouts, self.window_bytes, self.written_from
         )
+        return written
+
+    def report(self, written: Sequence[str]) -> list[Any]:
+        """The regions' digest, and each region's CRC as this process wrote it: process 0 reads
+        every region back before the commit (`export_checksums.check_read_back`)."""
+        crcs = {} if self.writer is None else self.writer.region_crcs
+        return [*commit.digest(written), crcs]
+
+    def check(self, reports: Sequence[Any]) -> None:
+        commit.check_regions(
+            [report[:2] for report in reports], self.regions_due, str(self.destination)
+        )
+        self.reported = {key: crc for report in reports for key, crc in report[2].items()}
 
     def regions_due(self, process: int) -> list[str]:
         return [
@@ -155,8 +171,15 @@ class TransformersSink(commit.ExportSink):
         ]
 
     def assemble(self, staging: Path) -> None:
-        """Process 0: the index, where the tensors are in parts (a directory with parts and no
-        index loads nothing)."""
+        """Process 0: every process's regions read back and checked against the CRCs it
+        reported, each tensor's CRCs written to the sidecar file (`export_checksums`), and the
+        index, where the tensors are in parts (a directory with parts and no index loads
+        nothing)."""
+        placements = {} if self.writer is None else self.writer.placements
+        entries = export_checksums.check_read_back(
+            staging, self.layouts, placements, self.reported, _read_back_bytes(self.window_bytes)
+        )
+        export_checksums.write_sidecar(staging, entries)
         if len(self.layouts) > 1:
             index = safetensors_writer.index_json(self.layouts)
             (staging / safetensors_writer.INDEX_FILE).write_text(index)
@@ -172,10 +195,21 @@ class TransformersSink(commit.ExportSink):
         new export (transformers reads `model.safetensors` before an index)."""
         return (
             relative
-            in ("config.json", safetensors_writer.SINGLE_FILE, safetensors_writer.INDEX_FILE)
+            in (
+                "config.json",
+                safetensors_writer.SINGLE_FILE,
+                safetensors_writer.INDEX_FILE,
+                export_checksums.SIDECAR,
+            )
             or re.fullmatch(r"model-\d+-of-\d+\.safetensors", relative) is not None
             or (relative.startswith(".") and relative.endswith(".partial"))
         )
+
+
+def _read_back_bytes(window_bytes: int) -> int:
+    """The bands process 0 reads the export back in: at most half the window, and small enough
+    to stay in the CPU's cache while they are checksummed (one buffer, reused)."""
+    return max(1, min(window_bytes // 2, 8 << 20))
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:
@@ -218,10 +252,11 @@ def _write_regions(
     layouts: list[FileLayout],
     window_bytes: int,
     written_from: dict[str, tuple[Any, ...]],
-) -> list[str]:
+) -> tuple[tensor_writer.TensorWriter, list[str]]:
     """This process's regions of every tensor, at their byte offsets (`file_windows`), then
-    synced to disk; the keys of the regions written. Every process runs every computed tensor
-    (they run collectives), in one order, even after a failure here."""
+    synced to disk; the writer (what it wrote: `TensorWriter.region_crcs`) and the keys of the
+    regions written. Every process runs every computed tensor (they run collectives), in one
+    order, even after a failure here."""
     file_of = {name: layout for layout in layouts for name in layout.offsets}
     error: SaveFailedError | None = None
     written: list[str] = []
@@ -247,4 +282,4 @@ def _write_regions(
             files.sync()
     if error is not None:
         raise error
-    return written
+    return writer, written

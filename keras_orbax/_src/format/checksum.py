@@ -9,15 +9,17 @@ checks when it reads a shard.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keras_orbax._src.format.crc import Crc, strongest
 from keras_orbax._src.format.step_record import STATE
+from keras_orbax._src.runtime import thread_pools
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import CorruptCheckpointError
 
@@ -30,6 +32,9 @@ ALGORITHM = "crc32"
 PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is written
 INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
+OCDBT_FILE = "ocdbt.json"  # beside them in a compact step: its OCDBT files (`ocdbt_checksums`)
+# In a Hugging Face directory keras-orbax exported: each tensor's CRCs (`export_checksums`).
+EXPORT_FILE = "keras_orbax_checksums.json"
 _READ_BYTES = 8 << 20
 
 
@@ -79,6 +84,7 @@ def check_files(
     """
     checksums = recorded_checksums(path / STATE)
     problems: list[str] = []
+    io_error: OSError | None = None  # kept as the cause: an I/O error is retried, damage is not
     files, nbytes, compared = 0, 0, 0
     uncovered: dict[str, None] = {}
     for key, array in arrays.items():
@@ -89,6 +95,8 @@ def check_files(
             name = str(file.relative_to(path / STATE))
             algorithm, recorded = checksums.get(name, (None, 0))
             problem, size, crc = check_file(file, array.chunk_bytes, algorithm)
+            if isinstance(problem, Unreadable):
+                io_error = io_error or problem.error
             files, nbytes = files + 1, nbytes + size
             if on_file is not None:
                 on_file(size)
@@ -107,7 +115,7 @@ def check_files(
             + "\n".join(problems[:50])
             + (f"\n  and {len(problems) - 50} more" if len(problems) > 50 else "")
             + "\nNo variable was modified."
-        )
+        ) from io_error
     return files, nbytes, compared, tuple(uncovered)
 
 
@@ -167,8 +175,113 @@ def recorded_checksums(state: Path) -> dict[str, tuple[Crc, int]]:
     Raises:
         CorruptCheckpointError: a checksum file cannot be read, or uses another algorithm.
     """
+    return _read_checksum_files(sorted((state / CHECKSUMS_DIR).glob("process_*.json")))
+
+
+def recorded_ocdbt(state: Path) -> dict[str, tuple[Crc, int]]:
+    """A compact step's OCDBT files (`manifest.ocdbt`, `d/<id>`, `ocdbt.process_<i>/...`) -> the
+    strongest CRC recorded that this process computes, and its value ({} for a fast step, or a
+    compact one saved before checksums: `write/ocdbt_checksums.py`).
+
+    Raises:
+        CorruptCheckpointError: the checksum file cannot be read, or uses another algorithm.
+    """
+    path = state / CHECKSUMS_DIR / OCDBT_FILE
+    return _read_checksum_files([path] if path.exists() else [])
+
+
+def check_whole_files(
+    state: Path, recorded: Mapping[str, tuple[Crc, int]], what: str
+) -> tuple[int, int]:
+    """Reads each file of `recorded` (by name under `state`) whole, and checks it against its CRC;
+    (files, bytes) read.
+
+    Raises:
+        CorruptCheckpointError: naming each file that is missing, unreadable (raised from its
+            `OSError`) or fails its checksum.
+    """
+    ranges = [Recorded("", state / name, 0, None, *value) for name, value in recorded.items()]
+    return check_ranges(ranges, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """Bytes whose CRC was recorded: `nbytes` (None: to its end) from byte `offset` of `path`,
+    named `name` in messages (a tensor; "" for a whole file)."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int | None
+    algorithm: Crc
+    value: int
+
+
+def check_ranges(
+    ranges: Sequence[Recorded], what: str, advice: str = _NOT_MODIFIED
+) -> tuple[int, int]:
+    """Reads each of `ranges` and checks it against its recorded CRC, several at a time (the CRCs
+    release the GIL); (ranges, bytes) read.
+
+    Raises:
+        CorruptCheckpointError: naming each file (and tensor) that is missing, unreadable (raised
+            from its `OSError`), short or fails its checksum.
+    """
+    pool = thread_pools.shared("checksums", 8)
+    outcomes = list(pool.map(_range_problem, ranges))
+    problems = [problem for problem, _, _ in outcomes if problem is not None]
+    io_error = next((error for _, error, _ in outcomes if error is not None), None)
+    if problems:
+        failed = f"{len(problems)} {'check' if len(problems) == 1 else 'checks'} failed"
+        raise CorruptCheckpointError(
+            f"{what} is damaged; {failed}:\n" + "\n".join(problems[:50]) + f"\n{advice}"
+        ) from io_error
+    return len(ranges), sum(nbytes for _, _, nbytes in outcomes)
+
+
+def _range_problem(recorded: Recorded) -> tuple[str | None, OSError | None, int]:
+    """(what is wrong with the range or None, the `OSError` reading it raised, bytes read)."""
+    where = f"  {recorded.path}" + (f": {recorded.name}" if recorded.name else "")
+    try:
+        size, crc = _range_crc(recorded)
+    except FileNotFoundError:
+        return f"{where}: missing", None, 0
+    except OSError as error:
+        return f"{where}: unreadable ({type(error).__name__}: {error.strerror})", error, 0
+    if recorded.nbytes is not None and size != recorded.nbytes:
+        return f"{where}: {size} bytes, expected {recorded.nbytes} (truncated)", None, size
+    if crc != recorded.value:
+        label = recorded.algorithm.label
+        return (
+            f"{where}: checksum {crc:#010x}, recorded {recorded.value:#010x} ({label}): its "
+            "bytes as read are not those written",
+            None,
+            size,
+        )
+    return None, None, size
+
+
+def _range_crc(recorded: Recorded) -> tuple[int, int]:
+    """(bytes, CRC) of the range, read in large blocks."""
+    crc, size = 0, 0
+    left = recorded.nbytes
+    block = bytearray(_READ_BYTES)
+    view = memoryview(block)
+    with open(recorded.path, "rb", buffering=0) as handle:
+        handle.seek(recorded.offset)
+        while left is None or left > 0:
+            n = handle.readinto(view if left is None else view[: min(left, len(block))])
+            if not n:
+                break
+            crc = recorded.algorithm.update(crc, view[:n])
+            size += n
+            left = None if left is None else left - n
+    return size, crc
+
+
+def _read_checksum_files(paths: list[Path]) -> dict[str, tuple[Crc, int]]:
     found: dict[str, tuple[Crc, int]] = {}
-    for path in sorted((state / CHECKSUMS_DIR).glob("process_*.json")):
+    for path in paths:
         try:
             content = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError) as error:
@@ -205,10 +318,24 @@ def check_file(file: Path, chunk_bytes: int, algorithm: Crc | None) -> tuple[str
     except FileNotFoundError:
         return "missing", 0, 0
     except OSError as error:  # EIO; a directory in its place; an object replaced since listed
-        return f"unreadable ({type(error).__name__}: {error.strerror or error})", size, crc
+        return Unreadable(error), size, crc
     if size != expected:
         return f"{size} bytes, expected {expected} (truncated or overwritten)", size, crc
     if tail != shard_index(chunk_bytes):
         offset, stored = struct.unpack("<QQ", tail[:16])
         return f"bad zarr shard index (offset {offset}, {stored} bytes)", size, crc
     return None, size, crc
+
+
+class Unreadable(str):
+    """A file's problem that is an `OSError` (`check_file`), which it keeps: the caller raises its
+    error from it, so that an I/O error is told from damage (`runtime.io_faults`)."""
+
+    error: OSError
+
+    def __new__(cls, error: OSError) -> Unreadable:
+        text = super().__new__(
+            cls, f"unreadable ({type(error).__name__}: {error.strerror or error})"
+        )
+        text.error = error
+        return text

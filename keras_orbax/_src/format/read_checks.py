@@ -205,6 +205,7 @@ class ReadChecks:
             CorruptCheckpointError: naming each array and file that failed.
         """
         problems, again = [], []
+        io_error = None  # the cause of the error raised: an I/O error is retried, damage is not
         with self._lock:  # checked once: a later `finish` (one per array in `convert`) skips them
             files, self._files = self._files, {}
         for name, file in files.items():
@@ -228,6 +229,8 @@ class ReadChecks:
         for name, file in again:
             algorithm, recorded = self.recorded[name]
             problem, _, crc = checksum.check_file(file.path, file.data_bytes, algorithm)
+            if isinstance(problem, checksum.Unreadable):
+                io_error = io_error or problem.error
             if problem is not None:
                 problems.append(f"{file.key}: {file.path}: {problem}")
             elif crc != recorded:
@@ -236,4 +239,4 @@ class ReadChecks:
                 )
         self.unchecked.update((file.key, None) for file in partly)
         if problems:
-            raise checksum.damaged(problems)
+            raise checksum.damaged(problems) from io_error

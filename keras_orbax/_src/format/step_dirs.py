@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import json_checksum
 from keras_orbax._src.format.record_check import record_problems
 from keras_orbax._src.format.step_record import FORMAT_NAME, FORMAT_VERSION, StepRecord
 from keras_orbax._src.storage import locations
@@ -230,7 +231,7 @@ def read_record(path: Path) -> StepRecord:
     custom = orbax_compat.step_custom_metadata(path) or {}  # unreadable: None, explained below
     record = custom.get(FORMAT_NAME) if isinstance(custom, dict) else None
     if record is None:
-        raise CorruptCheckpointError(_no_record_message(path, file))
+        raise _no_record(path, file)
     version = record.get("format_version") if isinstance(record, dict) else None
     if type(version) is int and version > FORMAT_VERSION:
         raise UnsupportedVersionError(
@@ -240,6 +241,8 @@ def read_record(path: Path) -> StepRecord:
             f"Received: format_version={version}"
         )
     problems = record_problems(record, FORMAT_VERSION)
+    if not problems:  # a changed digit the checks above pass: only the checksum tells
+        problems = [f"the record {p}" for p in [json_checksum.problem(record)] if p is not None]
     if problems:
         lines = "\n".join(f"  {p}" for p in problems[:20])
         count = f"{len(problems)} {'problem' if len(problems) == 1 else 'problems'}"
@@ -250,18 +253,29 @@ def read_record(path: Path) -> StepRecord:
     return StepRecord.from_json(record)
 
 
-def _no_record_message(path: Path, file: Path) -> str:
-    """Why a step has no record: its metadata file is missing, not JSON, or from plain Orbax."""
-    if not file.is_file():
-        return (
+def _no_record(path: Path, file: Path) -> CorruptCheckpointError:
+    """Why a step has no record: its metadata file is missing, cannot be read (the `OSError` kept
+    as the cause: an I/O error is retried, `runtime.io_faults`), is not JSON, or is plain Orbax's."""
+    try:
+        content = file.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return CorruptCheckpointError(
             f"Checkpoint step '{path}' has no metadata file {file}: the step is damaged or was "
             "partly deleted. Restore another step."
         )
+    except OSError as error:
+        failed = CorruptCheckpointError(
+            f"The metadata file {file} of checkpoint step '{path}' cannot be read: {error}"
+        )
+        failed.__cause__ = error
+        return failed
     try:
-        json.loads(file.read_bytes())
-    except (OSError, ValueError, RecursionError) as error:
-        return f"The metadata file {file} of checkpoint step '{path}' is unreadable: {error}"
-    return (
+        json.loads(content)
+    except (ValueError, RecursionError) as error:
+        return CorruptCheckpointError(
+            f"The metadata file {file} of checkpoint step '{path}' is unreadable: {error}"
+        )
+    return CorruptCheckpointError(
         f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
         f"(its metadata {file} has no '{FORMAT_NAME}' record)."
     )

@@ -62,13 +62,15 @@ def restore_sharded(
             entries the model lacks are ignored. `RestoreResult.skipped` lists them, and a
             `KerasOrbaxWarning` names the model's by Keras path.
         verify: Check every byte read against the checksum recorded when it was written (the
-            fast format's CRC-32 of each shard file), in the threads that read, over the bytes
-            just read, nothing read twice; a file that fails raises `CorruptCheckpointError`
-            naming the file and the array, and no variable is changed. `None` (default) checks
-            so and says nothing of what it could not check (`RestoreResult.unverified` lists
-            it: a source that records no checksums, such as Keras and Hugging Face files and
-            Keras's `OrbaxCheckpoint` steps; a compact step's arrays; a file this process reads
-            only part of). `True` also reads such partly read files back whole, and warns
+            fast format's CRC of each shard file, in the threads that read, over the bytes just
+            read, nothing read twice; a compact step's OCDBT files and a keras-orbax Hugging Face
+            export's tensors, each read whole before the restore reads them); a file that fails
+            raises `CorruptCheckpointError` naming the file and the array, and no variable is
+            changed. `None` (default) checks so and says nothing of what it could not check
+            (`RestoreResult.unverified` lists it: a source that records no checksums, such as
+            Keras files, other Hugging Face directories and Keras's `OrbaxCheckpoint` steps; a
+            compact step saved before its files' checksums; a file this process reads only part
+            of). `True` also reads such partly read files back whole, and warns
             (`KerasOrbaxWarning`) naming what records no checksum. `False` checks nothing.
         read_window_bytes: Host memory for regions read ahead of being placed on their devices;
             default 512 MiB or the largest region, whichever is larger.

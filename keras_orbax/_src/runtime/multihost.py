@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 
 from keras_orbax import errors
 from keras_orbax._src.compat import orbax_barriers, orbax_compat
+from keras_orbax._src.runtime import io_faults
 from keras_orbax.errors import KerasOrbaxError, ProcessSyncError
 
 T = TypeVar("T")
@@ -337,6 +338,7 @@ def _outcome(error: BaseException | None) -> dict[str, Any]:
         "type": type(error).__name__,
         "message": str(error),
         "problems": list(getattr(error, "problems", ())),
+        "errno": io_faults.io_errno(error),  # whether to retry: every process decides alike
     }
 
 
@@ -387,4 +389,8 @@ def _combined(
     if issubclass(error_type, errors.CheckpointMismatchError):
         problems = [p for f in failures.values() for p in f.get("problems", ())]
         return error_type(message, list(dict.fromkeys(problems)))
-    return error_type(message)
+    combined = error_type(message)
+    code = first.get("errno")
+    if isinstance(combined, OSError) and code is not None:
+        combined.errno = code  # an I/O error is one everywhere (`io_faults.io_errno`)
+    return combined

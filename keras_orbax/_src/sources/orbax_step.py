@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from keras_orbax._src.format import checksum, own_state, step_dirs
+from keras_orbax._src.format import checksum, data_state, own_state, step_dirs
 from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.read_checks import ReadChecks
 from keras_orbax._src.format.step_record import METRIC, OPTIMIZER, STATE, StepRecord
@@ -77,12 +77,40 @@ class OrbaxStepSource(Source):
         self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
     ) -> FileCheck:
         own_state.read(self.step_dir)  # checks `keras_state/` against its manifest
+        data_state.read_all(self.step_dir)  # checks each input position against its checksum
         records = self.record.variables
         arrays = {k: FastArray.open(self.step_dir, records[k]) for k in keys or records}
         checked = checksum.check_files(
             self.step_dir, f"Step {self.step} of '{self.location}'", arrays, _every_file, on_file
         )
-        return _file_check(arrays, *checked)
+        compact = self._check_compact(arrays)
+        if compact is None:
+            return _file_check(arrays, *checked)
+        files, nbytes, compared, uncovered = checked
+        if on_file is not None:
+            on_file(compact[1])
+        return _file_check(
+            arrays, files + compact[0], nbytes + compact[1], compared + compact[0], uncovered,
+            compact_checked=True,
+        )  # fmt: skip
+
+    def _check_compact(self, arrays: dict[str, FastArray | None]) -> tuple[int, int] | None:
+        """Checks every file of the step's OCDBT databases against its recorded CRC, if some
+        of `arrays` are in them (None: none is, or no CRC is recorded); (files, bytes) read.
+
+        Raises:
+            CorruptCheckpointError: naming each file that failed.
+        """
+        keys = [key for key, array in arrays.items() if array is None]
+        recorded = checksum.recorded_ocdbt(self.step_dir / STATE) if keys else {}
+        if not recorded:
+            return None
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        what = (
+            f"Step {self.step} of '{self.location}' (the OCDBT files of the compact format's "
+            f"arrays {', '.join(keys[:5])}{more})"
+        )
+        return checksum.check_whole_files(self.step_dir / STATE, recorded, what)
 
     def verified_reads(
         self, reads: ReadPlan, *, read_back: bool = False
@@ -100,13 +128,18 @@ class OrbaxStepSource(Source):
             request.record.key: a if isinstance(a, FastArray) else None for request, a, _ in fast
         }
         arrays.update({request.record.key: None for request in reads.via_orbax})
+        # Read by Orbax: its files are checked whole before anything is read.
+        compact_checked = self._check_compact(arrays) is not None
         files = collections.Counter(name.partition("/")[0] for name in recorded)
         unrecorded = tuple(
             key
             for key, array in arrays.items()
             if array is not None and files[array.directory.name] != _file_count(array)
         )
-        found = _file_check(arrays, 0, 0, 0, unrecorded, any_recorded=bool(recorded))
+        found = _file_check(
+            arrays, 0, 0, 0, unrecorded,
+            any_recorded=bool(recorded) or compact_checked, compact_checked=compact_checked,
+        )  # fmt: skip
         return dataclasses.replace(reads, fast=fast, checks=checks), found
 
 
@@ -144,16 +177,20 @@ def _file_check(
     uncovered: tuple[str, ...],
     *,
     any_recorded: bool | None = None,
+    compact_checked: bool = False,
 ) -> FileCheck:
     """What `checksum.check_files` found, with the keys no checksum covers and why: arrays not in
-    the fast format (Orbax writes their data without a checksum: zarr's crc32c covers only each
-    shard's index, and a changed byte of the data reads back as another value), and
+    the fast format of a step that records no CRC of its OCDBT files (`compact_checked`: it does,
+    and they were checked; Orbax writes their data without a checksum: zarr's crc32c covers only
+    each shard's index, and a changed byte of the data reads back as another value), and
     fast-format arrays with a file for which no checksum is recorded (every array of a step saved
     before checksums; some, where a process's checksum file is missing or incomplete)."""
-    compact = tuple(key for key, array in arrays.items() if array is None)
+    compact = () if compact_checked else tuple(k for k, a in arrays.items() if a is None)
     reasons = []
     if compact:
-        reasons.append("arrays of the compact format, whose data Orbax stores without a checksum")
+        reasons.append(
+            "arrays of the compact format, saved before keras-orbax recorded its files' checksums"
+        )
     if any_recorded is None:  # every file was read back: none matched, none was recorded
         any_recorded = compared > 0
     if uncovered and not any_recorded:

@@ -96,6 +96,11 @@ class ExportSink(Sink):
         """Every process: writes the regions it is due under `staging`, fsyncs them, and returns
         their keys."""
 
+    def report(self, written: Sequence[str]) -> list[Any]:
+        """What this process reports of the regions it wrote (`written`, their keys): their
+        `digest`; a sink may add what process 0 checks them by (`check`)."""
+        return digest(written)
+
     def assemble(self, staging: Path) -> None:
         """Process 0, once every region is in: copies staged regions into place, writes indexes."""
 
@@ -177,7 +182,7 @@ def _write(sink: ExportSink, name: str) -> Path:
         except Exception as failed:  # reported to every process by the gathering, which raises
             error = failed
         fault_point("agree")
-        reports = _gathered(f"{name}: stage", error, digest(written or ()))
+        reports = _gathered(f"{name}: stage", error, sink.report(written or ()))
         sink.check(reports)  # on every process: the same verdict everywhere
         _collectively(f"{name}: assemble", sink.assemble, staging)
         fault_point("fsync")

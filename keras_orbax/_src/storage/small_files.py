@@ -19,6 +19,7 @@ data = [files.get(path) for path in paths]  # aligned uint8 arrays; None: a miss
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import tensorstore as ts
 from keras_orbax._src.storage.byte_runs import aligned_empty
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux; elsewhere every file goes to tensorstore
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
 
 
 class SmallFiles:
@@ -61,7 +63,12 @@ class SmallFiles:
         try:
             result = self._pending.pop(path).result()
         except ValueError as error:  # how tensorstore reports a failed read
-            raise OSError(f"Cannot read {path}: {error}") from error
+            # with the system's errno in its message (`os_error_code='5'`): kept, so that an I/O
+            # error is told from damage (`runtime.io_faults`)
+            code = _OS_ERROR_CODE.search(str(error))
+            raise OSError(
+                int(code.group(1)) if code else None, f"Cannot read {path}: {error}"
+            ) from error
         if result.state == "missing":
             return None
         data = aligned_empty(len(result.value))

@@ -22,11 +22,10 @@ class VerifyResult:
         files: Files read back whole and checked (0 for a source that records no checksums,
             which is read back array by array).
         bytes: Bytes read.
-        checksummed: Files whose recorded checksum matched.
+        checksummed: Files (a Hugging Face export's: tensors) whose recorded checksum matched.
         unchecked: Keys of arrays that no recorded checksum covers: read back and found readable,
-            but not compared with what was written (arrays of the `"compact"` format, which
-            Orbax and tensorstore check only when they read them; every array of a step saved
-            before checksums, and of sources that record none).
+            but not compared with what was written (every array of a step saved before
+            checksums, a compact one's included, and of sources that record none).
         location: The resolved location checked.
         kind: Which kind of source (`"keras-orbax"`, `"keras-weights"`, ...).
         why_unchecked: Why some arrays are unchecked, in words; empty if none is.
@@ -73,9 +72,12 @@ def verify(
     """Reads every array file of saved state back and checks it against what was written.
 
     For a keras-orbax step, each shard file of a fast-format array must be there, have the
-    expected size and a valid zarr shard index, and match the CRC-32 recorded when it was written.
-    Sources that record no checksums (Keras weights files, presets, Hugging Face directories,
-    Keras's `OrbaxCheckpoint` steps, keras-orbax steps saved before checksums) are read back whole,
+    expected size and a valid zarr shard index, and match the CRC recorded when it was written;
+    each file of a compact step's OCDBT databases, its CRC; its record and input positions,
+    their checksums. A Hugging Face directory `export_to_transformers` wrote: each tensor, its
+    CRC. Sources that record no checksums (Keras weights files, presets, other Hugging Face
+    directories, Keras's `OrbaxCheckpoint` steps, keras-orbax steps saved before checksums) are
+    read back whole,
     array by array, and reported as not verified: `VerifyResult.intact` is then False and
     `unchecked` lists them. Changes nothing.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -12,14 +13,15 @@ import keras
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
-from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format import data_state, step_dirs
 from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.restore.result import RestoreResult
-from keras_orbax._src.runtime import multihost
+from keras_orbax._src.runtime import io_faults, multihost
 from keras_orbax._src.sources import resolve
-from keras_orbax._src.storage import durable, locations
+from keras_orbax._src.sources.orbax_step import OrbaxStepSource
+from keras_orbax._src.storage import commit, durable, locations
 from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError, KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
@@ -51,12 +53,14 @@ def resume(
     the epoch (and batch) it records; None if the directory holds no step.
 
     A newer step that cannot be restored (its `_CHECKPOINT_METADATA` is missing, damaged or
-    unreadable, or one of its array files fails its size, zarr index or checksum) is passed over
-    for the newest step that restores, as Keras's `BackupAndRestore(double_checkpoint=True)` falls
-    back to its previous backup. Once that step is restored, each one passed over is moved aside
-    to `<step>.unreadable` (never deleted; no listing of steps, retention included, sees it), with
-    a `KerasOrbaxWarning` naming the step, why and where it went: this run writes those steps
-    again.
+    unreadable, an input position fails its checksum, or one of its array files fails its size,
+    zarr index or checksum) is passed over for the newest step that restores, as Keras's
+    `BackupAndRestore(double_checkpoint=True)` falls back to its previous backup. A read that
+    fails with an I/O error (EIO, EACCES, ...) is tried again first (`io_faults.retried`). Once
+    that step is restored, each one passed over is moved aside to `<step>.unreadable` (never
+    deleted; no listing of steps, retention included, sees it), with a `KerasOrbaxWarning` naming
+    the step, where it went, and whether it was damaged or failed to read (the errno): this run
+    writes those steps again.
 
     `position_input(step, record)` sets `fit`'s input to go on where the step left it, and says
     whether it is put past the batches trained before or reads and drops them
@@ -89,7 +93,7 @@ def resume(
             f"Step {skipped} of '{directory}' cannot be restored, so fit resumes from step "
             f"{restored.step}, the newest intact one. Step {skipped} was moved aside to '{where}' "
             f"(nothing is deleted; inspect it, then remove it yourself); this run trains its "
-            f"steps again. {why}",
+            f"steps again. Step {skipped} {why}",
             KerasOrbaxWarning,
             stacklevel=2,
         )
@@ -127,11 +131,30 @@ def _restore_newest_intact(
                 "afresh."
             )
         try:
-            # Checked before it is trusted: a damaged newest step falls back to the one before.
-            return restore_sharded(model, directory, step, verify=True), passed_over
+            # Checked before it is trusted: a damaged newest step falls back to the one before;
+            # one that fails to read is read again first (an I/O error may pass).
+            restored = io_faults.retried(
+                functools.partial(restore_sharded, model, directory, step, verify=True),
+                f"Restoring step {step} of '{directory}'",
+                functools.partial(commit.fault_point, "retry"),
+            )
+            return restored, passed_over
         except CorruptCheckpointError as error:
-            passed_over.append((step, f"{type(error).__name__}: {error}"))
+            passed_over.append((step, _why(error)))
             steps = [s for s in steps if s < step]
+
+
+def _why(error: BaseException) -> str:
+    """Why a step cannot be restored, starting with what kind of failure it was: damage, or an
+    I/O error that lasted over every attempt (`io_faults.retried`)."""
+    kind = io_faults.cause(error)
+    if kind == "damage":
+        return f"is damaged: {type(error).__name__}: {error}"
+    return (
+        f"failed to read with {kind} in each of {io_faults.ATTEMPTS} attempts: it may be intact, "
+        "and restores from where it was moved once the storage reads again: "
+        f"{type(error).__name__}: {error}"
+    )
 
 
 def _warn_if_no_optimizer_state(
@@ -156,12 +179,24 @@ def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
     unreadable: list[list[Any]] = []
     for step in sorted(steps, reverse=True):
         try:
-            resolve.open_source(directory, step)
+            io_faults.retried(
+                functools.partial(_open, directory, step),
+                f"Reading step {step} of '{directory}'",
+                functools.partial(commit.fault_point, "retry"),
+            )
         except (CorruptCheckpointError, CheckpointNotFoundError) as error:
-            unreadable.append([step, f"{type(error).__name__}: {error}"])
+            unreadable.append([step, _why(error)])
             continue
         return [step, unreadable]
     return [None, unreadable]
+
+
+def _open(directory: str, step: int) -> None:
+    """Opens the step (its record, checked) and reads every process's input position (each
+    checked against its checksum: a changed digit would move the input)."""
+    source = resolve.open_source(directory, step)
+    if isinstance(source, OrbaxStepSource):
+        data_state.read_all(source.step_dir)
 
 
 ASIDE_SUFFIX = ".unreadable"

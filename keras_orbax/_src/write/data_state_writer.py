@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import orbax.checkpoint.experimental.v1 as ocp
 
+from keras_orbax._src.format import json_checksum
 from keras_orbax._src.format.data_state import DATA_STATE, KINDS, file_name
 
 
@@ -20,7 +21,7 @@ class DataStateHandler(ocp.handlers.CheckpointableHandler):
 
     async def save(self, directory: Any, checkpointable: dict[str, Any]) -> Awaitable[None]:
         process = jax.process_index()
-        text = json.dumps(checkpointable)
+        text = json.dumps(json_checksum.sealed(checkpointable))
 
         async def write() -> None:
             path = await directory.await_creation()
@@ -32,7 +33,7 @@ class DataStateHandler(ocp.handlers.CheckpointableHandler):
         process = jax.process_index()
 
         async def read() -> Any:
-            return json.loads((directory / file_name(process)).read_text())
+            return json_checksum.without(json.loads((directory / file_name(process)).read_text()))
 
         return read()
 

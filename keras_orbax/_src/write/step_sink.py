@@ -14,8 +14,9 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
    whose files Orbax's tensorstore names, each process due to write data reports its OCDBT
    database, found whole by name (`ocdbt_regions`). A failure is `SaveFailedError` on every
    process, before any enters Orbax's barrier.
-3. **rename**: Orbax's finalize (its barriers, metadata and rename), bounded from the agreement on
-   by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
+3. **rename**: Orbax's finalize (its barriers, metadata and rename; for `"compact"`, process 0
+   records the CRCs of every file of the merged databases before the rename, `ocdbt_checksums`),
+   bounded from the agreement on by `KERAS_ORBAX_SYNC_TIMEOUT_S`: the handler's barriers
    (`orbax_compat.pytree_handler_with_array_writer`), then the `AsyncCheckpointer`'s two around
    process 0's rename (`orbax_barriers.bound_commit_barriers`).
 4. **fsync**: every file and directory of the renamed step, and its root (`DurableResponse`).
@@ -45,7 +46,13 @@ from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.model import shardings
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
-from keras_orbax._src.write import data_state_writer, files_writer, ocdbt_regions, shard_writer
+from keras_orbax._src.write import (
+    data_state_writer,
+    files_writer,
+    ocdbt_checksums,
+    ocdbt_regions,
+    shard_writer,
+)
 from keras_orbax._src.write.shard_metadata import SavedArray
 from keras_orbax.errors import SaveFailedError
 
@@ -113,8 +120,10 @@ class StepSink(commit.Sink):
         # The shard files written by keras-orbax ("fast") or by Orbax ("compact"); either way
         # every process's outcome agreed on (`agree_on_write`) before Orbax commits the step.
         # Both formats hold each process's input position (`data_state_writer`).
-        handler = leaf_handler if self.format == "fast" else ocdbt_regions.CompactArrayLeafHandler
-        registry = _registry(handler, self.agree_on_write)
+        # "compact": process 0 records a CRC of every file of the merged step (`ocdbt_checksums`).
+        fast = self.format == "fast"
+        handler = leaf_handler if fast else ocdbt_regions.CompactArrayLeafHandler
+        registry = _registry(handler, self.agree_on_write, None if fast else ocdbt_checksums.record)
         context.checkpointables_options.registry = data_state_writer.register(registry)
         if locations.is_remote(self.destination):  # no atomic rename: a marker file commits
             context.atomicity.mode = ocp.options.AtomicityMode.COMMIT_FILE
@@ -233,11 +242,19 @@ def _exists(path: str) -> bool:
     return True  # another OSError (EIO) is raised by os.stat, and reported
 
 
-def _registry(leaf_handler: type, before_commit: orbax_compat.BeforeCommit) -> Any:
+def _registry(
+    leaf_handler: type,
+    before_commit: orbax_compat.BeforeCommit,
+    after_finalize: Callable[[Any], None] | None = None,
+) -> Any:
     """Orbax's handlers, with `state` saved by a PyTreeHandler whose `jax.Array` leaves go to
-    `leaf_handler` and whose commit waits for `before_commit`."""
+    `leaf_handler`, whose commit waits for `before_commit`, and whose finalize ends with
+    `after_finalize`."""
     handler = orbax_compat.pytree_handler_with_array_writer(
-        leaf_handler, before_commit, after_agreement_s=multihost.DEFAULT_TIMEOUT_S
+        leaf_handler,
+        before_commit,
+        after_agreement_s=multihost.DEFAULT_TIMEOUT_S,
+        after_finalize=after_finalize,
     )
     registry = ocp.handlers.local_registry(include_global_registry=False)
     registry.add(handler, checkpointable_name=STATE)
