@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_orbax._src.compat import keras_compat, loading_compat, saving_compat
 from keras_orbax._src.format.own_state import OwnState
-from keras_orbax._src.model import state_keys
+from keras_orbax._src.model import deferred, state_keys
 from keras_orbax.errors import CheckpointMismatchError
 
 
@@ -60,14 +60,19 @@ def captured(model: keras.Model, objects: Sequence[tuple[str, Any]] = ()) -> Own
 
 def host_entries(model: keras.Model) -> set[str]:
     """The entries (`<group>/vars/<key>`) where `model`'s objects store values they hold, not
-    variables (what `captured` keeps): in a Keras weights file, datasets that no variable takes."""
+    variables (what `captured` keeps): in a Keras weights file, datasets that no variable takes.
+    Changes nothing: `model` may be built under `deferred_init()` and not restored yet."""
     found: set[str] = set()
 
     def note(group: str, key: str, value: Any, obj: Any) -> None:
         if _kept(value, obj):
             found.add(_entry(group, key))
 
-    _stored(model, note)
+    # An object's `save_own_variables` may read its variables (keras-hub's DINOv2 embeddings
+    # compare two) and assign them: inside `deferred_init()`, a variable with no value yet reads
+    # as its initializer makes it, as for shape inference, and no assignment stays.
+    with deferred.deferred_init():
+        _stored(model, note)
     return found
 
 
