@@ -3,7 +3,7 @@
 what keras-hub's own `from_preset` of the same preset (written by its `save_to_preset`) gives.
 
 Building each backbone's variables compiles its initializers, so the whole sweep is too long for
-CI (docs/keras-hub.md has the time measured): CI runs `IN_CI`, the backbones whose own loading
+CI (docs/loading.md has the time measured): CI runs `IN_CI`, the backbones whose own loading
 code reads their variables (keras-hub's DINOv2 embeddings interpolate one from another, and Depth
 Anything is built on DINOv2); `KERAS_ORBAX_HUB_SWEEP=1` runs them all.
 """
