@@ -70,9 +70,11 @@ def host_entries(model: keras.Model) -> set[str]:
 
     # An object's `save_own_variables` may read its variables (keras-hub's DINOv2 embeddings
     # compare two) and assign them: inside `deferred_init()`, a variable with no value yet reads
-    # as its initializer makes it, as for shape inference, and no assignment stays.
+    # as its initializer makes it, as for shape inference, and no assignment stays. The objects
+    # are walked before: Keras's walk makes reference objects (an `Optimizer`) the scope refuses.
+    objects = list(state_keys.saveables(model))
     with deferred.deferred_init():
-        _stored(model, note)
+        _stored(model, note, objects)
     return found
 
 
