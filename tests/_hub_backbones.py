@@ -286,6 +286,52 @@ def _mobilenet_v5() -> Any:
     )
 
 
+def _sam3() -> Any:
+    def part(module: str, name: str, **kwargs: Any) -> Any:
+        return _part(f"sam3.sam3_{module}", name)(**kwargs)
+
+    size, dims = (56, 56, 3), dict(hidden_dim=16, intermediate_dim=32, num_heads=2)
+    return hub.SAM3PromptableConceptBackbone(
+        vision_encoder=part(
+            "vision_encoder",
+            "SAM3VisionEncoder",
+            image_shape=size,
+            patch_size=14,
+            num_layers=2,
+            fpn_hidden_dim=16,
+            fpn_scale_factors=[4.0, 2.0, 1.0, 0.5],
+            pretrain_image_shape=(28, 28, 3),
+            window_size=2,
+            global_attn_indexes=[1],
+            **dims,
+        ),
+        text_encoder=part(
+            "text_encoder",
+            "SAM3TextEncoder",
+            vocabulary_size=64,
+            embedding_dim=16,
+            num_layers=2,
+            **dims,
+        ),
+        geometry_encoder=part(
+            "geometry_encoder", "SAM3GeometryEncoder", num_layers=1, roi_size=7, **dims
+        ),
+        detr_encoder=part("detr_encoder", "SAM3DetrEncoder", num_layers=1, **dims),
+        detr_decoder=part(
+            "detr_decoder",
+            "SAM3DetrDecoder",
+            image_shape=size,
+            patch_size=14,
+            num_layers=1,
+            num_queries=4,
+            **dims,
+        ),
+        mask_decoder=part(
+            "mask_decoder", "SAM3MaskDecoder", num_upsampling_stages=3, hidden_dim=16, num_heads=2
+        ),
+    )
+
+
 BACKBONES: dict[str, Callable[[], Any]] = {
     "AlbertBackbone": _text("AlbertBackbone", embedding_dim=8, max_sequence_length=8),
     "BASNetBackbone": lambda: hub.BASNetBackbone(
@@ -534,6 +580,7 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     ),
     "RobertaBackbone": _text("RobertaBackbone", max_sequence_length=8),
     "RoformerV2Backbone": _text("RoformerV2Backbone", head_size=4),
+    "SAM3PromptableConceptBackbone": _sam3,
     "SAMBackbone": _sam,
     "SegFormerBackbone": lambda: hub.SegFormerBackbone(image_encoder=_mit(), projection_filters=8),
     "SigLIPBackbone": lambda: hub.SigLIPBackbone(**_encoders("siglip", "SigLIP")),
@@ -600,10 +647,6 @@ BACKBONES: dict[str, Callable[[], Any]] = {
 # Backbone classes of `keras_hub.models` not in `BACKBONES`, each with the reason.
 NOT_BUILT: dict[str, str] = {
     "FeaturePyramidBackbone": "keras-hub's abstract base of its vision backbones: no model of its own",
-    "SAM3PromptableConceptBackbone": (
-        "six sub-models (vision, text, geometry encoders, DETR encoder and decoder, mask "
-        "decoder); no tiny config of them is written here yet"
-    ),
 }
 
 

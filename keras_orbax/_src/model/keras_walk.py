@@ -115,7 +115,7 @@ class Replayed:
     """
 
     lacking: dict[str, list[str]]
-    not_applied: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    not_applied: dict[str, list[str]]
 
 
 def replay(
