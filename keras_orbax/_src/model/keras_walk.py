@@ -1,9 +1,9 @@
 """Each object's own saving and loading methods, run as Keras's saving runs them.
 
 `captured` runs every object's `save_own_variables` and `save_assets` (the walk `save_weights` and
-`.keras` saving make) and keeps what is no variable: values such as NumPy arrays, and asset files.
-Variables are saved as sharded arrays; a device array an object stores is computed from its
-variables (a LoRA layer's merged kernel) and not kept.
+`.keras` saving make) and keeps what is no variable: values such as NumPy arrays, device arrays the
+object holds (an attribute of it), and asset files. Variables are saved as sharded arrays; a device
+array an object computes as it saves (a LoRA layer's merged kernel, from its variables) is not kept.
 
 `replay` runs every object's `load_own_variables` and `load_assets` on a model whose variables
 keras-orbax has just assigned, with a store holding each variable's current value (the very
@@ -26,7 +26,7 @@ import dataclasses
 import os
 import posixpath
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_orbax._src.compat import keras_compat, loading_compat, saving_compat
 from keras_orbax._src.format.own_state import OwnState
-from keras_orbax._src.model import state_keys
+from keras_orbax._src.model import deferred, state_keys
 from keras_orbax.errors import CheckpointMismatchError
 
 
@@ -46,8 +46,8 @@ def captured(model: keras.Model, objects: Sequence[tuple[str, Any]] = ()) -> Own
     `state_keys.saveables`, where the caller has them (`KeyedState.objects`)."""
     values: dict[str, np.ndarray] = {}
 
-    def keep(group: str, key: str, value: Any) -> None:
-        if not isinstance(value, keras.Variable | jax.Array):
+    def keep(group: str, key: str, value: Any, obj: Any) -> None:
+        if _kept(value, obj):
             values[_entry(group, key)] = np.asarray(value)
 
     assets: dict[str, bytes] = {}
@@ -59,15 +59,45 @@ def captured(model: keras.Model, objects: Sequence[tuple[str, Any]] = ()) -> Own
 
 
 def host_entries(model: keras.Model) -> set[str]:
-    """The entries (`<group>/vars/<key>`) where `model`'s objects store host values, not variables
-    (what `captured` keeps): in a Keras weights file, datasets that no variable takes."""
+    """The entries (`<group>/vars/<key>`) where `model`'s objects store values they hold, not
+    variables (what `captured` keeps): in a Keras weights file, datasets that no variable takes.
+    Changes nothing: `model` may be built under `deferred_init()` and not restored yet."""
     found: set[str] = set()
 
-    def note(group: str, key: str, value: Any) -> None:
-        if not isinstance(value, keras.Variable | jax.Array):
+    def note(group: str, key: str, value: Any, obj: Any) -> None:
+        if _kept(value, obj):
             found.add(_entry(group, key))
 
-    _stored(model, note)
+    # An object's `save_own_variables` may read its variables (keras-hub's DINOv2 embeddings
+    # compare two) and assign them: inside `deferred_init()`, a variable with no value yet reads
+    # as its initializer makes it, as for shape inference, and no assignment stays. The objects
+    # are walked before: Keras's walk makes reference objects (an `Optimizer`) the scope refuses.
+    objects = list(state_keys.saveables(model))
+    with deferred.deferred_init():
+        _stored(model, note, objects)
+    return found
+
+
+def _kept(value: Any, obj: Any) -> bool:
+    """Whether a value `obj`'s `save_own_variables` stores is state to keep: no variable, and no
+    device array computed as it saves (a LoRA layer's merged kernel): a host value, or a device
+    array `obj` holds as an attribute."""
+    if isinstance(value, keras.Variable):
+        return False
+    if not isinstance(value, jax.Array):
+        return True
+    return any(value is held for held in _attribute_values(obj))
+
+
+def _attribute_values(obj: Any) -> list[Any]:
+    """`obj`'s attributes' values, and the items of those that are lists, tuples or dicts."""
+    found = []
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+        found.append(value)
+        if isinstance(value, list | tuple):
+            found.extend(value)
+        elif isinstance(value, dict):
+            found.extend(value.values())
     return found
 
 
@@ -79,9 +109,13 @@ class Replayed:
         lacking: Groups whose loader was not run because the saved state lacks a value their
             `save_own_variables` stores (a step saved before keras-orbax kept them), by group:
             the keys lacking.
+        not_applied: Groups whose loader was not run because they store a device array they
+            compute as they save (`_kept`), by group: the saved values their loader would have
+            taken and that they did not get.
     """
 
     lacking: dict[str, list[str]]
+    not_applied: dict[str, list[str]]
 
 
 def replay(
@@ -93,18 +127,21 @@ def replay(
     Keras's loader does.
 
     An object is left out whose stores include a value neither a variable nor in `saved`: a
-    computed device array (a LoRA layer's merged kernel: its variables are restored as saved) or
-    a host value the saved state lacks (`Replayed.lacking`).
+    computed device array (a LoRA layer's merged kernel: its variables are restored as saved;
+    `Replayed.not_applied`) or a value the saved state lacks (`Replayed.lacking`).
 
     Raises:
         CheckpointMismatchError: an object's loader failed; the message names each by group.
+            Every object's attributes are then as they were before (its variables are the
+            caller's to put back).
     """
     entries: dict[str, Any] = {}
     computed: set[str] = set()
     lacking: dict[str, list[str]] = {}
+    taken: dict[str, list[str]] = {}
     held = _under_aliases(saved.values if saved is not None else {}, aliases)
 
-    def collect(group: str, key: str, value: Any) -> None:
+    def collect(group: str, key: str, value: Any, obj: Any) -> None:
         entry = _entry(group, key)
         if isinstance(value, keras.Variable):
             if keras_compat.is_allocated(value):
@@ -113,13 +150,16 @@ def replay(
                 computed.add(group)
         elif entry in held:
             entries[entry] = held[entry]
-        elif isinstance(value, jax.Array):
-            computed.add(group)
-        else:
+            taken.setdefault(group, []).append(key)
+        elif _kept(value, obj):
             lacking.setdefault(group, []).append(key)
+        else:
+            computed.add(group)
 
     objects = dict(_stored(model, collect))
     skip = [objects[group] for group in (*computed, *lacking)]
+    not_applied = {group: taken[group] for group in computed if group in taken}
+    attributes = Attributes(objects.values())
     errors: dict[int, Any] = {}
     files = _under_aliases(saved.assets, aliases) if saved is not None else {}
     # A folder only for asset files: made and removed on every restore, an empty one cost a few
@@ -143,12 +183,32 @@ def replay(
             except Exception as error:  # named with its group, raised below
                 errors[id(obj)] = (group, error)
     if errors:
+        attributes.put_back()
         lines = [f"  {group}: {type(e).__name__}: {e}" for group, e in errors.values()]
         raise CheckpointMismatchError(
             f"Keras's own loader failed for {len(errors)} object(s) of model '{model.name}' on "
             "the saved state:\n" + "\n".join(lines[:20])
         )
-    return Replayed(lacking)
+    return Replayed(lacking, not_applied)
+
+
+class Attributes:
+    """The attributes of some objects as they are now, to be put back: a loader that sets some
+    (a table, a device array, a flag) before another fails, or one run over placeholders."""
+
+    def __init__(self, objects: Iterable[Any]) -> None:
+        self._before = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
+
+    def put_back(self) -> None:
+        """Every attribute set since is as it was, and every one added since is gone."""
+        for obj, attributes in self._before:
+            for name, value in list(vars(obj).items()):
+                if name in attributes and attributes[name] is value:
+                    continue
+                if name in attributes:
+                    object.__setattr__(obj, name, attributes[name])
+                else:
+                    object.__delattr__(obj, name)
 
 
 def _under_aliases(
@@ -204,29 +264,32 @@ def _in_spec_order(layer: Any) -> list[Any] | None:
 
 def _stored(
     model: keras.Model,
-    on_value: Callable[[str, str, Any], None],
+    on_value: Callable[[str, str, Any, Any], None],
     objects: Sequence[tuple[str, Any]] = (),
 ) -> list[tuple[str, Any]]:
     """`(group, object)` of every object Keras's saving walks (`objects`, if given), in its
-    order, each object's `save_own_variables` run with every stored value handed to
-    `on_value(group, key, value)`."""
+    order, each object's `save_own_variables` run and every value it stores handed to
+    `on_value(group, key, value, object)` (the last one, for a key stored twice)."""
     found = []
     with saving_compat.optimizers_store_variables(model):
         for group, obj in objects or state_keys.saveables(model):
             if hasattr(obj, "save_own_variables"):
-                obj.save_own_variables(_CapturingStore(group, on_value))
+                store = _CapturingStore()
+                obj.save_own_variables(store)
+                for key, value in store.values.items():
+                    on_value(group, key, value, obj)
             found.append((group, obj))
     return found
 
 
 class _CapturingStore:
-    """The write side of Keras's weights store, handing each value on instead of writing it."""
+    """The write side of Keras's weights store, keeping each value instead of writing it."""
 
-    def __init__(self, group: str, on_value: Callable[[str, str, Any], None]) -> None:
-        self._group, self._on_value = group, on_value
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
 
     def __setitem__(self, key: str, value: Any) -> None:
-        self._on_value(self._group, str(key), value)
+        self.values[str(key)] = value
 
 
 def _saved_assets(obj: Any, group: str, folder: str) -> dict[str, bytes]:

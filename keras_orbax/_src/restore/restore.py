@@ -155,6 +155,14 @@ def _replay_keras_loaders(
             + "; ".join(f"{group}: {listed(keys)}" for group, keys in replayed.lacking.items())
             + "), so their own loaders were not run: they keep the values they had."
         )
+    if replayed.not_applied:
+        notices.warn(
+            f"{counted(len(replayed.not_applied), 'layer')} of model '{model.name}' store a "
+            "device array they compute as they save, so their own loaders were not run and "
+            f"these values saved in '{source.label}' were not restored ("
+            + "; ".join(f"{group}: {listed(keys)}" for group, keys in replayed.not_applied.items())
+            + "): the layers keep the values they had; their variables are restored."
+        )
 
 
 def restore_source(

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import keras_compat, loading_compat
-from keras_orbax._src.model import state_keys
+from keras_orbax._src.model import keras_walk, state_keys
 from keras_orbax._src.read.contiguous import ComputedArray
 
 Reader = Any  # ContiguousArray | H5SliceArray | ComputedArray
@@ -108,18 +108,11 @@ def _no_traced_attributes(objects: Iterable[Any]) -> Iterator[None]:
     next call, and one that takes a stored value (a NumPy table) would hold it before the restore
     has decided anything. The restore sets that state once it has assigned the variables
     (`keras_walk.replay` runs each layer's own loader)."""
-    before = [(obj, dict(vars(obj))) for obj in objects if hasattr(obj, "__dict__")]
+    attributes = keras_walk.Attributes(objects)
     try:
         yield
     finally:
-        for obj, attributes in before:
-            for name, value in list(vars(obj).items()):
-                if name in attributes and attributes[name] is value:
-                    continue
-                if name in attributes:
-                    object.__setattr__(obj, name, attributes[name])
-                else:
-                    object.__delattr__(obj, name)
+        attributes.put_back()
 
 
 def _feeds(
