@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -303,6 +304,25 @@ def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):
         np.testing.assert_array_equal(got, want, err_msg=variable.path)
+    _the_step_moved_aside_is_inspected(aside, tmp_path, how)
+
+
+def _the_step_moved_aside_is_inspected(aside, root, how) -> None:
+    """The warning says to inspect what was moved aside: `inspect`, `verify` and `diff` read it as
+    the step it was, and name its damage, not "no committed step"."""
+    if how in ("missing", "not_json", "bad_record"):  # its record: what resume could not read
+        for verb in (keras_orbax.inspect, keras_orbax.verify):
+            with pytest.raises(CorruptCheckpointError, match=re.escape(str(aside))):
+                verb(aside)
+        return
+    info = keras_orbax.inspect(aside)
+    assert (info.step, info.directory, info.record.epoch) == (6, aside, 3)
+    assert info.steps == (6,) and str(info).startswith(f"{aside}: steps [6]; step 6")
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(aside))):
+        keras_orbax.verify(aside)
+    found = keras_orbax.diff(root, aside)  # the step written anew against the one set aside
+    assert (found.only_a, found.only_b, found.changed) == ([], [], {})
+    assert found.b == str(aside)
 
 
 def test_a_latest_step_of_a_newer_format_stops_the_resume(tmp_path, mp):

@@ -192,9 +192,9 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     """
     source = resolve.open_source(directory, step)
     summaries = []
-    files = _step_files(source.location, source.steps)
+    files = _step_files(source, source.steps)
     for each in source.steps:
-        step_dir = source.location / str(each)
+        step_dir = source.step_directory(each)
         disk, own = _disk_bytes(step_dir, files, each)
         try:
             opened = source if each == source.step else resolve.open_source(source.location, each)
@@ -212,7 +212,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             )
         )
     return CheckpointInfo(
-        directory=source.location,
+        directory=source.where,
         steps=source.steps,
         step=source.step,
         record=source.record,
@@ -222,7 +222,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
         keras_state=_keras_state(source),
         data_position=(
-            data_state.read_all(source.location / str(source.step))
+            data_state.read_all(source.step_directory(source.step))
             if source.kind == "keras-orbax" and source.step is not None
             else {}
         ),
@@ -260,14 +260,14 @@ _WRITERS = {
 _Files = dict[int, dict[tuple[int, int], int]]  # step -> (device, inode) -> size
 
 
-def _step_files(root: Any, steps: tuple[int, ...]) -> _Files:
+def _step_files(source: Source, steps: tuple[int, ...]) -> _Files:
     """Each local step's files, by inode: arrays of one shape share a hard-linked `zarr.json`
     within a step, and an incremental step hard-links the shard files of the step before."""
-    if locations.is_remote(root):
+    if locations.is_remote(source.location):
         return {}  # a store copies objects on the server: no step shares another's bytes
     found = {}
     for step in steps:
-        stats = [f.stat() for f in (root / str(step)).rglob("*") if f.is_file()]
+        stats = [f.stat() for f in source.step_directory(step).rglob("*") if f.is_file()]
         found[step] = {(s.st_dev, s.st_ino): s.st_size for s in stats}
     return found
 

@@ -189,9 +189,7 @@ def _newest_readable(directory: str, steps: list[int]) -> list[Any]:
     return [None, unreadable]
 
 
-ASIDE_SUFFIX = ".unreadable"
-"""Steps that resume passed over are moved to `<step>.unreadable` (`-2`, `-3`... if taken): not a
-step name to Orbax, `committed_steps`, retention or `inspect`, nor an Orbax temporary one."""
+ASIDE_SUFFIX = step_dirs.ASIDE_SUFFIX
 
 
 def _set_aside(directory: str, steps: list[int]) -> list[str]:
