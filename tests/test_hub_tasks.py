@@ -169,3 +169,26 @@ def test_a_task_built_deferred_is_told_to_pass_compile_false(trained, tmp_path, 
     assert cli.main([*args, "tests.cli_models:gemma_task"]) == cli.EXIT_ERROR
     assert re.search(advice, capsys.readouterr().err)
     assert cli.main([*args, "tests.cli_models:gemma_task_uncompiled"]) == 0
+
+
+def test_diff_of_a_task_step_against_its_exports_compares_the_backbone(trained, tmp_path):
+    """A task's step keys its arrays by the task (`layers/gemma_backbone/...`), its preset by the
+    backbone, a Hugging Face directory by tensor names: `diff` matches them by Keras paths."""
+    task, directory = trained.task, trained.directory
+    keras_orbax.convert(directory, tmp_path / "preset", preset=True)
+    exports = [tmp_path / "preset"]
+    if trained.name == "llama3":  # keras-hub writes Gemma's (2, 4) layout wrong (issue 54 item 2)
+        keras_orbax.convert(directory, tmp_path / "hf", transformers=True)
+        exports.append(tmp_path / "hf")
+    backbone = {v.path for v in task.backbone.variables}
+    lora = {p for p in backbone if "lora_kernel" in p}
+    merged = {p.replace("lora_kernel_a", "kernel") for p in lora if p.endswith("_a")}
+    for export in exports:
+        found = keras_orbax.diff(directory, export, values=True)
+        assert found.matched_by and found.only_b == [] and found.changed == {}
+        # The step's optimizer and metrics, and LoRA's kernels, which an export merges.
+        saved = {v.path for v in [*task.optimizer.variables, *task.metrics_variables]}
+        assert set(found.only_a) == saved | lora
+        assert set(found.max_abs_diff) == backbone - lora
+        differing = {p for p, d in found.max_abs_diff.items() if d > 1e-6}
+        assert differing == merged  # the kernel LoRA updates: the step's is the one trained
