@@ -430,19 +430,24 @@ class _BatchesSeen(keras.callbacks.Callback):
         self.batches.append(batch)
 
 
-def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys):
+def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys, monkeypatch):
     inputs = _arrays(4)  # 4 batches per epoch
 
-    def fit(epochs: int, **kwargs: Any) -> tuple[list[str], list[int], list[int]]:
+    def fit(epochs: int, directory=tmp_path, **kwargs: Any) -> tuple[list[str], list, list]:
         seen = _BatchesSeen()
-        checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, verbose=1, **kwargs)
+        checkpoint = keras_orbax.ModelCheckpoint(directory, max_to_keep=None, verbose=1, **kwargs)
         history = _mlp()().fit(
             **inputs(), epochs=epochs, shuffle=False, verbose=0, callbacks=[checkpoint, seen]
         )
         return capsys.readouterr().out.splitlines(), history.epoch, seen.batches
 
-    lines, _, _ = fit(1, save_freq=3)  # step 3 records epoch 0, batch 3
-    assert lines == [f"Epoch 1, batch 3: saving step 3 to '{tmp_path}'"]
+    # resume=True and nothing there (a new run, or a mistyped directory): said, named absolute.
+    monkeypatch.chdir(tmp_path.parent)
+    lines, _, _ = fit(1, tmp_path.name, save_freq=3, resume=True)  # step 3: epoch 0, batch 3
+    assert lines == [
+        f"Nothing to resume from: no committed step in '{tmp_path}', so fit starts fresh.",
+        f"Epoch 1, batch 3: saving step 3 to '{tmp_path.name}'",
+    ]
 
     lines, epochs, batches = fit(2, resume=True)
     assert lines == [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -331,7 +332,11 @@ def test_inspect_shows_the_position(tmp_path, mp, reads, capsys):
     assert (described["epoch"], described["batch"]) == (0, 3)
     assert described["data_position"] == {"0": {"kind": "py_dataset", "epoch": 0, "batch": 3}}
     assert cli.main(["inspect", f"{tmp_path}/3"]) in (0, None)
-    assert "input position: process 0: py_dataset, epoch 0, batch 3" in capsys.readouterr().out
+    # Numbered as the save line (`Epoch 1, batch 3: saving step 3`): epoch 1, its 3rd batch.
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}: steps [3]; step 3, epoch 1, batch 3, ")
+    assert "input position: process 0: py_dataset, epoch 1, batch 3" in out
+    assert re.search(r"\n +3 +1 +3 ", out)  # the step table's row: step, epoch, batch
 
 
 def test_each_process_resumes_its_own_shard_of_the_data(tmp_path):

@@ -34,6 +34,7 @@ class StepSummary:
     disk_bytes: int
     damaged: str | None = None
     own_bytes: int | None = None  # None: as `disk_bytes`
+    batch: int | None = None  # batches of epoch `epoch + 1` done (a mid-epoch step); None: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +84,13 @@ class CheckpointInfo:
         count = len(record.variables)
         lines = [
             f"{self.directory}: {where}"
-            + (f"epoch {record.epoch}, " if record.epoch is not None else "")
-            + (f"batch {record.batch}, " if record.batch else "")
+            + (f"{_position(record.epoch, record.batch)}, " if record.epoch is not None else "")
             + f"{count} {'variable' if count == 1 else 'variables'}, {human_bytes(self.nbytes)}",
         ]
         for process, position in self.data_position.items():
             lines.append(
-                f"input position: process {process}: {position['kind']}, epoch "
-                f"{position['epoch']}, batch {position['batch']}"
+                f"input position: process {process}: {position['kind']}, "
+                f"{_position(position['epoch'], position['batch'])}"
             )
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
@@ -125,17 +125,19 @@ class CheckpointInfo:
     def _step_table(self) -> list[str]:
         """One row per step: epoch, array bytes, bytes on disk and those it alone holds, metrics."""
         lines = [
-            f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  {'its own':>10}  "
-            "metrics"
+            f"  {'step':>8}  {'epoch':>5}  {'batch':>5}  {'arrays':>10}  {'on disk':>10}  "
+            f"{'its own':>10}  metrics"
         ]
         for s in self.summaries:
             metrics = " ".join(f"{k}={_number(v)}" for k, v in s.metrics.items())
             if s.damaged is not None:
                 metrics = f"damaged: {s.damaged.splitlines()[0]}"
-            epoch = "-" if s.epoch is None else str(s.epoch)
+            # As the save lines number them: a mid-epoch step's epoch from 1, with its batches.
+            epoch = "-" if s.epoch is None else str(s.epoch + 1 if s.batch else s.epoch)
+            batch = str(s.batch) if s.batch else "-"
             own = s.disk_bytes if s.own_bytes is None else s.own_bytes
             lines.append(
-                f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
+                f"  {s.step:>8}  {epoch:>5}  {batch:>5}  {human_bytes(s.nbytes):>10}  "
                 f"{human_bytes(s.disk_bytes):>10}  {human_bytes(own):>10}  {metrics}".rstrip()
             )
         if any(s.own_bytes is not None and s.own_bytes < s.disk_bytes for s in self.summaries):
@@ -209,6 +211,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
                 sum(v.nbytes for v in opened.record.variables.values()),
                 disk,
                 own_bytes=own,
+                batch=opened.record.batch or None,
             )
         )
     return CheckpointInfo(
@@ -227,6 +230,12 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             else {}
         ),
     )
+
+
+def _position(epoch: int, batch: int | None) -> str:
+    """Where in training, numbered as the save lines number it (`Epoch 2: saving ...`, `Epoch 1,
+    batch 3: saving ...`): `epoch` epochs done, or `batch` batches of the next one."""
+    return f"epoch {epoch + 1}, batch {batch}" if batch else f"epoch {epoch}"
 
 
 def _keras_state(source: Source) -> dict[str, str]:

@@ -75,6 +75,7 @@ def resume(
         set(step_dirs.committed_steps(directory)) | {c.step for c in checkpointer.checkpoints}
     )
     if not steps:
+        _announce_fresh(directory, verbose)
         return None
     restored, passed_over = _restore_newest_intact(model, directory, steps)
     moved = multihost.primary_value(
@@ -263,6 +264,21 @@ def _announce(
             f"{record.epoch + 1}{of}."
         )
         logger.info(line)
+    if verbose > 0:
+        print(line, flush=True)
+
+
+def _announce_fresh(directory: str, verbose: int) -> None:
+    """Says, on process 0, that `resume=True` found nothing to resume from: a mistyped directory
+    would otherwise start a fresh run silently. Named absolute, as the run's working directory
+    resolves it."""
+    if not multihost.is_primary():
+        return
+    line = (
+        f"Nothing to resume from: no committed step in '{locations.as_path(directory)}', so fit "
+        "starts fresh."
+    )
+    logger.info(line)
     if verbose > 0:
         print(line, flush=True)
 
