@@ -26,8 +26,14 @@ import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import ModelCheckpoint
 from keras_orbax._src.format import step_dirs
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning, UnsupportedVersionError
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    KerasOrbaxWarning,
+    UnsupportedVersionError,
+)
 from tests import _models
 
 BATCH = 8
@@ -383,6 +389,23 @@ def test_resume_waits_for_the_save_a_fit_that_raised_left_in_flight(tmp_path):
     fitting.join(timeout=300)
     assert resumed.restored is not None and resumed.restored.step == 4
     assert step_dirs.committed_steps(tmp_path)[-1] == 6  # the third epoch's 2 batches
+
+
+def test_a_model_changed_on_purpose_is_told_what_works_for_a_resume(tmp_path):
+    """`ModelCheckpoint` takes no `strict`: its mismatch error advises what works, and it does."""
+    _mlp()().fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "a")])
+    wider = _models.compile_adam(_models.mlp(width=64))
+    resuming = ModelCheckpoint(tmp_path / "a", resume=True)
+    with pytest.raises(CheckpointMismatchError) as raised:
+        wider.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[resuming])
+    message = str(raised.value)
+    assert "strict=False to restore only what matches" not in message
+    advice = f"keras_orbax.restore_sharded(model, '{tmp_path / 'a'}', strict=False), then fit"
+    assert advice in message and "ModelCheckpoint into a new directory" in message
+    with pytest.warns(KerasOrbaxWarning, match="strict=False"):  # the advice, followed
+        keras_orbax.restore_sharded(wider, tmp_path / "a", strict=False)
+    wider.fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "b")])
+    assert step_dirs.committed_steps(tmp_path / "b") == [2]
 
 
 def test_resuming_from_a_step_without_optimizer_state_says_so(tmp_path):

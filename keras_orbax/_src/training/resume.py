@@ -16,13 +16,18 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
-from keras_orbax._src.model.matching import counted
+from keras_orbax._src.model.matching import STRICT_HINT, counted
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.storage import durable, locations
-from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError, KerasOrbaxWarning
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KerasOrbaxWarning,
+)
 
 logger = logging.getLogger("keras_orbax")
 
@@ -125,9 +130,23 @@ def _restore_newest_intact(
         try:
             # Checked before it is trusted: a damaged newest step falls back to the one before.
             return restore_sharded(model, directory, step, verify=True), passed_over
+        except CheckpointMismatchError as error:
+            raise _advised_for_resume(error, directory) from None
         except CorruptCheckpointError as error:
             passed_over.append((step, f"{type(error).__name__}: {error}"))
             steps = [s for s in steps if s < step]
+
+
+def _advised_for_resume(error: CheckpointMismatchError, directory: str) -> Exception:
+    """The restore's error, with advice that works for `ModelCheckpoint(resume=True)`, which
+    takes no `strict`: a model changed on purpose cannot go on in this directory."""
+    advice = (
+        "If the model changed on purpose, it cannot resume from this directory: start afresh in "
+        "a new directory, or first restore what matches with keras_orbax.restore_sharded(model, "
+        f"'{directory}', strict=False), then fit with a ModelCheckpoint into a new directory."
+    )
+    message = str(error).replace(STRICT_HINT, advice)
+    return CheckpointMismatchError(message, error.problems)
 
 
 def _resume_point(
