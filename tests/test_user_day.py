@@ -185,6 +185,7 @@ def test_convert_keeps_the_source_steps_step_epoch_and_metrics(tmp_path, capsys)
     assert keras_orbax.inspect(tmp_path / "other").record.epoch == 2
 
 
+@pytest.mark.filterwarnings("default::keras_orbax.errors.KerasOrbaxWarning")  # the CLI's output
 def test_convert_on_the_command_line_can_set_a_distribution(tmp_path, capsys):
     """The warning that no distribution is set named a Python call; the command line now takes
     `--mesh` and `--layout-map`, and the warning names them."""
