@@ -298,6 +298,24 @@ def test_a_generator_has_no_position_and_is_read_and_dropped(tmp_path, mp, reads
     assert sum("cannot be put back" in str(w.message) for w in caught) == 1
 
 
+def test_an_input_of_unknown_length_is_read_and_dropped_and_says_why(tmp_path, mp, reads):
+    """keras-hub's `fit` (on strings or arrays) trains on a grain dataset it builds, unshuffled,
+    repeated for every epoch, read by one iterator, with `steps_per_epoch` declared for it: no
+    position is saved, the trained batches are read and dropped, and the warning says so without
+    naming a `steps_per_epoch` the user never passed as theirs, nor "None batches"."""
+    import grain
+
+    def inputs() -> dict[str, Any]:
+        dataset = grain.MapDataset.source(_Records(reads)).batch(BATCH)
+        return {"x": dataset.repeat(2).to_iter_dataset(), "steps_per_epoch": BATCHES}
+
+    with pytest.warns(KerasOrbaxWarning, match="cannot be put back") as caught:
+        _resume(tmp_path / "ckpt", inputs, reads, stop_after=6, shuffle=False, epochs=2)
+    (message,) = [str(w.message) for w in caught if "cannot be put back" in str(w.message)]
+    assert "None batches" not in message
+    assert f"its epochs of {BATCHES} batches (steps_per_epoch, passed to fit or declared" in message
+
+
 def test_another_batch_size_is_not_positioned_and_says_so(tmp_path, mp, reads):
     x, y = _data()
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None)
