@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 
+from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.format.step_record import StepRecord
 
 _LORA_A = "/lora_kernel_a"
@@ -52,10 +53,10 @@ def enable_saved_lora(model: keras.Model, record: StepRecord) -> None:
         return
     names = {
         layer.name
-        for layer in backbone._flatten_layers(include_self=False)
+        for layer in saving_compat.all_layers(backbone)
         if hasattr(layer, "enable_lora")
-        and not getattr(layer, "lora_enabled", False)
-        and any(v.path.rpartition("/")[0] in saved for v in layer.variables)
+        and isinstance(kernel := getattr(layer, "kernel", None), keras.Variable)
+        and kernel.path.rpartition("/")[0] in saved
     }
     ranks = set(saved.values())
     if names and len(ranks) == 1:  # else the restore names each kernel it cannot place

@@ -48,7 +48,7 @@ class OrbaxStepSource(Source):
 
     @property
     def label(self) -> str:
-        return str(self.step_dir)
+        return str(self.step_dir) if self.moved_aside else super().label
 
     @property
     def where(self) -> Any:
