@@ -6,12 +6,15 @@
    different mesh, (4, 2), restores it with `restore_sharded`, and prints what each device read.
 
 Run: `python examples/demo.py [--directory DIR]`. Each phase runs in its own process, as after a restart.
+Without `--directory`, the checkpoint goes to a temporary directory, removed at the end; a `DIR` given is
+kept, and a second run into it resumes from its checkpoint (`resume=True`) instead of training again.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,10 +31,14 @@ def main() -> None:
         _run_phase(args.phase, args.directory)
         return
     directory = args.directory or tempfile.mkdtemp(prefix="keras-orbax-demo-")
-    for phase in PHASES:
-        print(f"\n=== {phase} (a fresh process) ===", flush=True)
-        command = [sys.executable, __file__, "--phase", phase, "--directory", directory]
-        subprocess.run(command, check=True)
+    try:
+        for phase in PHASES:
+            print(f"\n=== {phase} (a fresh process) ===", flush=True)
+            command = [sys.executable, __file__, "--phase", phase, "--directory", directory]
+            subprocess.run(command, check=True)
+    finally:
+        if args.directory is None:  # ours: nothing of the user's is in it
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run_phase(phase: str, directory: str) -> None:
@@ -89,7 +96,10 @@ def _train(directory: str) -> None:
     keras.utils.set_random_seed(0)
     model = _build()
     model.compile(optimizer="adam", loss="mse")
-    checkpoint = keras_orbax.ModelCheckpoint(directory, monitor="loss", max_to_keep=2, verbose=1)
+    # resume=True: a second run into the same directory goes on from its checkpoint.
+    checkpoint = keras_orbax.ModelCheckpoint(
+        directory, monitor="loss", max_to_keep=2, verbose=1, resume=True
+    )
     x, y = _data()
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[checkpoint], verbose=2)
     np.save(os.path.join(directory, "expected.npy"), model.predict(x[:16], verbose=0))

@@ -8,6 +8,7 @@
                      [--mesh 2x4 [--axes batch,model] [--layout-map MODULE:FUNCTION]] [--json]
                      DST: DIR, x.weights.h5, PRESET_DIR (--preset), HF_DIR (--transformers)
     keras-orbax verify SRC [--step N] [--json]
+    keras-orbax --version
 
 Each subcommand is also a Python function (`inspect`, `diff`, `plan_restore_report`, `convert`,
 `verify`). Every SRC is any location `restore_sharded` takes: DIR, DIR/STEP, DIR@STEP, a
@@ -119,6 +120,7 @@ _VERBS = (
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keras-orbax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Version, help="show the versions and exit")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="print only errors")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +129,33 @@ def _parser() -> argparse.ArgumentParser:
         add_arguments(verb)
         verb.set_defaults(run=run)
     return parser
+
+
+class _Version(argparse.Action):
+    """`--version`, on one line (argparse's own action wraps it at the terminal's width)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(_version())
+        parser.exit()
+
+
+def _version() -> str:
+    """`keras-orbax 0.1.0 (keras 3.15.1, jax 0.10.2, ...)`: the installed versions of what it
+    runs on, read from the packages' metadata (none of them is imported)."""
+    from importlib import metadata
+
+    from keras_orbax import __version__
+
+    found = []
+    for package in ("keras", "jax", "jaxlib", "orbax-checkpoint", "tensorstore", "keras-hub"):
+        try:
+            found.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return f"keras-orbax {__version__} ({', '.join(found)})"
 
 
 def _prepare() -> None:

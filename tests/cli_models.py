@@ -42,3 +42,31 @@ def layout_map(mesh: DeviceMesh) -> LayoutMap:
     layouts = LayoutMap(mesh)
     layouts[".*kernel"] = ("batch", "model")
     return layouts
+
+
+def gemma_layout_map(mesh: DeviceMesh) -> LayoutMap:
+    """keras-hub's own layout map for Gemma (tests/test_hub_tasks.py)."""
+    import keras_hub
+
+    return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+
+
+def llama3_layout_map(mesh: DeviceMesh) -> LayoutMap:
+    """keras-hub's own layout map for Llama 3 (tests/test_hub_tasks.py)."""
+    import keras_hub
+
+    return keras_hub.models.Llama3Backbone.get_layout_map(mesh)
+
+
+def gemma_task(compile: bool = True) -> keras.Model:
+    """A tiny keras-hub Gemma task, made as keras-hub makes one: compiled unless `compile=False`."""
+    import keras_hub
+
+    from tests._hub import TINY_GEMMA
+
+    backbone = keras_hub.models.GemmaBackbone(**TINY_GEMMA)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None, compile=compile)
+
+
+def gemma_task_uncompiled() -> keras.Model:
+    return gemma_task(compile=False)

@@ -27,8 +27,14 @@ import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax import ModelCheckpoint
 from keras_orbax._src.format import step_dirs
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning, UnsupportedVersionError
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    KerasOrbaxWarning,
+    UnsupportedVersionError,
+)
 from tests import _models
 
 BATCH = 8
@@ -376,6 +382,25 @@ def test_a_damaged_latest_step_is_moved_aside_for_the_newest_intact(tmp_path, mp
         _variables(resumed), _state(resumed), _state(uninterrupted), strict=True
     ):
         np.testing.assert_array_equal(got, want, err_msg=variable.path)
+    _the_step_moved_aside_is_inspected(aside, tmp_path, how)
+
+
+def _the_step_moved_aside_is_inspected(aside, root, how) -> None:
+    """The warning says to inspect what was moved aside: `inspect`, `verify` and `diff` read it as
+    the step it was, and name its damage, not "no committed step"."""
+    if how in ("missing", "not_json", "bad_record"):  # its record: what resume could not read
+        for verb in (keras_orbax.inspect, keras_orbax.verify):
+            with pytest.raises(CorruptCheckpointError, match=re.escape(str(aside))):
+                verb(aside)
+        return
+    info = keras_orbax.inspect(aside)
+    assert (info.step, info.directory, info.record.epoch) == (6, aside, 3)
+    assert info.steps == (6,) and str(info).startswith(f"{aside}: steps [6]; step 6")
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(aside))):
+        keras_orbax.verify(aside)
+    found = keras_orbax.diff(root, aside)  # the step written anew against the one set aside
+    assert (found.only_a, found.only_b, found.changed) == ([], [], {})
+    assert found.b == str(aside)
 
 
 @pytest.mark.parametrize("passes", [True, False], ids=["passing", "lasting"])
@@ -501,6 +526,23 @@ def test_resume_waits_for_the_save_a_fit_that_raised_left_in_flight(tmp_path):
     assert step_dirs.committed_steps(tmp_path)[-1] == 6  # the third epoch's 2 batches
 
 
+def test_a_model_changed_on_purpose_is_told_what_works_for_a_resume(tmp_path):
+    """`ModelCheckpoint` takes no `strict`: its mismatch error advises what works, and it does."""
+    _mlp()().fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "a")])
+    wider = _models.compile_adam(_models.mlp(width=64))
+    resuming = ModelCheckpoint(tmp_path / "a", resume=True)
+    with pytest.raises(CheckpointMismatchError) as raised:
+        wider.fit(**_arrays(2)(), epochs=2, verbose=0, callbacks=[resuming])
+    message = str(raised.value)
+    assert "strict=False to restore only what matches" not in message
+    advice = f"keras_orbax.restore_sharded(model, '{tmp_path / 'a'}', strict=False), then fit"
+    assert advice in message and "ModelCheckpoint into a new directory" in message
+    with pytest.warns(KerasOrbaxWarning, match="strict=False"):  # the advice, followed
+        keras_orbax.restore_sharded(wider, tmp_path / "a", strict=False)
+    wider.fit(**_arrays(2)(), epochs=1, verbose=0, callbacks=[ModelCheckpoint(tmp_path / "b")])
+    assert step_dirs.committed_steps(tmp_path / "b") == [2]
+
+
 def test_resuming_from_a_step_without_optimizer_state_says_so(tmp_path):
     """A directory of weights-only steps (another callback's): resuming restores the weights, as
     Keras's load_weights would, and warns that the optimizer does not go on where it was."""
@@ -546,19 +588,24 @@ class _BatchesSeen(keras.callbacks.Callback):
         self.batches.append(batch)
 
 
-def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys):
+def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys, monkeypatch):
     inputs = _arrays(4)  # 4 batches per epoch
 
-    def fit(epochs: int, **kwargs: Any) -> tuple[list[str], list[int], list[int]]:
+    def fit(epochs: int, directory=tmp_path, **kwargs: Any) -> tuple[list[str], list, list]:
         seen = _BatchesSeen()
-        checkpoint = keras_orbax.ModelCheckpoint(tmp_path, max_to_keep=None, verbose=1, **kwargs)
+        checkpoint = keras_orbax.ModelCheckpoint(directory, max_to_keep=None, verbose=1, **kwargs)
         history = _mlp()().fit(
             **inputs(), epochs=epochs, shuffle=False, verbose=0, callbacks=[checkpoint, seen]
         )
         return capsys.readouterr().out.splitlines(), history.epoch, seen.batches
 
-    lines, _, _ = fit(1, save_freq=3)  # step 3 records epoch 0, batch 3
-    assert lines == [f"Epoch 1, batch 3: saving step 3 to '{tmp_path}'"]
+    # resume=True and nothing there (a new run, or a mistyped directory): said, named absolute.
+    monkeypatch.chdir(tmp_path.parent)
+    lines, _, _ = fit(1, tmp_path.name, save_freq=3, resume=True)  # step 3: epoch 0, batch 3
+    assert lines == [
+        f"Nothing to resume from: no committed step in '{tmp_path}', so fit starts fresh.",
+        f"Epoch 1, batch 3: saving step 3 to '{tmp_path.name}'",
+    ]
 
     lines, epochs, batches = fit(2, resume=True)
     assert lines == [

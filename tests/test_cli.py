@@ -26,6 +26,11 @@ from tests import cli_models
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The command line prints keras-orbax's warnings as its own lines, which these tests read: shown,
+# not filtered as pyproject.toml filters them for the rest of the suite.
+pytestmark = pytest.mark.filterwarnings("default::keras_orbax.errors.KerasOrbaxWarning")
+
+
 def _run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "jax"}
     env.pop("XLA_FLAGS", None)

@@ -6,6 +6,7 @@ asserted (`python -m benchmarks cli_startup` measures the figures)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -51,7 +52,8 @@ import keras_orbax.__main__  # `python -m keras_orbax` imports this (its `main` 
 
 names = dir(keras_orbax)
 help_texts = {}
-for args in (["--help"], *([command, "--help"] for command in cli._parser()._actions[-1].choices)):
+for args in (["--help"], ["--version"],
+             *([command, "--help"] for command in cli._parser()._actions[-1].choices)):
     with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
             cli.main(args)
@@ -73,7 +75,11 @@ def test_help_and_import_load_no_jax_keras_or_orbax():
     assert set(keras_orbax.__all__) <= set(shown["dir"])
     assert "keras-orbax" in shown["help"]["--help"]
     assert "--json" in shown["help"]["convert --help"]
-    assert len(shown["help"]) == 6
+    assert len(shown["help"]) == 7
+    # The installed versions, as the packages record them (none of them imported).
+    versions = [f"keras-orbax {keras_orbax.__version__}", f"keras {keras.__version__}"]
+    versions.append(f"jax {importlib.metadata.version('jax')}")
+    assert shown["help"]["--version"].startswith(f"{versions[0]} ({versions[1]}, {versions[2]},")
 
 
 def test_a_backend_the_user_chose_is_kept():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import types
 import warnings
@@ -341,6 +342,24 @@ def test_a_generator_has_no_position_and_is_read_and_dropped(tmp_path, mp, reads
     assert sum("cannot be put back" in str(w.message) for w in caught) == 1
 
 
+def test_an_input_of_unknown_length_is_read_and_dropped_and_says_why(tmp_path, mp, reads):
+    """keras-hub's `fit` (on strings or arrays) trains on a grain dataset it builds, unshuffled,
+    repeated for every epoch, read by one iterator, with `steps_per_epoch` declared for it: no
+    position is saved, the trained batches are read and dropped, and the warning says so without
+    naming a `steps_per_epoch` the user never passed as theirs, nor "None batches"."""
+    import grain
+
+    def inputs() -> dict[str, Any]:
+        dataset = grain.MapDataset.source(_Records(reads)).batch(BATCH)
+        return {"x": dataset.repeat(2).to_iter_dataset(), "steps_per_epoch": BATCHES}
+
+    with pytest.warns(KerasOrbaxWarning, match="cannot be put back") as caught:
+        _resume(tmp_path / "ckpt", inputs, reads, stop_after=6, shuffle=False, epochs=2)
+    (message,) = [str(w.message) for w in caught if "cannot be put back" in str(w.message)]
+    assert "None batches" not in message
+    assert f"its epochs of {BATCHES} batches (steps_per_epoch, passed to fit or declared" in message
+
+
 def test_another_batch_size_is_not_positioned_and_says_so(tmp_path, mp, reads):
     x, y = _data()
     checkpoint = keras_orbax.ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None)
@@ -563,7 +582,11 @@ def test_inspect_shows_the_position(tmp_path, mp, reads, capsys):
     assert (described["epoch"], described["batch"]) == (0, 3)
     assert described["data_position"] == {"0": {"kind": "py_dataset", "epoch": 0, "batch": 3}}
     assert cli.main(["inspect", f"{tmp_path}/3"]) in (0, None)
-    assert "input position: process 0: py_dataset, epoch 0, batch 3" in capsys.readouterr().out
+    # Numbered as the save line (`Epoch 1, batch 3: saving step 3`): epoch 1, its 3rd batch.
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path}: steps [3]; step 3, epoch 1, batch 3, ")
+    assert "input position: process 0: py_dataset, epoch 1, batch 3" in out
+    assert re.search(r"\n +3 +1 +3 ", out)  # the step table's row: step, epoch, batch
 
 
 def test_each_process_resumes_its_own_shard_of_the_data(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import keras
 
@@ -53,3 +54,30 @@ def test_the_same_notice_about_another_directory_still_passes(tmp_path, caplog):
         ORBAX_LOGGER.warning(message, 0, "t", tmp_path / "ours" / "1.orbax-checkpoint-tmp")
         ORBAX_LOGGER.warning(message, 0, "t", tmp_path / "other" / "1.orbax-checkpoint-tmp")
     assert [r.args[-1] for r in _notices(caplog)] == [tmp_path / "other" / "1.orbax-checkpoint-tmp"]
+
+
+def _orbax_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if f"{os.sep}orbax{os.sep}" in r.pathname]
+
+
+def test_orbax_lines_go_to_debug_while_keras_orbax_drives_it(tmp_path, caplog):
+    """With INFO logging on (for keras-orbax's save lines), Orbax's own lines (hundreds, at INFO)
+    are not among them; they are at DEBUG under `keras_orbax.orbax`, for whoever turns it on."""
+    model = _models.compile_adam(_models.mlp())
+    x, y = keras.random.uniform((32, 16)), keras.random.uniform((32, 8))
+    filters = list(ORBAX_LOGGER.filters)
+    with caplog.at_level(logging.INFO):
+        checkpoint = keras_orbax.ModelCheckpoint(tmp_path / "fit", save_freq=2, resume=True)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[checkpoint])
+        keras_orbax.save(model, tmp_path / "compact", step=1, format="compact")
+        keras_orbax.restore_sharded(model, tmp_path / "compact")  # read through Orbax
+    saves = [r.getMessage() for r in caplog.records if r.name == "keras_orbax"]
+    assert any("saving step 4" in line for line in saves)
+    assert _orbax_records(caplog) == []
+    assert ORBAX_LOGGER.filters == filters
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="keras_orbax.orbax"):
+        keras_orbax.save(model, tmp_path / "compact", step=2, format="compact")
+    debug = [r for r in caplog.records if r.name == "keras_orbax.orbax"]
+    assert debug and all(r.levelno == logging.DEBUG for r in debug)
+    assert _orbax_records(caplog) == []

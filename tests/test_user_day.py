@@ -185,6 +185,7 @@ def test_convert_keeps_the_source_steps_step_epoch_and_metrics(tmp_path, capsys)
     assert keras_orbax.inspect(tmp_path / "other").record.epoch == 2
 
 
+@pytest.mark.filterwarnings("default::keras_orbax.errors.KerasOrbaxWarning")  # the CLI's output
 def test_convert_on_the_command_line_can_set_a_distribution(tmp_path, capsys):
     """The warning that no distribution is set named a Python call; the command line now takes
     `--mesh` and `--layout-map`, and the warning names them."""
@@ -293,10 +294,12 @@ def test_a_restore_result_names_variables_by_their_keras_paths(tmp_path):
 
 
 def test_the_demo_says_which_mesh_it_restores_onto(tmp_path):
+    """Run as documented (no `--directory`): its checkpoint goes to a temporary directory, which
+    it removes when it is done."""
     demo = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
-    env = {**os.environ, "PYTHONPATH": str(demo.parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(demo.parents[1]), "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, str(demo), "--directory", str(tmp_path)],
+        [sys.executable, str(demo)],
         capture_output=True,
         text=True,
         env=env,
@@ -307,6 +310,7 @@ def test_the_demo_says_which_mesh_it_restores_onto(tmp_path):
     restoring = "restoring onto mesh (4, 2) ('batch', 'model') (8 devices; trained on mesh (2, 4))"
     assert restoring in done.stdout
     assert "predictions match the trained model's" in done.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("keras-orbax-demo-")]
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,19 @@ def _no_record(path: Path, file: Path) -> CorruptCheckpointError:
         f"'{path}' is an Orbax checkpoint but was not written by keras-orbax "
         f"(its metadata {file} has no '{FORMAT_NAME}' record)."
     )
+
+
+ASIDE_SUFFIX = ".unreadable"
+"""Steps that resume passed over are moved to `<step>.unreadable` (`-2`, `-3`... if taken): not a
+step name to Orbax, `committed_steps`, retention or a restore of the root, nor an Orbax temporary
+one. Named on its own (`ckpt/12.unreadable`), it is read as that step, for `inspect`, `verify` and
+`diff` to say what is wrong with it."""
+
+_ASIDE = re.compile(rf"^(\d+){re.escape(ASIDE_SUFFIX)}(-\d+)?$")
+
+
+def aside_step(path: Any) -> int | None:
+    """The step a directory that resume moved aside held (`12.unreadable-2`: 12); None for any
+    other path."""
+    matched = _ASIDE.match(path.name)
+    return int(matched.group(1)) if matched and path.is_dir() else None

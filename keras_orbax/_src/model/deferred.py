@@ -58,7 +58,9 @@ def deferred_init() -> Iterator[None]:
             "A variable that Keras cannot defer (made from a number, not an initializer) was "
             "created inside keras_orbax.deferred_init(). This is usually `model.compile(optimizer="
             "'adam')`, whose optimizer makes its step counter from 0: compile after the "
-            "`with` block, or create the optimizer before it and pass the object."
+            "`with` block, or create the optimizer before it and pass the object. A keras-hub "
+            "task compiles a default optimizer when it is made: pass it compile=False, and "
+            "compile after the block."
         ) from error
     finally:
         _state.depth = depth

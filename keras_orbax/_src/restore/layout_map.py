@@ -169,7 +169,7 @@ def _model_of(preset_or_model: Any) -> keras.Model:
 
     backbone = keras_hub.models.Backbone
     directory = preset_loading._local_directory(preset_or_model, backbone)
-    return preset_loading._deferred(backbone, os.fspath(directory), {})
+    return preset_loading.deferred_model(backbone, os.fspath(directory), {})
 
 
 def _hub_layout_map(

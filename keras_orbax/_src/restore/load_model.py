@@ -12,6 +12,7 @@ from keras_orbax._src.compat import saving_compat
 from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.model.matching import counted
 from keras_orbax._src.model.state_keys import OPTIMIZER
+from keras_orbax._src.restore import hub_tasks
 from keras_orbax._src.restore.restore import restore_source
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
@@ -62,23 +63,38 @@ def load_model(
     ```
     """
     source = resolve.open_on_every_process(directory, step, "load_model")
-    config = source.model_config
-    if config is None:
-        raise resolve.unsupported(source, "load_model", _without_config(source))
-    config = dict(config)
-    compile_config = config.pop("compile_config", None)
-    with deferred_init():
-        model = keras.saving.deserialize_keras_object(
-            config, custom_objects=custom_objects, safe_mode=safe_mode
-        )
-    if compile and compile_config:  # {} for a model that was never compiled
-        compile_deferred(model, compile_config, custom_objects, safe_mode)
+    return load_described(
+        source,
+        custom_objects=custom_objects,
+        compile=compile,
+        safe_mode=safe_mode,
+        strict=strict,
+        verify=verify,
+    )
+
+
+def load_described(
+    source: Source,
+    *,
+    custom_objects: dict[str, Any] | None = None,
+    compile: bool = True,
+    safe_mode: bool = True,
+    strict: bool = True,
+    verify: bool | None = None,
+    verb: str | None = "load_model",
+) -> keras.Model:
+    """`load_model` of a source every process has opened. `verb`: the call that a warning about
+    optimizer state left out names; None where the caller leaves it out on purpose (`convert` to
+    a format that holds none)."""
+    if source.model_config is None:
+        raise resolve.unsupported(source, verb or "convert", _without_config(source))
+    model = build_deferred(source, custom_objects, safe_mode, compile=compile)
     try:
-        restore_source(model, source, strict=strict, verify=verify)
+        restore_source(model, source, strict=strict, verify=verify, verb=verb)
     except CheckpointMismatchError:  # nothing was changed
         if not (strict and _only_the_optimizer_differs(model, source)):
             raise
-        restore_source(model, source, strict=False, verify=verify, warn_lenient=False)
+        restore_source(model, source, strict=False, verify=verify, warn_lenient=False, verb=verb)
     return model
 
 
@@ -129,6 +145,30 @@ def _without_config(source: Source) -> str:
     )
 
 
+def build_deferred(
+    source: Source,
+    custom_objects: dict[str, Any] | None,
+    safe_mode: bool,
+    *,
+    compile: bool,
+) -> keras.Model:
+    """The model `source`'s saved config describes, built under `deferred_init()` and, where
+    `compile`, compiled as it was saved (its optimizer unbuilt: the restore builds its slots
+    deferred). A keras-hub task is built uncompiled and LoRA enabled as saved (`hub_tasks`)."""
+    assert source.model_config is not None
+    config = dict(source.model_config)
+    compile_config = config.pop("compile_config", None)
+    config = hub_tasks.uncompiled_task_config(config, custom_objects)
+    with deferred_init():
+        model = keras.saving.deserialize_keras_object(
+            config, custom_objects=custom_objects, safe_mode=safe_mode
+        )
+        hub_tasks.enable_saved_lora(model, source.record)
+    if compile and compile_config:  # {} for a model that was never compiled
+        compile_deferred(model, compile_config, custom_objects, safe_mode)
+    return model
+
+
 def compile_deferred(
     model: keras.Model,
     compile_config: dict[str, Any],
@@ -139,9 +179,10 @@ def compile_deferred(
     the model, but leaving the optimizer unbuilt: `restore_sharded` builds its slots deferred, so
     no initialized copy of the optimizer state is ever made. (Outside `deferred_init()`: an
     optimizer's step counter is made from a number.)"""
-    if type(model).compile is not keras.Model.compile:
+    if type(model).compile is not keras.Model.compile and not hub_tasks.is_task(model):
         model.compile_from_config(compile_config)  # Keras warns that a custom compile is not called
         return
+    # keras-hub's tasks override `compile` only to fill in defaults; it takes Keras's arguments.
     arguments = keras.saving.deserialize_keras_object(
         compile_config, custom_objects=custom_objects, safe_mode=safe_mode
     )

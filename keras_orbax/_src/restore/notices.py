@@ -44,16 +44,22 @@ def warn_untaken(
     also = f" and {counted(metrics, 'metric variable')}" if metrics else ""
     compiled = source.model_config is not None and source.model_config.get("compile_config")
     were = "was" if optimizer + metrics == 1 else "were"
-    if verb == "restore_sharded":
-        done, why = "restored", "To resume training from them"
-        config = ", or use keras_orbax.load_model, which compiles the model from its saved config"
-    else:
+    if verb == "convert":
         done, why = "written", "To keep them"
         config = ", or convert without a model: the one its saved config describes is compiled"
+    else:
+        done, why = "restored", "To resume training from them"
+        config = ", or use keras_orbax.load_model, which compiles the model from its saved config"
+    advice = f"compile the model with its optimizer before {verb}{config if compiled else ''}"
+    if verb == "load_model":  # called with compile=False
+        advice = (
+            "load it with compile=True (the default)"
+            if compiled
+            else "compile the model with its optimizer and call restore_sharded"
+        )
     warn(
         f"Model '{model.name}' has no optimizer, so {counted(optimizer, 'optimizer variable')}"
-        f"{also} of '{source.label}' {were} not {done}. {why}, compile the model with its "
-        f"optimizer before {verb}{config if compiled else ''}."
+        f"{also} of '{source.label}' {were} not {done}. {why}, {advice}."
     )
 
 

@@ -75,7 +75,7 @@ def from_preset(
     directory = _local_directory(preset, cls)
     preset = os.fspath(directory)  # keras-hub reads the same resolved directory
     if not issubclass(cls, hub.Task):
-        model = _deferred(cls, preset, kwargs)
+        model = deferred_model(cls, preset, kwargs)
         restore_sharded(model, directory, strict=strict, verify=verify)
         return model
     # A task compiles itself when it is made (its optimizer's counters come from numbers, which
@@ -85,7 +85,7 @@ def from_preset(
     backbone_kwargs: dict[str, Any] = {
         k: kwargs.pop(k) for k in ("dtype", "image_shape") if k in kwargs
     }
-    backbone = _deferred(hub.Backbone, preset, backbone_kwargs)
+    backbone = deferred_model(hub.Backbone, preset, backbone_kwargs)
     task = cls.from_preset(preset, backbone=backbone, load_weights=False, **kwargs)
     restore_sharded(backbone, directory, strict=strict, verify=verify)
     _load_task_weights(task, directory, cls)
@@ -140,7 +140,7 @@ def _hub_models(cls: Any, preset: Any) -> Any:
     return hub
 
 
-def _deferred(cls: Any, preset: str, kwargs: dict[str, Any]) -> keras.Model:
+def deferred_model(cls: Any, preset: str, kwargs: dict[str, Any]) -> keras.Model:
     """`cls.from_preset(preset, load_weights=False, **kwargs)` built under `deferred_init()`."""
     try:
         with deferred_init():

@@ -175,9 +175,11 @@ def restore_source(
     single_replica_reads: bool | None = None,
     verbose: int = 0,
     warn_lenient: bool = True,
+    verb: str | None = "restore_sharded",
 ) -> RestoreResult:
     """`restore_sharded` from a source every process has opened already (`load_model` opens it
-    first, for its model config). `warn_lenient=False`: the caller said what was skipped."""
+    first, for its model config). `warn_lenient=False`: the caller said what was skipped. `verb`:
+    the call a warning names (None: optimizer state is left out on purpose, unwarned)."""
     share = replicas.enabled(
         single_replica_reads, object_storage=locations.is_remote(source.location)
     )
@@ -220,7 +222,8 @@ def restore_source(
     _replay_keras_loaders(model, source, own, variables, previous, prepared.state.aliases)
     paths = {k: v.path for k, v in variables.items()}
     paths |= {k: prepared.record.variables[k].path for k in plan.unexpected}
-    notices.warn_untaken(model, source, prepared)
+    if verb is not None:
+        notices.warn_untaken(model, source, prepared, verb=verb)
     if not strict and warn_lenient:
         notices.warn_lenient(model, source, prepared, paths)
     return RestoreResult(

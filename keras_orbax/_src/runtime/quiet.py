@@ -7,6 +7,8 @@ import logging
 import os
 from collections.abc import Iterator
 
+from keras_orbax._src.runtime import orbax_logs
+
 # Orbax logs through absl, whose Python logger is "absl".
 _ORBAX_LOGGER = logging.getLogger("absl")
 _SKIPPED_MERGE = "Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs"
@@ -34,11 +36,13 @@ class _SkippedMergeFilter(logging.Filter):
 
 @contextlib.contextmanager
 def skipped_merge_notices(directory: str | os.PathLike) -> Iterator[None]:
-    """Within the block, Orbax's notice that it skipped an OCDBT merge under `directory` is dropped."""
+    """Within the block, Orbax's notice that it skipped an OCDBT merge under `directory` is dropped
+    (and its other lines below ERROR go to DEBUG, `orbax_logs`)."""
     notice_filter = _SkippedMergeFilter(directory)
     _ORBAX_LOGGER.addFilter(notice_filter)
     try:
-        yield
+        with orbax_logs.at_debug():
+            yield
     finally:
         _ORBAX_LOGGER.removeFilter(notice_filter)
 
@@ -63,6 +67,7 @@ def no_data_files_notices() -> Iterator[None]:
     root = logging.getLogger()
     root.addFilter(notice_filter)
     try:
-        yield
+        with orbax_logs.at_debug():
+            yield
     finally:
         root.removeFilter(notice_filter)

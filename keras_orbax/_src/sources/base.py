@@ -98,6 +98,16 @@ class Source(abc.ABC):
         return str(self.location) if self.step is None else f"{self.location}/{self.step}"
 
     @property
+    def where(self) -> Any:
+        """The location a tool's report names: `location` (for a step that resume moved aside,
+        that step's directory, which is no step of the root)."""
+        return self.location
+
+    def step_directory(self, step: int) -> Any:
+        """The directory of step `step` of this source's checkpoint root."""
+        return self.location / str(step)
+
+    @property
     def model_config(self) -> dict[str, Any] | None:
         """The Keras model config saved with the arrays, if any."""
         return self.record.model_config

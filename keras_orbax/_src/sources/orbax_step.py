@@ -38,9 +38,24 @@ class OrbaxStepSource(Source):
     kind = "keras-orbax"
     description = "keras-orbax checkpoint step"
 
-    def __init__(self, root: Any, step: int, steps: Sequence[int] = ()) -> None:
-        self.step_dir = root / str(step)
+    def __init__(
+        self, root: Any, step: int, steps: Sequence[int] = (), *, step_dir: Any = None
+    ) -> None:
+        """`step_dir`: where the step is, if not `root/step` (a step resume moved aside)."""
+        self.step_dir = root / str(step) if step_dir is None else step_dir
+        self.moved_aside = step_dir is not None
         super().__init__(root, step_dirs.read_record(self.step_dir), step, steps)
+
+    @property
+    def label(self) -> str:
+        return str(self.step_dir) if self.moved_aside else super().label
+
+    @property
+    def where(self) -> Any:
+        return self.step_dir if self.moved_aside else self.location
+
+    def step_directory(self, step: int) -> Any:
+        return self.step_dir if step == self.step else super().step_directory(step)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
         from keras_orbax._src.read import sharded_read

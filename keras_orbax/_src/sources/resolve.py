@@ -4,7 +4,8 @@ A location is spelled as users spell it (relative, `~`, a trailing slash, `gs://
 resolved once (`locations.as_path`). It names:
 - a keras-orbax checkpoint root, or one of its steps (`ckpt/8`, as Orbax users pass it, or
   `ckpt@8`): a `keras-orbax` step, or a `keras-checkpoint` step where Keras's own
-  `OrbaxCheckpoint` wrote it;
+  `OrbaxCheckpoint` wrote it; a step that resume moved aside (`ckpt/8.unreadable`) is read as
+  step 8, on its own;
 - a Keras weights file (`.weights.h5`, `.weights.json`, `.keras`), a keras-hub preset directory,
   or a Hugging Face model directory (`config.json` with a `model_type`, and safetensors).
 Anything at another level (a step's `state/` folder, one array's directory) gets an error that
@@ -52,6 +53,7 @@ class Located:
     kind: SourceKind
     location: str  # resolved: absolute, or an object-store URL
     step: int | None = None
+    aside: str | None = None  # the step's directory, where resume moved it aside
 
 
 def open_source(location: str | os.PathLike, step: int | None = None) -> Source:
@@ -105,6 +107,8 @@ def open_located(located: Located) -> Source:
     if located.kind == "transformers":
         return TransformersSource(path)
     assert located.step is not None  # a step kind
+    if located.aside is not None:  # not one of the root's steps: the only step it has
+        return OrbaxStepSource(path, located.step, (located.step,), step_dir=Path(located.aside))
     steps = step_dirs.committed_steps(path)
     if located.kind == "keras-checkpoint":
         return KerasCheckpointSource(path, located.step, steps)
@@ -132,6 +136,10 @@ def locate(location: str | os.PathLike, step: int | None = None) -> Located:
                     f"Received: step={step}"
                 )
             return Located(kind, str(path))
+    aside = None if locations.is_remote(path) else step_dirs.aside_step(path)
+    if aside is not None:  # `ckpt/12.unreadable`, which resume moved aside
+        step = _same_step(step, aside, text)
+        return Located("keras-orbax", str(path.parent), step, aside=str(path))
     root, step = _root_and_step(path, step)
     step, step_dir = step_dirs.step_path(root, step)
     kind = "keras-checkpoint" if keras_checkpoint.is_keras_step(step_dir) else "keras-orbax"

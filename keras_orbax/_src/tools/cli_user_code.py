@@ -49,5 +49,6 @@ def build_deferred(spec: str) -> Any:
             "cannot do while it builds the model without allocating it (Keras makes an "
             "optimizer's step counter from a number). Make the optimizer outside the function, "
             "at module level, and compile with that object; or return the model uncompiled (its "
-            "optimizer state is then left out)."
+            "optimizer state is then left out). A keras-hub task compiles a default optimizer "
+            "when it is made: pass it compile=False (then compile it as above, or not)."
         ) from None

@@ -17,7 +17,6 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import jax
 import keras
@@ -26,7 +25,6 @@ from keras_orbax._src.compat import keras_compat, orbax_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.format.step_record import StepRecord, VariableRecord, versions
 from keras_orbax._src.model import matching
-from keras_orbax._src.model.deferred import deferred_init
 from keras_orbax._src.model.matching import ReadRequest
 from keras_orbax._src.read import sharded_read
 from keras_orbax._src.restore import load_model, notices
@@ -193,7 +191,7 @@ def _by_structure(
                 "its arrays are keyed by variable paths and it holds no model config: pass the "
                 "architecture (model=..., or --model MODULE:FUNCTION).",
             )
-        return _by_model(opened, _deferred_model(opened.model_config))
+        return _by_model(opened, load_model.build_deferred(opened, None, True, compile=True))
     if opened.kind == "transformers":
         raise resolve.unsupported(
             opened,
@@ -218,18 +216,6 @@ def _by_structure(
         opened.record, variables=variables, model_config=config, format_version=2
     )
     return record, reads
-
-
-def _deferred_model(config: dict[str, Any]) -> keras.Model:
-    """The model a step's config describes, built without allocating and compiled as it was saved
-    (as `load_model` builds it), so that its optimizer state is converted too."""
-    config = dict(config)
-    compile_config = config.pop("compile_config", None)
-    with deferred_init():
-        model = keras.saving.deserialize_keras_object(config)
-    if compile_config:  # {} for a model that was never compiled
-        load_model.compile_deferred(model, compile_config, None, True)
-    return model
 
 
 def _by_model(

@@ -97,5 +97,9 @@ def _described_model(source: str | os.PathLike, to_preset: bool) -> keras.Model:
         import keras_hub  # registers keras-hub's classes, which the saved config names
 
     # Compiled as saved, for a `.weights.h5`: Keras's `save_weights` writes the optimizer's state
-    # where the model has one. A preset holds none.
-    return load_model.load_model(source, compile=not to_preset)
+    # where the model has one. A preset and a Hugging Face directory hold none.
+    return load_model.load_described(
+        resolve.open_on_every_process(source, None, "convert"),
+        compile=not to_preset,
+        verb=None if to_preset else "convert",
+    )

@@ -18,6 +18,7 @@ import numpy as np
 
 from keras_orbax._src.sources.base import Source, batched
 from keras_orbax._src.sources.resolve import open_source
+from keras_orbax._src.tools import diff_by_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class DiffResult:
             (`keras_state/layers/table/vars/table`, `keras_state/layers/table/words.txt`): how it differs.
         keras_state_unread: Why `keras_state/` was not compared (a side keeps none this can
             read), or "" if it was.
+        matched_by: "" where the arrays are matched by their keys; else how: sources that key
+            them differently (a task's step and the preset or Hugging Face directory exported
+            from it) are matched by the Keras paths of the model one of them describes, and
+            their keys are those paths.
     """
 
     a: str
@@ -43,6 +48,7 @@ class DiffResult:
     compared: int
     keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
     keras_state_unread: str = ""
+    matched_by: str = ""
 
     @property
     def identical(self) -> bool:
@@ -56,6 +62,8 @@ class DiffResult:
 
     def __str__(self) -> str:
         lines = [f"--- {self.a}", f"+++ {self.b}"]
+        if self.matched_by:
+            lines.append(f"matched by {self.matched_by}")
         lines += [f"- {key}  (only in {self.a})" for key in self.only_a]
         lines += [f"+ {key}  (only in {self.b})" for key in self.only_b]
         lines += [f"! {key}  {change}" for key, change in self.changed.items()]
@@ -98,6 +106,8 @@ def diff(
     first, second = open_source(a), open_source(b)
     left, right = first.record.variables, second.record.variables
     common = [key for key in left if key in right]
+    if left and right and not common and any(map(diff_by_model.describes_a_model, (first, second))):
+        return _by_model(first, second, values=values, on_read=on_read)
     changed = {}
     for key in common:
         x, y = left[key], right[key]
@@ -124,6 +134,39 @@ def diff(
         len(common),
         own_changes,
         unread,
+    )
+
+
+def _by_model(
+    first: Source,
+    second: Source,
+    *,
+    values: bool,
+    on_read: Callable[[int, int], None] | None,
+) -> DiffResult:
+    """`diff` of sources keyed differently (a task's step, its exported preset or Hugging Face
+    directory), by the Keras paths of the model one describes (`diff_by_model`)."""
+    x, y = diff_by_model.pair(first, second)
+    common = [path for path in x.keys if path in y.keys]
+    changed = {
+        path: f"{diff_by_model.described(x, path)} -> {diff_by_model.described(y, path)}"
+        for path in common
+        if diff_by_model.described(x, path) != diff_by_model.described(y, path)
+    }
+    max_abs = {}
+    if values:
+        readable = [p for p in common if diff_by_model.readable(x, y, p)]
+        for path, xs, ys in diff_by_model.read_pairs(x, y, readable, on_read):
+            max_abs[path] = _max_abs_diff(xs, ys)
+    return DiffResult(
+        first.label,
+        second.label,
+        diff_by_model.one_sided(x, y),
+        diff_by_model.one_sided(y, x),
+        changed,
+        max_abs,
+        len(common),
+        matched_by="Keras paths (the sources key their arrays differently)",
     )
 
 

@@ -34,6 +34,7 @@ class StepSummary:
     disk_bytes: int
     damaged: str | None = None
     own_bytes: int | None = None  # None: as `disk_bytes`
+    batch: int | None = None  # batches of epoch `epoch + 1` done (a mid-epoch step); None: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +84,13 @@ class CheckpointInfo:
         count = len(record.variables)
         lines = [
             f"{self.directory}: {where}"
-            + (f"epoch {record.epoch}, " if record.epoch is not None else "")
-            + (f"batch {record.batch}, " if record.batch else "")
+            + (f"{_position(record.epoch, record.batch)}, " if record.epoch is not None else "")
             + f"{count} {'variable' if count == 1 else 'variables'}, {human_bytes(self.nbytes)}",
         ]
         for process, position in self.data_position.items():
             lines.append(
-                f"input position: process {process}: {position['kind']}, epoch "
-                f"{position['epoch']}, batch {position['batch']}"
+                f"input position: process {process}: {position['kind']}, "
+                f"{_position(position['epoch'], position['batch'])}"
             )
         if record.versions:
             lines.append(f"written by {', '.join(f'{k} {v}' for k, v in record.versions.items())}")
@@ -125,17 +125,19 @@ class CheckpointInfo:
     def _step_table(self) -> list[str]:
         """One row per step: epoch, array bytes, bytes on disk and those it alone holds, metrics."""
         lines = [
-            f"  {'step':>8}  {'epoch':>5}  {'arrays':>10}  {'on disk':>10}  {'its own':>10}  "
-            "metrics"
+            f"  {'step':>8}  {'epoch':>5}  {'batch':>5}  {'arrays':>10}  {'on disk':>10}  "
+            f"{'its own':>10}  metrics"
         ]
         for s in self.summaries:
             metrics = " ".join(f"{k}={_number(v)}" for k, v in s.metrics.items())
             if s.damaged is not None:
                 metrics = f"damaged: {s.damaged.splitlines()[0]}"
-            epoch = "-" if s.epoch is None else str(s.epoch)
+            # As the save lines number them: a mid-epoch step's epoch from 1, with its batches.
+            epoch = "-" if s.epoch is None else str(s.epoch + 1 if s.batch else s.epoch)
+            batch = str(s.batch) if s.batch else "-"
             own = s.disk_bytes if s.own_bytes is None else s.own_bytes
             lines.append(
-                f"  {s.step:>8}  {epoch:>5}  {human_bytes(s.nbytes):>10}  "
+                f"  {s.step:>8}  {epoch:>5}  {batch:>5}  {human_bytes(s.nbytes):>10}  "
                 f"{human_bytes(s.disk_bytes):>10}  {human_bytes(own):>10}  {metrics}".rstrip()
             )
         if any(s.own_bytes is not None and s.own_bytes < s.disk_bytes for s in self.summaries):
@@ -192,9 +194,9 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     """
     source = resolve.open_source(directory, step)
     summaries = []
-    files = _step_files(source.location, source.steps)
+    files = _step_files(source, source.steps)
     for each in source.steps:
-        step_dir = source.location / str(each)
+        step_dir = source.step_directory(each)
         disk, own = _disk_bytes(step_dir, files, each)
         try:
             opened = source if each == source.step else resolve.open_source(source.location, each)
@@ -209,10 +211,11 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
                 sum(v.nbytes for v in opened.record.variables.values()),
                 disk,
                 own_bytes=own,
+                batch=opened.record.batch or None,
             )
         )
     return CheckpointInfo(
-        directory=source.location,
+        directory=source.where,
         steps=source.steps,
         step=source.step,
         record=source.record,
@@ -222,11 +225,17 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         disk_bytes=_total_bytes(files) if files else sum(s.disk_bytes for s in summaries),
         keras_state=_keras_state(source),
         data_position=(
-            data_state.read_all(source.location / str(source.step))
+            data_state.read_all(source.step_directory(source.step))
             if source.kind == "keras-orbax" and source.step is not None
             else {}
         ),
     )
+
+
+def _position(epoch: int, batch: int | None) -> str:
+    """Where in training, numbered as the save lines number it (`Epoch 2: saving ...`, `Epoch 1,
+    batch 3: saving ...`): `epoch` epochs done, or `batch` batches of the next one."""
+    return f"epoch {epoch + 1}, batch {batch}" if batch else f"epoch {epoch}"
 
 
 def _keras_state(source: Source) -> dict[str, str]:
@@ -260,14 +269,14 @@ _WRITERS = {
 _Files = dict[int, dict[tuple[int, int], int]]  # step -> (device, inode) -> size
 
 
-def _step_files(root: Any, steps: tuple[int, ...]) -> _Files:
+def _step_files(source: Source, steps: tuple[int, ...]) -> _Files:
     """Each local step's files, by inode: arrays of one shape share a hard-linked `zarr.json`
     within a step, and an incremental step hard-links the shard files of the step before."""
-    if locations.is_remote(root):
+    if locations.is_remote(source.location):
         return {}  # a store copies objects on the server: no step shares another's bytes
     found = {}
     for step in steps:
-        stats = [f.stat() for f in (root / str(step)).rglob("*") if f.is_file()]
+        stats = [f.stat() for f in source.step_directory(step).rglob("*") if f.is_file()]
         found[step] = {(s.st_dev, s.st_ino): s.st_size for s in stats}
     return found
 

@@ -120,7 +120,7 @@ def verify(
         bytes=(found.nbytes if found else 0) + nbytes,
         checksummed=found.checksummed if found else 0,
         unchecked=read_back,
-        location=str(source.location),
+        location=str(source.where),
         kind=source.kind,
         why_unchecked=why,
     )

@@ -64,6 +64,12 @@ def kind_of(epoch_iterator: Any) -> tuple[str, str | None]:
         kind = "tf_data"
     else:
         return "generator", "a Python generator has no position keras-orbax can save"
+    if not own_epochs and adapter.num_batches is None:  # keras-hub's fit builds such an input
+        return kind, (
+            f"fit reads its epochs of {epoch_iterator.steps_per_epoch} batches (steps_per_epoch, "
+            "passed to fit or declared by keras-hub's fit) from one iterator over an input of no "
+            "length Keras knows, which keras-orbax cannot position"
+        )
     if not own_epochs:
         return kind, (
             f"fit(steps_per_epoch={epoch_iterator.steps_per_epoch}) reads across the input's own "

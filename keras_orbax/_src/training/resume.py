@@ -15,14 +15,19 @@ import orbax.checkpoint.experimental.v1 as ocp
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import data_state, step_dirs
 from keras_orbax._src.format.step_record import OPTIMIZER, StepRecord
-from keras_orbax._src.model.matching import counted
+from keras_orbax._src.model.matching import STRICT_HINT, counted
 from keras_orbax._src.restore.restore import restore_sharded
 from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import io_faults, multihost
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.orbax_step import OrbaxStepSource
 from keras_orbax._src.storage import commit, durable, locations
-from keras_orbax.errors import CheckpointNotFoundError, CorruptCheckpointError, KerasOrbaxWarning
+from keras_orbax.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KerasOrbaxWarning,
+)
 
 logger = logging.getLogger("keras_orbax")
 
@@ -81,6 +86,8 @@ def resume(
         if newer_than is None or s > newer_than
     )
     if not steps:
+        if newer_than is None:  # else the tier passed over says where fit goes on
+            _announce_fresh(directory, verbose)
         return None
     restored, passed_over = _restore_newest_intact(model, directory, steps)
     moved = multihost.primary_value(
@@ -139,6 +146,8 @@ def _restore_newest_intact(
                 functools.partial(commit.fault_point, "retry"),
             )
             return restored, passed_over
+        except CheckpointMismatchError as error:
+            raise _advised_for_resume(error, directory) from None
         except CorruptCheckpointError as error:
             passed_over.append((step, _why(error)))
             steps = [s for s in steps if s < step]
@@ -155,6 +164,18 @@ def _why(error: BaseException) -> str:
         "and restores from where it was moved once the storage reads again: "
         f"{type(error).__name__}: {error}"
     )
+
+
+def _advised_for_resume(error: CheckpointMismatchError, directory: str) -> Exception:
+    """The restore's error, with advice that works for `ModelCheckpoint(resume=True)`, which
+    takes no `strict`: a model changed on purpose cannot go on in this directory."""
+    advice = (
+        "If the model changed on purpose, it cannot resume from this directory: start afresh in "
+        "a new directory, or first restore what matches with keras_orbax.restore_sharded(model, "
+        f"'{directory}', strict=False), then fit with a ModelCheckpoint into a new directory."
+    )
+    message = str(error).replace(STRICT_HINT, advice)
+    return CheckpointMismatchError(message, error.problems)
 
 
 def _warn_if_no_optimizer_state(
@@ -199,9 +220,7 @@ def _open(directory: str, step: int) -> None:
         data_state.read_all(source.step_dir)
 
 
-ASIDE_SUFFIX = ".unreadable"
-"""Steps that resume passed over are moved to `<step>.unreadable` (`-2`, `-3`... if taken): not a
-step name to Orbax, `committed_steps`, retention or `inspect`, nor an Orbax temporary one."""
+ASIDE_SUFFIX = step_dirs.ASIDE_SUFFIX
 
 
 def set_aside(directory: str, steps: list[int]) -> list[str]:
@@ -275,6 +294,21 @@ def _announce(
             f"{record.epoch + 1}{of}."
         )
         logger.info(line)
+    if verbose > 0:
+        print(line, flush=True)
+
+
+def _announce_fresh(directory: str, verbose: int) -> None:
+    """Says, on process 0, that `resume=True` found nothing to resume from: a mistyped directory
+    would otherwise start a fresh run silently. Named absolute, as the run's working directory
+    resolves it."""
+    if not multihost.is_primary():
+        return
+    line = (
+        f"Nothing to resume from: no committed step in '{locations.as_path(directory)}', so fit "
+        "starts fresh."
+    )
+    logger.info(line)
     if verbose > 0:
         print(line, flush=True)
 
