@@ -111,7 +111,7 @@ class Saves:
         multihost.same_arguments("ModelCheckpoint", directory=self.directory)
         _in_flight.wait(self.directory)
         self._notices.close()  # left open by a fit that raised before on_train_end
-        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
+        self._notices.enter_context(quiet.saving(self.directory))
         # No preservation policy: Orbax would delete old steps before the new one is durable;
         # `prune` deletes them once it is (retention.py).
         self.checkpointer = step_sink.open_checkpointer(self.directory, self.format)

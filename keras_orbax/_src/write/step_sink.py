@@ -44,7 +44,7 @@ from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.model import shardings
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import commit, durable, locations
+from keras_orbax._src.storage import commit, durable, locations, step_leftovers
 from keras_orbax._src.write import data_state_writer, files_writer, ocdbt_regions, shard_writer
 from keras_orbax._src.write.shard_metadata import SavedArray
 from keras_orbax.errors import SaveFailedError
@@ -282,7 +282,9 @@ class DurableResponse:
         self._step_dir = step_dirs.CheckpointRoot.of(directory).step_dir(step)
 
     def result(self) -> None:
-        self._response.result()
+        # A failed save removes what it staged (the caller holds the step's writer lock).
+        with step_leftovers.removing_staged(self._step_dir.parent, int(self._step_dir.name)):
+            self._response.result()
         commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
             durable.step_committed(self._step_dir, self._synced)
