@@ -29,7 +29,7 @@ from pathlib import Path
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import durable, locations
-from keras_orbax._src.storage.writer_lock import held_if_free
+from keras_orbax._src.storage.writer_lock import held_if_free, is_held
 from keras_orbax.errors import KerasOrbaxWarning
 
 logger = logging.getLogger("keras_orbax")
@@ -186,6 +186,30 @@ def put_back_replaced(root: Path) -> None:
             elif not current.exists():
                 os.rename(aside, current)
                 durable.fsync_path(root)
+
+
+def notes(root: Path) -> tuple[str, ...]:
+    """One line for each staging directory and each step moved aside in `root`: what it is, and
+    whether a writer is at work on it now. Writes nothing."""
+    lines = []
+    for step, path in staged(root):
+        if is_held(root, step):
+            lines.append(f"{path.name}: step {step} being written now")
+        else:
+            lines.append(
+                f"{path.name}: what a save of step {step} staged before it was killed (never "
+                "committed, never read); the next ModelCheckpoint of this directory removes it, "
+                "or remove it yourself"
+            )
+    for step, path in replaced(root):
+        if is_held(root, step):
+            lines.append(f"{path.name}: step {step} as it was, while an overwrite writes it now")
+        else:
+            lines.append(
+                f"{path.name}: step {step} as it was before an overwrite that was killed; the "
+                "next listing of the steps that may write here (a restore) puts it back"
+            )
+    return tuple(lines)
 
 
 def _remove(path: Path) -> None:

@@ -129,6 +129,26 @@ def held_if_free(directory: str | os.PathLike, step: int) -> Iterator[bool]:
         _release(lock_path(directory, step), fd)
 
 
+def is_held(directory: str | os.PathLike, step: int) -> bool:
+    """Whether a writer holds the lock of `step` now; asked without writing anything (a shared
+    `flock` on the file, if there is one, let go at once)."""
+    if fcntl is None or locations.is_remote(directory):
+        return False
+    try:
+        fd = os.open(lock_path(directory, step), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: no writer
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: no lock to hold
+        return False
+    finally:
+        os.close(fd)  # drops the shared lock too
+    return False
+
+
 def run_lock_path(directory: str | os.PathLike) -> Path:
     """The lock a `ModelCheckpoint` holds on its whole directory while `fit` runs."""
     return Path(directory) / ".keras_orbax.lock"

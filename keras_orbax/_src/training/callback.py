@@ -178,8 +178,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self.preempted, self.restored = False, None
         self._resume_point = None
         self._data = DataPosition.of_fit()  # the input of the fit calling this hook
-        checkpointer = self._saves.open()
         try:
+            checkpointer = self._saves.open()  # StepLockedError if another run writes there
             self._begin_in_directory(checkpointer)
         except BaseException:
             self._close(failing=True)

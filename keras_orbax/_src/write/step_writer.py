@@ -266,17 +266,16 @@ def write_step(
         plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
         synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
         with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
-            response = checkpointer.save_checkpointables_async(
+            return step_sink.save_async(
+                checkpointer,
                 step,
                 checkpointables,
+                synced,
                 force=True,
                 overwrite=overwrite,
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        if response is None:
-            return None
-        return step_sink.DurableResponse(response, root, step, synced)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
