@@ -43,8 +43,8 @@ def skipped_merge_notices(directory: str | os.PathLike) -> Iterator[None]:
         _ORBAX_LOGGER.removeFilter(notice_filter)
 
 
-# Orbax's own log lines start with the process they come from (`multihost.process_prefix`).
-_ORBAX_PREFIX = "[process="
+# Where Orbax's code lies: absl names the file that logged a record as its `pathname`.
+_ORBAX_CODE = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
 DEBUG_LOGGER = logging.getLogger("keras_orbax.orbax")
 
 
@@ -56,7 +56,7 @@ class _OrbaxErrorsAtDebug(logging.Filter):
     of lines before the one `SaveFailedError` keras-orbax raises, which names the cause."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not str(record.msg).startswith(_ORBAX_PREFIX):
+        if record.levelno < logging.ERROR or _ORBAX_CODE not in record.pathname:
             return True
         if DEBUG_LOGGER.isEnabledFor(logging.DEBUG):
             DEBUG_LOGGER.debug(record.getMessage(), exc_info=record.exc_info)

@@ -169,7 +169,10 @@ def run_lock(directory: str | os.PathLike) -> Iterator[None]:
     path = run_lock_path(directory)
 
     def take() -> None:
-        fd = _take(path)
+        try:
+            fd = _take(path)
+        except OSError:  # a directory that cannot be written: its saves fail, saying why
+            return
         if isinstance(fd, _Busy):
             raise StepLockedError(_run_busy_message(directory, fd.holder, path))
         if fd is not None:

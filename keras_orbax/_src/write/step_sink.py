@@ -24,7 +24,7 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
 ```python
 sink = StepSink(root, "fast")
 with sink.open_checkpointer() as checkpointer:
-    save_async(checkpointer, step, checkpointables, durable.Synced()).result()
+    save_async(checkpointer, sink.root, step, checkpointables, durable.Synced()).result()
 ```
 """
 
@@ -278,6 +278,7 @@ def orbax_operation() -> contextlib.AbstractContextManager:
 
 def save_async(
     checkpointer: ocp.training.Checkpointer,
+    root: step_dirs.CheckpointRoot,
     step: int,
     checkpointables: dict[str, Any],
     synced: durable.Synced,
@@ -295,7 +296,7 @@ def save_async(
     if response is None:
         _ONE_SAVE.release()
         return None
-    return DurableResponse(response, checkpointer.directory, step, synced, _ONE_SAVE.release)
+    return DurableResponse(response, root, step, synced, _ONE_SAVE.release)
 
 
 class DurableResponse:

@@ -268,6 +268,7 @@ def write_step(
         with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
             return step_sink.save_async(
                 checkpointer,
+                root,
                 step,
                 checkpointables,
                 synced,
