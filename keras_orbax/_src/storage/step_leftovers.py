@@ -4,7 +4,7 @@ the writer has failed or is gone.
 - `<step>.orbax-checkpoint-tmp*`: Orbax's staging directory of a step being written. A failed save
   removes its own (`removing_staged`, still under the step's writer lock), so a full disk is not
   kept full for the next save. One that a killed writer left is stale once no writer holds its
-  step's lock: `inspect` and `verify` report it (`staged`), and `ModelCheckpoint` removes every
+  step's lock: `inspect` and `verify` report it (`notes`), and `ModelCheckpoint` removes every
   stale one of its directory when `fit` starts (`remove_stale_staged`), under its run lock.
 - `.keras_orbax.<step>.replaced`: the committed step that `save(..., overwrite=True)` moved aside
   under the step's writer lock (`replacing`). It is removed only once the new step is durable; a

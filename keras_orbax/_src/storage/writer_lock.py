@@ -16,6 +16,11 @@ are not locked: two writers of different steps both commit.
   others learn whether it got it, so all of them save or all raise.
 - Object storage (`gs://`, `s3://`) has no `flock`: remote directories are not locked. Neither is a
   local filesystem that does not support `flock` (some network and FUSE mounts).
+
+`run_lock` is the same lock on the whole directory (`.keras_orbax.lock`), held by a
+`ModelCheckpoint` while its `fit` runs: a second training run there is refused before it writes.
+`held_if_free` and `is_held` let whoever cleans up after a killed writer (`step_leftovers`) prove
+that no writer of a step is left.
 """
 
 from __future__ import annotations
