@@ -208,7 +208,9 @@ def save_arrays(
                 )
             try:
                 plan = incremental_saves.plan_for(root, step) if incremental else None
-                _save_held(root, step, record, keys, caller, plan, metrics, keras_state)
+                # No other Orbax save or deletion of this process meanwhile (step_sink.save_async).
+                with step_sink.orbax_operation():
+                    _save_held(root, step, record, keys, caller, plan, metrics, keras_state)
             except BaseException:
                 _remove_unfinished(root, step)
                 raise
