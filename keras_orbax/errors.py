@@ -29,7 +29,8 @@ class StepExistsError(KerasOrbaxError, FileExistsError):
 
 
 class StepLockedError(KerasOrbaxError, BlockingIOError):
-    """Another writer is saving the same step to the same directory right now; nothing was written.
+    """Another writer is saving the same step to the same directory right now, or another
+    training run (`ModelCheckpoint`) is writing the directory; nothing was written.
 
     Raised at once, without waiting: the other writer's save goes on and commits normally.
     """

@@ -27,8 +27,9 @@ STAGES = ("stage", "agree", "fsync", "rename", "prune")
 # `save`'s steps (`write.step_sink`): writing the shards ("stage"), every process's outcome agreed
 # on ("agree", before Orbax's commit barrier), each process's shard files checked against those it
 # was due to write ("regions"), Orbax's finalize and rename ("rename"), the renamed step made
-# durable ("fsync"; after Orbax's rename). No "prune": `save` removes nothing.
-STEP_SINKS = ("step.fast", "step.compact")
+# durable ("fsync"; after Orbax's rename). No "prune": `save` removes nothing. "step.overwrite"
+# writes step 1 again (`overwrite=True`): the step it replaces must survive every failure.
+STEP_SINKS = ("step.fast", "step.compact", "step.overwrite")
 STEP_STAGES = ("stage", "agree", "regions", "rename", "fsync")
 PREVIOUS, NEW = 0, 1  # the seeds of the previous export's values and of the failing one's
 
@@ -95,6 +96,7 @@ _NAMES = {
     "transformers": "hf",
     "step.fast": "ckpt",
     "step.compact": "ckpt",
+    "step.overwrite": "ckpt",
 }
 
 
@@ -106,6 +108,8 @@ def export(sink: str, model: keras.Model, root: Path) -> Path:
     import keras_orbax
 
     target = destination(sink, root)
+    if sink == "step.overwrite":
+        return keras_orbax.save(model, target, step=1, overwrite=True)
     if sink.startswith("step"):  # the next step: 1, then 2 (3 after a committed 2)
         step = 1 + sum(p.name.isdecimal() for p in target.iterdir()) if target.exists() else 1
         return keras_orbax.save(model, target, step=step, format=sink.split(".")[1])
@@ -142,8 +146,14 @@ def loaded(sink: str, root: Path) -> dict[int, np.ndarray] | None:
 
 def kept_files(sink: str, root: Path) -> dict[str, str]:
     """`files` of what a failed export must leave as it was: the whole export, or a checkpoint's
-    first step (a failed step leaves Orbax's temporary directory beside it)."""
-    return files(root / "ckpt" / "1") if sink.startswith("step") else files(root)
+    first step, as a reader finds it once it has listed the steps (a listing puts back a step
+    that a killed overwrite had moved aside)."""
+    if not sink.startswith("step"):
+        return files(root)
+    from keras_orbax._src.format import step_dirs
+
+    step_dirs.committed_steps(root / "ckpt")
+    return files(root / "ckpt" / "1")
 
 
 def files(root: Path) -> dict[str, str]:

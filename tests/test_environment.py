@@ -11,6 +11,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -91,7 +92,11 @@ def _assert_equal(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 
 
 @needs_root
-def test_full_disk_fails_the_save_and_keeps_the_previous_step(tmp_path, distribution):
+def test_full_disk_fails_the_save_and_keeps_the_previous_step(
+    tmp_path, distribution, caplog, capfd
+):
+    """A background save meets a full disk: one error, logged once (Orbax's tracebacks of it at
+    DEBUG only), then raised; what it staged is removed, so the disk is not kept full."""
     distribution(_models.model_parallel((2, 4)))
     with _mounted(tmp_path / "disk", "-t", "tmpfs", "-o", "size=2m", "tmpfs") as disk:
         directory = disk / "ckpt"
@@ -99,13 +104,21 @@ def test_full_disk_fails_the_save_and_keeps_the_previous_step(tmp_path, distribu
         _fit(model, 1, keras_orbax.ModelCheckpoint(directory, max_to_keep=None))
         saved = _state(model)
         filler = _fill(disk)
+        capfd.readouterr()
+        caplog.clear()
 
         with pytest.raises(SaveFailedError, match=r"Saving step 8 to .*ckpt.*intact"):
             _fit(model, 2, keras_orbax.ModelCheckpoint(directory, max_to_keep=None, resume=True))
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert [(r.name, r.exc_info) for r in errors] == [("keras_orbax", None)], errors
+        assert "No space left on device" in errors[0].getMessage()
+        assert "Traceback" not in capfd.readouterr().err
+        assert _staged(directory) == []
         assert step_dirs.committed_steps(directory) == [4]
         _assert_equal(_restored(directory), saved)
         with pytest.raises(SaveFailedError, match=r"(?s)step 99 .*No space left on device.*4, is"):
             keras_orbax.save(model, directory, step=99)
+        assert _staged(directory) == []
         assert step_dirs.committed_steps(directory) == [4]
 
         filler.unlink()  # space again: the next run goes on from the step that was kept
@@ -352,6 +365,10 @@ class _LockedUntilCommitted(keras.callbacks.Callback):
 
 def _worker_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO_ROOT), JAX_PLATFORMS="cpu")
+
+
+def _staged(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.orbax-checkpoint-tmp*"))
 
 
 def _lock_files(directory: Path) -> list[str]:

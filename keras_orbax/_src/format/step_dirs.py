@@ -15,7 +15,7 @@ from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import json_checksum
 from keras_orbax._src.format.record_check import record_problems
 from keras_orbax._src.format.step_record import FORMAT_NAME, FORMAT_VERSION, StepRecord
-from keras_orbax._src.storage import locations
+from keras_orbax._src.storage import locations, step_leftovers
 from keras_orbax.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -101,6 +101,7 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
 def _committed(root: Any) -> list[int]:
     if not root.is_dir():
         return []
+    step_leftovers.put_back_replaced(root)  # a step a killed overwrite had moved aside
     return sorted(step for step, path in _step_dirs(root) if _is_complete(path))
 
 

@@ -47,6 +47,40 @@ def skipped_merge_notices(directory: str | os.PathLike) -> Iterator[None]:
         _ORBAX_LOGGER.removeFilter(notice_filter)
 
 
+# Where Orbax's code lies: absl names the file that logged a record as its `pathname`.
+_ORBAX_CODE = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+DEBUG_LOGGER = logging.getLogger("keras_orbax.orbax")
+
+
+class _OrbaxErrorsAtDebug(logging.Filter):
+    """Passes Orbax's ERROR records on to `DEBUG_LOGGER` at DEBUG, tracebacks included.
+
+    A failed save makes Orbax log the same failure once in each of its threads that meets it
+    (the writer's, the metadata's, the commit's, the finalize's), each with its traceback: hundreds
+    of lines before the one `SaveFailedError` keras-orbax raises, which names the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or _ORBAX_CODE not in record.pathname:
+            return True
+        if DEBUG_LOGGER.isEnabledFor(logging.DEBUG):
+            DEBUG_LOGGER.debug(record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+@contextlib.contextmanager
+def saving(directory: str | os.PathLike) -> Iterator[None]:
+    """Within the block (keras-orbax's saves into `directory`), Orbax's notice that it skipped an
+    OCDBT merge there is dropped, and its ERROR records (a failed save's, which keras-orbax raises
+    as one `SaveFailedError`) go to the `keras_orbax.orbax` logger at DEBUG."""
+    errors_filter = _OrbaxErrorsAtDebug()
+    _ORBAX_LOGGER.addFilter(errors_filter)
+    try:
+        with skipped_merge_notices(directory):
+            yield
+    finally:
+        _ORBAX_LOGGER.removeFilter(errors_filter)
+
+
 _NO_DATA_FILES = "TensorStore data files not found in checkpoint path"
 
 

@@ -16,6 +16,11 @@ are not locked: two writers of different steps both commit.
   others learn whether it got it, so all of them save or all raise.
 - Object storage (`gs://`, `s3://`) has no `flock`: remote directories are not locked. Neither is a
   local filesystem that does not support `flock` (some network and FUSE mounts).
+
+`run_lock` is the same lock on the whole directory (`.keras_orbax.lock`), held by a
+`ModelCheckpoint` while its `fit` runs: a second training run there is refused before it writes.
+`held_if_free` and `is_held` let whoever cleans up after a killed writer (`step_leftovers`) prove
+that no writer of a step is left.
 """
 
 from __future__ import annotations
@@ -75,15 +80,31 @@ def writer_lock(directory: str | os.PathLike, step: int) -> Iterator[None]:
 def _acquire(directory: str | os.PathLike, step: int) -> int | None:
     """A file descriptor holding the lock; None where the filesystem has no `flock`."""
     path = lock_path(directory, step)
+    fd = _take(path)
+    if isinstance(fd, _Busy):
+        raise StepLockedError(_busy_message(directory, step, fd.holder, path)) from None
+    return fd
+
+
+class _Busy:
+    """Another writer holds the lock; `holder` names it."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+
+
+def _take(path: Path, *, name_holder: bool = True) -> int | _Busy | None:
+    """A descriptor holding `path`'s lock, `_Busy` if another holds it, None where the
+    filesystem has no `flock`. `name_holder`: wait for the holder's record (for a message)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
+            holder = _holder(fd) if name_holder else ""
             os.close(fd)
-            raise StepLockedError(_busy_message(directory, step, holder, path)) from None
+            return _Busy(holder)
         except OSError as error:
             os.close(fd)
             if error.errno in _NO_FLOCK:
@@ -93,6 +114,81 @@ def _acquire(directory: str | os.PathLike, step: int) -> int | None:
             _record_holder(fd)
             return fd
         os.close(fd)  # its holder released and deleted it after we opened it: take a new one
+
+
+@contextlib.contextmanager
+def held_if_free(directory: str | os.PathLike, step: int) -> Iterator[bool]:
+    """This process alone takes the lock of `step` for the block if no writer holds it (True);
+    False at once where one does, or where it cannot be taken (a read-only directory, no
+    `flock`, object storage): whoever cleans up after a dead writer proves it dead so."""
+    fd: int | _Busy | None = None
+    if fcntl is not None and not locations.is_remote(directory):
+        with contextlib.suppress(OSError):
+            fd = _take(lock_path(directory, step), name_holder=False)
+    if not isinstance(fd, int):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _release(lock_path(directory, step), fd)
+
+
+def is_held(directory: str | os.PathLike, step: int) -> bool:
+    """Whether a writer holds the lock of `step` now; asked without writing anything (a shared
+    `flock` on the file, if there is one, let go at once)."""
+    if fcntl is None or locations.is_remote(directory):
+        return False
+    try:
+        fd = os.open(lock_path(directory, step), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: no writer
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock here: no lock to hold
+        return False
+    finally:
+        os.close(fd)  # drops the shared lock too
+    return False
+
+
+def run_lock_path(directory: str | os.PathLike) -> Path:
+    """The lock a `ModelCheckpoint` holds on its whole directory while `fit` runs."""
+    return Path(directory) / ".keras_orbax.lock"
+
+
+@contextlib.contextmanager
+def run_lock(directory: str | os.PathLike) -> Iterator[None]:
+    """Holds the lock of the whole `directory` (one training run writes it) for the with-block;
+    call on every process (process 0 takes it, as `writer_lock`).
+
+    Raises:
+        StepLockedError: another run holds it; nothing was written.
+    """
+    if fcntl is None or locations.is_remote(directory):
+        yield
+        return
+    taken: list[int] = []
+    path = run_lock_path(directory)
+
+    def take() -> None:
+        try:
+            fd = _take(path)
+        except OSError:  # a directory that cannot be written: its saves fail, saying why
+            return
+        if isinstance(fd, _Busy):
+            raise StepLockedError(_run_busy_message(directory, fd.holder, path))
+        if fd is not None:
+            taken.append(fd)
+
+    multihost.primary_value(f"run lock of {os.fspath(directory)}", take)
+    try:
+        yield
+    finally:
+        for fd in taken:
+            _release(path, fd)
 
 
 def _record_holder(fd: int) -> None:
@@ -148,4 +244,13 @@ def _busy_message(directory: str | os.PathLike, step: int, holder: str, path: Pa
         f"step right now and holds its lock, {path}. Nothing was written; the committed steps "
         "are intact. Save a different step, or wait for that save to finish. "
         f"Received: step={step}"
+    )
+
+
+def _run_busy_message(directory: str | os.PathLike, holder: str, path: Path) -> str:
+    return (
+        f"Cannot save to '{directory}': another training run ({holder}) is writing checkpoints "
+        f"there and holds its lock, {path}. Nothing was written; its steps are untouched. Give "
+        "this run a directory of its own, or stop the other run first. "
+        f"Received: directory='{directory}'"
     )

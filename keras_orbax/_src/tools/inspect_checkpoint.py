@@ -13,7 +13,7 @@ from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
-from keras_orbax._src.storage import locations
+from keras_orbax._src.storage import locations, step_leftovers
 from keras_orbax.errors import KerasOrbaxError
 
 
@@ -60,6 +60,9 @@ class CheckpointInfo:
             (`layers/lookup/vocabulary.txt`: bytes), or why it cannot be read.
         data_position: The input's position saved with the step by `ModelCheckpoint`, per
             process: the kind of input, the epoch and the batches of it done (empty: none saved).
+        leftovers: What saves left beside the steps, one line each: a killed save's staging
+            directory (`<step>.orbax-checkpoint-tmp`, taking disk space), a step an overwrite
+            moved aside (empty: nothing).
     """
 
     directory: Path
@@ -72,6 +75,7 @@ class CheckpointInfo:
     disk_bytes: int = 0  # of every step, a file that steps share counted once (as `du` counts)
     keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
     data_position: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    leftovers: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +105,7 @@ class CheckpointInfo:
             )
         if self.summaries:
             lines.extend(self._step_table())
+        lines += [f"left beside the steps: {line}" for line in self.leftovers]
         meshes = {_mesh(v.layout) for v in record.variables.values() if v.layout}
         mesh = f" on {next(iter(meshes))}" if len(meshes) == 1 else ""  # said once, not per row
         lines.append(f"step {self.step}{mesh}:" if self.step is not None else f"arrays{mesh}:")
@@ -166,6 +171,7 @@ class CheckpointInfo:
             "disk_bytes": self.disk_bytes,
             "versions": self.record.versions,
             "keras_state": self.keras_state,
+            "leftovers": list(self.leftovers),
             "variables": [
                 {**dataclasses.asdict(v), "shape": list(v.shape), "nbytes": v.nbytes}
                 for v in self.record.variables.values()
@@ -229,6 +235,7 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             if source.kind == "keras-orbax" and source.step is not None
             else {}
         ),
+        leftovers=step_leftovers.notes(source.location) if source.kind == "keras-orbax" else (),
     )
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from keras_orbax._src.runtime.progress import Progress, human_bytes
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source, batched
+from keras_orbax._src.storage import step_leftovers
 from keras_orbax.errors import CorruptCheckpointError
 
 
@@ -29,6 +30,9 @@ class VerifyResult:
         location: The resolved location checked.
         kind: Which kind of source (`"keras-orbax"`, `"keras-weights"`, ...).
         why_unchecked: Why some arrays are unchecked, in words; empty if none is.
+        leftovers: What saves left beside the steps of a checkpoint root, one line each: a
+            killed save's staging directory (`<step>.orbax-checkpoint-tmp`, taking disk space),
+            a step an overwrite moved aside; empty if nothing is.
     """
 
     step: int | None
@@ -39,6 +43,7 @@ class VerifyResult:
     location: str = ""
     kind: str = "keras-orbax"
     why_unchecked: str = ""
+    leftovers: tuple[str, ...] = ()
 
     @property
     def intact(self) -> bool:
@@ -46,6 +51,10 @@ class VerifyResult:
         return self.checksummed > 0 and not self.unchecked
 
     def __str__(self) -> str:
+        beside = "".join(f"\n  left beside the steps: {line}" for line in self.leftovers)
+        return self._outcome() + beside
+
+    def _outcome(self) -> str:
         what = (
             f"step {self.step} of '{self.location}'"
             if self.step is not None
@@ -123,6 +132,7 @@ def verify(
         location=str(source.where),
         kind=source.kind,
         why_unchecked=why,
+        leftovers=step_leftovers.notes(source.location) if source.kind == "keras-orbax" else (),
     )
 
 

@@ -214,8 +214,8 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         # runs inside a train step, reading the next batch).
         self._steps_per_execution = self.model.steps_per_execution
         self._data = InputPosition.of_fit(self._save_may_follow)  # the input of this fit
-        checkpointer = self._saves.open()
         try:
+            checkpointer = self._saves.open()  # StepLockedError if another run writes there
             if self._local is not None:
                 self._local.open()
             self._begin_in_directory(checkpointer)

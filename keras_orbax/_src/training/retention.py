@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
+from keras_orbax._src.write import step_sink
+
 _policies = ocp.training.preservation_policies
 
 
@@ -63,11 +65,15 @@ class Retention:
         Call on every process (Orbax's deletion is collective; process 0 deletes), and only once
         the newest step is durable: nothing is deleted before a step to resume from is on disk.
         """
+        # Every step of the directory, not only those this checkpointer wrote (a `save` into it
+        # meanwhile, or a second run where no lock keeps one out: object storage).
+        checkpointer.reload()
         checkpoints = list(checkpointer.checkpoints)
         kept = self.policy().should_preserve(checkpoints, context=_policies.PreservationContext())
         doomed = [c.step for c, keep in zip(checkpoints, kept, strict=True) if not keep]
         for step in doomed:
-            checkpointer.delete(step, missing_ok=True)
+            with step_sink.orbax_operation():
+                checkpointer.delete(step, missing_ok=True)
         return doomed
 
     def rank(self, metrics: Any) -> float:

@@ -23,11 +23,11 @@ from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage.writer_lock import writer_lock
+from keras_orbax._src.storage import locations, step_leftovers, writer_lock
 from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.retention import Retention
 from keras_orbax._src.write import shard_writer, step_sink, step_writer
-from keras_orbax.errors import KerasOrbaxError, SaveFailedError
+from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
 logger = logging.getLogger("keras_orbax")
 
@@ -65,6 +65,8 @@ class _InFlight:
 
 
 _in_flight = _InFlight()
+# The `Saves` of this process holding each directory's run lock (`writer_lock.run_lock`).
+_runs: dict[str, Saves] = {}
 
 
 class Saves:
@@ -101,6 +103,7 @@ class Saves:
         self.pending: PendingSave | None = None
         self._collector: Collector | None = None
         self._notices = contextlib.ExitStack()
+        self._run = contextlib.ExitStack()
 
     def open(self) -> ocp.training.Checkpointer:
         """Opens the directory's checkpointer, and readies what background saves need. First
@@ -111,11 +114,37 @@ class Saves:
         multihost.same_arguments("ModelCheckpoint", directory=self.directory)
         _in_flight.wait(self.directory)
         self._notices.close()  # left open by a fit that raised before on_train_end
-        self._notices.enter_context(quiet.skipped_merge_notices(self.directory))
+        self._hold_directory()
+        self._notices.enter_context(quiet.saving(self.directory))
         # No preservation policy: Orbax would delete old steps before the new one is durable;
         # `prune` deletes them once it is (retention.py).
         self.checkpointer = step_sink.open_checkpointer(self.directory, self.format)
         return self.checkpointer
+
+    def _hold_directory(self) -> None:
+        """Takes the directory's run lock: a second run writing it (the same job launched twice)
+        gets `StepLockedError` naming this one, before it trains. Then removes what saves killed
+        before they committed left there (no writer of the directory is left to finish them)."""
+        self._run.close()  # held by this object's earlier fit, which raised before on_train_end
+        previous = _runs.pop(self.directory, None)
+        if previous is not None and previous is not self:
+            # Another callback of this process holds it: its fit raised before on_train_end (or
+            # two callbacks of one fit write one directory, which this takes from the first).
+            logger.warning(
+                "'%s' was still held by another ModelCheckpoint of this process, whose fit ended "
+                "without on_train_end; it is closed now.",
+                self.directory,
+            )
+            previous.close(failing=True)
+        self._run.enter_context(writer_lock.run_lock(locations.as_path(self.directory)))
+        _runs[self.directory] = self
+        if multihost.is_primary():
+            step_leftovers.remove_stale_staged(locations.as_path(self.directory))
+
+    def _release_directory(self) -> None:
+        if _runs.get(self.directory) is self:
+            del _runs[self.directory]
+        self._run.close()
 
     def start(self, model: keras.Model) -> None:
         """What the first save would otherwise do on the loop: the background collector and its
@@ -158,7 +187,7 @@ class Saves:
             # Until the save has let go of its objects: see gc_pause.hold.
             collector_paused.callback(gc_pause.hold())
             try:
-                lock.enter_context(writer_lock(self.directory, step))
+                lock.enter_context(writer_lock.writer_lock(self.directory, step))
                 with staging:
                     response = step_writer.write_step(
                         self.checkpointer,
@@ -178,6 +207,15 @@ class Saves:
                         # processes (its collectives would interleave with the train step's).
                         start_later=self.format == "fast" and jax.process_count() == 1,
                     )
+            except StepExistsError as error:  # written by another writer: not ours to replace
+                self.close(failing=True)
+                raise StepExistsError(
+                    f"Cannot save step {step} to '{self.directory}': another writer committed "
+                    f"that step there while this run was training (a `keras_orbax.save`, or a "
+                    "run in a directory no lock covers, such as object storage). Nothing was "
+                    f"written; step {step} is untouched. Give each training run a directory of "
+                    f"its own. Received: step={step}"
+                ) from error
             except KerasOrbaxError:  # e.g. another writer holds the step: fit stops here
                 self.close(failing=True)
                 raise
@@ -285,11 +323,13 @@ class Saves:
             self._collector.close()
             self._collector = None
         if checkpointer is None:
+            self._release_directory()
             return
         try:
             checkpointer.close()
         except Exception as error:
             self._notices.close()
+            self._release_directory()
             if failing:
                 logger.warning(
                     "Closing the checkpointer of '%s' failed too: %s", self.directory, error
@@ -300,6 +340,7 @@ class Saves:
                 f"{error}. {self.intact_note()}"
             ) from error
         self._notices.close()  # every save has finished logging
+        self._release_directory()
 
     def _state_values(self, model: keras.Model) -> list[Any]:
         """The arrays a save of this model writes (for the background saves' host buffers)."""

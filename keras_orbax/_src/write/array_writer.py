@@ -32,7 +32,6 @@ import contextvars
 import dataclasses
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -46,7 +45,7 @@ from keras_orbax._src.format.own_state import KERAS_STATE, OwnState, StepFiles
 from keras_orbax._src.format.step_record import FORMAT_NAME, STATE, StepRecord
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import multihost, quiet
-from keras_orbax._src.storage import locations
+from keras_orbax._src.storage import locations, step_leftovers
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import files_writer, shard_writer, step_sink
 from keras_orbax._src.write import incremental as incremental_saves
@@ -201,7 +200,7 @@ def save_arrays(
     caller = _Caller(arrays, on_written)
     root = step_dirs.CheckpointRoot.of(directory)  # its steps listed once, under the lock
     try:
-        with writer_lock(root, step), quiet.skipped_merge_notices(root):
+        with writer_lock(root, step), quiet.saving(root):
             if step in root.listed_again():
                 raise StepExistsError(
                     f"Step {step} is already committed in '{root}'; nothing was written. "
@@ -209,7 +208,9 @@ def save_arrays(
                 )
             try:
                 plan = incremental_saves.plan_for(root, step) if incremental else None
-                _save_held(root, step, record, keys, caller, plan, metrics, keras_state)
+                # No other Orbax save or deletion of this process meanwhile (step_sink.save_async).
+                with step_sink.orbax_operation():
+                    _save_held(root, step, record, keys, caller, plan, metrics, keras_state)
             except BaseException:
                 _remove_unfinished(root, step)
                 raise
@@ -368,8 +369,7 @@ def _remove_unfinished(directory: step_dirs.CheckpointRoot, step: int) -> None:
         if unfinished.exists():
             unfinished.rmtree()
         return
-    for leftover in root.glob(f"{step}.orbax-checkpoint-tmp*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    step_leftovers.remove_staged(root, step)
 
 
 def _size(shape: Sequence[int]) -> int:

@@ -25,15 +25,16 @@ Orbax's save, with the same fault points (`storage.commit.fault_point`) as an ex
 ```python
 sink = StepSink(root, "fast")
 with sink.open_checkpointer() as checkpointer:
-    response = checkpointer.save_checkpointables_async(step, checkpointables)
-    DurableResponse(response, root, step).result()
+    save_async(checkpointer, sink.root, step, checkpointables, durable.Synced()).result()
 ```
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,7 +46,7 @@ from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
 from keras_orbax._src.model import shardings
 from keras_orbax._src.runtime import multihost
-from keras_orbax._src.storage import commit, durable, locations
+from keras_orbax._src.storage import commit, durable, locations, step_leftovers
 from keras_orbax._src.write import (
     data_state_writer,
     files_writer,
@@ -283,6 +284,43 @@ def open_checkpointer(
     )
 
 
+# Orbax numbers each save and each deletion with one process-wide counter (`OperationIdGenerator`)
+# that its handlers read back while the operation runs: two in flight at once in one process (two
+# `ModelCheckpoint`s of one `fit`, each with its own directory, one saving while the other saves
+# or deletes a step retention no longer keeps) waited on each other's signals and wrote into each
+# other's temporary directories (FileNotFoundError, then Orbax's 300 s timeouts). So a process
+# runs one Orbax save or deletion at a time, a save from its start to its commit.
+_ONE_SAVE = threading.Lock()
+
+
+def orbax_operation() -> contextlib.AbstractContextManager:
+    """Held for an Orbax operation other than a save (a deletion): none runs meanwhile."""
+    return _ONE_SAVE
+
+
+def save_async(
+    checkpointer: ocp.training.Checkpointer,
+    root: step_dirs.CheckpointRoot,
+    step: int,
+    checkpointables: dict[str, Any],
+    synced: durable.Synced,
+    **options: Any,
+) -> DurableResponse | None:
+    """`checkpointer.save_checkpointables_async(step, checkpointables, **options)`, once no other
+    save of this process is in flight; the next may start once `result()` has seen this one
+    committed or failed."""
+    _ONE_SAVE.acquire()
+    try:
+        response = checkpointer.save_checkpointables_async(step, checkpointables, **options)
+    except BaseException:
+        _ONE_SAVE.release()
+        raise
+    if response is None:
+        _ONE_SAVE.release()
+        return None
+    return DurableResponse(response, root, step, synced, _ONE_SAVE.release)
+
+
 class DurableResponse:
     """Orbax's response to a save, whose `result()` waits for the commit and then makes the step
     durable (`durable.step_committed`: Orbax fsyncs neither its own files nor the rename).
@@ -299,12 +337,20 @@ class DurableResponse:
         directory: Any,
         step: int,
         synced: durable.Synced | None = None,
+        ended: Callable[[], None] | None = None,
     ) -> None:
-        self._response, self._synced = response, synced
+        self._response, self._synced, self._ended = response, synced, ended
         self._step_dir = step_dirs.CheckpointRoot.of(directory).step_dir(step)
 
     def result(self) -> None:
-        self._response.result()
+        # A failed save removes what it staged (the caller holds the step's writer lock).
+        with step_leftovers.removing_staged(self._step_dir.parent, int(self._step_dir.name)):
+            try:
+                self._response.result()
+            finally:
+                ended, self._ended = self._ended, None
+                if ended is not None:  # Orbax's part is over: the next save may start
+                    ended()
         commit.fault_point("fsync")
         if not locations.is_remote(self._step_dir):  # an object is durable once written
             durable.step_committed(self._step_dir, self._synced)

@@ -25,7 +25,7 @@ from keras_orbax._src.format.step_record import (
 )
 from keras_orbax._src.model import keras_walk, shardings, state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import commit, durable
+from keras_orbax._src.storage import commit, durable, locations, step_leftovers
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
 from keras_orbax._src.write import shard_writer, step_sink
@@ -66,7 +66,10 @@ def save(
         epoch: Recorded in the metadata (e.g. for resuming `fit`).
         format: `"fast"` (uncompressed, one file per shard: the fastest restore) or `"compact"`
             (zstd + OCDBT: smaller, fewer files). Both restore the same way.
-        overwrite: Replace `step` if it is already committed.
+        overwrite: Replace `step` if it is already committed. The committed step is moved
+            aside (`.keras_orbax.<step>.replaced`) and removed only once the new one is durable;
+            if the save fails, it is put back (a killed save's is put back by the next listing
+            of the directory's steps). In `gs://` and `s3://`, Orbax deletes it first.
         incremental: Write only the shard files whose content changed since the latest
             committed step before `step` in `directory`; the others are hard links to that
             step's files (in object storage: copies made by the store), so every step stays
@@ -104,7 +107,11 @@ def save(
     try:
         with (
             writer_lock(root, step),  # released once the checkpointer has closed
-            quiet.skipped_merge_notices(root),
+            # The committed `step` is moved aside, not deleted (as Orbax's overwrite would): it is
+            # removed once the new one is durable, and put back if the save fails.
+            step_leftovers.replacing(root.path, step) if overwrite else contextlib.nullcontext(),
+            step_leftovers.removing_staged(root.path, step),
+            quiet.saving(root),
             step_sink.open_checkpointer(root, format) as checkpointer,
         ):
             # Decided under the lock (process 0 holds it and decides): a writer that held it may
@@ -117,7 +124,9 @@ def save(
                 model,
                 step=step,
                 epoch=epoch,
-                overwrite=overwrite,
+                # Orbax deletes the step before writing it again: only in object storage, where
+                # `replacing` cannot move it aside.
+                overwrite=overwrite and locations.is_remote(root.path),
                 checked=checked,
                 incremental=incremental,
                 rewrite_every=rewrite_every,
@@ -126,7 +135,8 @@ def save(
     except Exception as error:  # the write failed: a full disk, a read-only directory...
         if isinstance(error, KerasOrbaxError) and not isinstance(error, SaveFailedError):
             raise  # the caller's input (StepExistsError...), or a process that never reported
-        if not overwrite and root.has_committed(step):
+        steps = root.listed_again()  # now that the failure is over: an old step put back
+        if not overwrite and step in steps:
             # A process lost at Orbax's last barrier, after process 0 had renamed the step.
             raise SaveFailedError(
                 f"Saving step {step} to '{root}' failed: {described_error(error)}. Process 0 had "
@@ -134,13 +144,31 @@ def save(
                 "it was not made durable: a restore checks it, and `keras-orbax verify` tells "
                 "whether it is whole."
             ) from error
-        steps = root.steps()  # as listed under the lock: nothing was committed since
-        intact = f" The last committed step, {steps[-1]}, is intact." if steps else ""
-        raise SaveFailedError(
-            f"Saving step {step} to '{root}' failed: "
-            f"{described_error(error)}. Nothing was committed.{intact}"
-        ) from error
+        raise SaveFailedError(_failed_message(root, step, error, steps, overwrite)) from error
     return root.step_dir(step)
+
+
+def _failed_message(
+    root: step_dirs.CheckpointRoot,
+    step: int,
+    error: BaseException,
+    steps: list[int],
+    overwrite: bool,
+) -> str:
+    """What a failed save says it left, from the steps listed after the failure."""
+    aside = step_leftovers.replaced_path(root.path, step)
+    if overwrite and step in steps:
+        kept = f" Step {step} as it was before this save is back in place, intact."
+    elif overwrite and aside.is_dir():
+        kept = (
+            f" Step {step} as it was before this save is kept at {aside}; the next listing of "
+            "the directory's steps (a restore, `keras-orbax inspect`) puts it back."
+        )
+    elif steps:
+        kept = f" The last committed step, {steps[-1]}, is intact."
+    else:
+        kept = " No step is committed in the directory."
+    return f"Saving step {step} to '{root}' failed: {described_error(error)}. Nothing was committed.{kept}"
 
 
 def described_error(error: BaseException) -> str:
@@ -238,38 +266,50 @@ def write_step(
         plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
         synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
         with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
-            response = checkpointer.save_checkpointables_async(
+            return step_sink.save_async(
+                checkpointer,
+                root,
                 step,
                 checkpointables,
+                synced,
                 force=True,
                 overwrite=overwrite,
                 metrics=metrics,
                 custom_metadata={FORMAT_NAME: record.to_json()},
             )
-        if response is None:
-            return None
-        return step_sink.DurableResponse(response, root, step, synced)
 
     if start_later and not blocking:
         staged = shard_writer.stage({key.replace("/", "."): value for key, value in values.items()})
-        return LaterSave(start, staged)
-    # Waited for at once, the save may write from the live device buffers; in the background it
-    # must copy them first (the next train step donates them).
-    with shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext():
-        response = start()
-    if blocking and response is not None:
-        response.result()
+        return LaterSave(start, staged, root, step)
+    # A failed save removes what it staged: a full disk is not kept full for the next save.
+    with step_leftovers.removing_staged(root.path, step):
+        # Waited for at once, the save may write from the live device buffers; in the background
+        # it must copy them first (the next train step donates them).
+        with shard_writer.shards_stay_unchanged() if blocking else contextlib.nullcontext():
+            response = start()
+        if blocking and response is not None:
+            response.result()
     return response
 
 
 class LaterSave:
     """A save whose shards are on the host already; `result()` writes and commits it."""
 
-    def __init__(self, start: Callable[[], step_sink.DurableResponse | None], staged: Any) -> None:
+    def __init__(
+        self,
+        start: Callable[[], step_sink.DurableResponse | None],
+        staged: Any,
+        root: step_dirs.CheckpointRoot,
+        step: int,
+    ) -> None:
         self._start, self._staged = start, staged
+        self._root, self._step = root, step
 
     def result(self) -> None:
-        with shard_writer.from_staged(self._staged):
+        with (
+            step_leftovers.removing_staged(self._root.path, self._step),
+            shard_writer.from_staged(self._staged),
+        ):
             response = self._start()
         if response is not None:
             response.result()
