@@ -144,8 +144,6 @@ def test_convert_to_a_preset_on_the_command_line_under_a_mesh(trained, tmp_path)
 
 def test_convert_to_transformers_is_read_by_keras_hub(trained, tmp_path):
     name, task, directory = trained.name, trained.task, trained.directory
-    if name == "gemma":
-        pytest.skip("keras-hub writes this Gemma layout's key/value heads wrong (issue 54 item 2)")
     keras_orbax.convert(directory, tmp_path / "hf", transformers=True)
     loaded = _hf_export.backbone_class(name).from_preset(str(tmp_path / "hf"))
     want = _hf_export.exported_values(task.backbone)
@@ -176,10 +174,8 @@ def test_diff_of_a_task_step_against_its_exports_compares_the_backbone(trained, 
     backbone, a Hugging Face directory by tensor names: `diff` matches them by Keras paths."""
     task, directory = trained.task, trained.directory
     keras_orbax.convert(directory, tmp_path / "preset", preset=True)
-    exports = [tmp_path / "preset"]
-    if trained.name == "llama3":  # keras-hub writes Gemma's (2, 4) layout wrong (issue 54 item 2)
-        keras_orbax.convert(directory, tmp_path / "hf", transformers=True)
-        exports.append(tmp_path / "hf")
+    keras_orbax.convert(directory, tmp_path / "hf", transformers=True)
+    exports = [tmp_path / "preset", tmp_path / "hf"]
     backbone = {v.path for v in task.backbone.variables}
     lora = {p for p in backbone if "lora_kernel" in p}
     merged = {p.replace("lora_kernel_a", "kernel") for p in lora if p.endswith("_a")}
