@@ -315,8 +315,8 @@ def _general(path: str, level: int | None, counters: bool = False) -> str:
     """
     names = path.split("/")
     cut = len(names) if level is None else level
-    literal = _counter if counters else re.escape
-    return "/".join([*map(_name, names[:cut]), *map(literal, names[cut:])])
+    rest = [_counter(name) if counters else re.escape(name) for name in names[cut:]]
+    return "/".join([*map(_name, names[:cut]), *rest])
 
 
 def _counter(name: str) -> str:
