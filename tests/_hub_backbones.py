@@ -4,6 +4,10 @@ of small dimensions shared by all, so that the whole sweep compiles few distinct
 
 `BACKBONES[name]()` builds `keras_hub.models.<name>` at random. A composite backbone (Depth
 Anything, SAM, Stable Diffusion 3...) is built from its parts, as keras-hub's tests build it.
+The dimensions divide a (2, 4) mesh where the architecture lets them: tests/test_hub_backbones.py
+loads these sharded, tests/test_layout_maps.py derives their layout maps. The text and decoder
+builders take keyword arguments that change their config for one test
+(`BACKBONES["GemmaBackbone"](num_key_value_heads=2)`).
 """
 
 from __future__ import annotations
