@@ -4,6 +4,10 @@ of small dimensions shared by all, so that the whole sweep compiles few distinct
 
 `BACKBONES[name]()` builds `keras_hub.models.<name>` at random. A composite backbone (Depth
 Anything, SAM, Stable Diffusion 3...) is built from its parts, as keras-hub's tests build it.
+The dimensions divide a (2, 4) mesh where the architecture lets them: tests/test_hub_backbones.py
+loads these sharded, tests/test_layout_maps.py derives their layout maps. The text and decoder
+builders take keyword arguments that change their config for one test
+(`BACKBONES["GemmaBackbone"](num_key_value_heads=2)`).
 """
 
 from __future__ import annotations
@@ -67,12 +71,12 @@ def _part(module: str, name: str) -> Any:
     return getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)
 
 
-def _text(name: str, **kwargs: Any) -> Callable[[], Any]:
-    return lambda: getattr(hub, name)(**{**_TEXT, **kwargs})
+def _text(name: str, **kwargs: Any) -> Callable[..., Any]:
+    return lambda **changed: getattr(hub, name)(**{**_TEXT, **kwargs, **changed})
 
 
-def _llm(name: str, **kwargs: Any) -> Callable[[], Any]:
-    return lambda: getattr(hub, name)(**{**_LLM, **kwargs})
+def _llm(name: str, **kwargs: Any) -> Callable[..., Any]:
+    return lambda **changed: getattr(hub, name)(**{**_LLM, **kwargs, **changed})
 
 
 def _dinov2(num_layers: int = 2, size: int = 70, **kwargs: Any) -> Any:
@@ -133,14 +137,17 @@ def _hgnetv2(stages: int, **kwargs: Any) -> Any:
     )
 
 
-def _encoders(module: str, prefix: str) -> dict[str, Any]:
+def _vision_encoder(prefix: str) -> Any:
+    return getattr(hub, f"{prefix}VisionEncoder")(16, 8, 2, 2, 16, image_shape=(32, 32, 3))
+
+
+def _text_encoder(prefix: str) -> Any:
+    return getattr(hub, f"{prefix}TextEncoder")(64, 8, 8, 2, 2, 16, max_sequence_length=8)
+
+
+def _encoders(prefix: str) -> dict[str, Any]:
     """A vision and a text encoder of a CLIP-like backbone."""
-    vision = _part(f"{module}.{module}_vision_encoder", f"{prefix}VisionEncoder")
-    text = _part(f"{module}.{module}_text_encoder", f"{prefix}TextEncoder")
-    return dict(
-        vision_encoder=vision(16, 8, 2, 2, 16, image_shape=(32, 32, 3)),
-        text_encoder=text(64, 8, 8, 2, 2, 16, max_sequence_length=8),
-    )
+    return dict(vision_encoder=_vision_encoder(prefix), text_encoder=_text_encoder(prefix))
 
 
 def _clip_text(name: str, activation: str = "quick_gelu") -> Any:
@@ -341,7 +348,9 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "BartBackbone": _text("BartBackbone", max_sequence_length=8),
     "BertBackbone": _text("BertBackbone", max_sequence_length=8),
     "BloomBackbone": _text("BloomBackbone"),
-    "CLIPBackbone": lambda: hub.CLIPBackbone(**_encoders("clip", "CLIP"), projection_dim=8),
+    "CLIPBackbone": lambda: hub.CLIPBackbone(**_encoders("CLIP"), projection_dim=8),
+    "CLIPTextEncoder": lambda: _text_encoder("CLIP"),
+    "CLIPVisionEncoder": lambda: _vision_encoder("CLIP"),
     "CSPNetBackbone": lambda: hub.CSPNetBackbone(
         stem_filters=8,
         stem_kernel_size=3,
@@ -386,7 +395,7 @@ BACKBONES: dict[str, Callable[[], Any]] = {
         intermediate_dim=16,
     ),
     "DenseNetBackbone": lambda: hub.DenseNetBackbone(
-        stackwise_num_repeats=[1, 1], image_shape=(16, 16, 3), growth_rate=4
+        stackwise_num_repeats=[1, 1], image_shape=(16, 16, 3)
     ),
     # Four DINOv2 stages, each reassembled; 9 x 9 patches, so that the halved one is 4 x 4.
     "DepthAnythingBackbone": lambda: hub.DepthAnythingBackbone(
@@ -483,26 +492,26 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "HGNetV2Backbone": lambda: _hgnetv2(2, image_shape=(32, 32, 3)),
     "Llama3Backbone": _llm("Llama3Backbone"),
     "LlamaBackbone": _llm("LlamaBackbone"),
-    "MetaCLIP2Backbone": lambda: hub.MetaCLIP2Backbone(
-        **_encoders("metaclip_2", "MetaCLIP2"), projection_dim=8
-    ),
+    "MetaCLIP2Backbone": lambda: hub.MetaCLIP2Backbone(**_encoders("MetaCLIP2"), projection_dim=8),
+    "MetaCLIP2TextEncoder": lambda: _text_encoder("MetaCLIP2"),
+    "MetaCLIP2VisionEncoder": lambda: _vision_encoder("MetaCLIP2"),
     "MiTBackbone": _mit,
     "MistralBackbone": _llm("MistralBackbone"),
     "MixtralBackbone": _llm("MixtralBackbone", num_experts=2),
     "MobileNetBackbone": lambda: hub.MobileNetBackbone(
-        stackwise_expansion=[[16], [24]],
+        stackwise_expansion=[[64], [96]],
         stackwise_num_blocks=[1, 1],
-        stackwise_num_filters=[[8], [16]],
+        stackwise_num_filters=[[16], [32]],
         stackwise_kernel_size=[[3], [3]],
         stackwise_num_strides=[[2], [2]],
         stackwise_se_ratio=[[None], [0.25]],
         stackwise_activation=[["relu"], ["hard_swish"]],
         stackwise_padding=[[1], [1]],
-        output_num_filters=16,
-        depthwise_filters=8,
+        output_num_filters=64,
+        depthwise_filters=16,
         depthwise_stride=2,
         depthwise_residual=False,
-        last_layer_filter=16,
+        last_layer_filter=64,
         image_shape=(32, 32, 3),
     ),
     "MobileNetV5Backbone": _mobilenet_v5,
@@ -583,7 +592,9 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "SAM3PromptableConceptBackbone": _sam3,
     "SAMBackbone": _sam,
     "SegFormerBackbone": lambda: hub.SegFormerBackbone(image_encoder=_mit(), projection_filters=8),
-    "SigLIPBackbone": lambda: hub.SigLIPBackbone(**_encoders("siglip", "SigLIP")),
+    "SigLIPBackbone": lambda: hub.SigLIPBackbone(**_encoders("SigLIP")),
+    "SigLIPTextEncoder": lambda: _text_encoder("SigLIP"),
+    "SigLIPVisionEncoder": lambda: _vision_encoder("SigLIP"),
     "SmolLM3Backbone": lambda: hub.SmolLM3Backbone(**_SMOLLM),
     "SmolLMBackbone": lambda: hub.SmolLMBackbone(**_SMOLLM),
     "StableDiffusion3Backbone": lambda: hub.StableDiffusion3Backbone(
@@ -606,7 +617,7 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "T5Gemma2Backbone": lambda: hub.T5Gemma2Backbone(**_T5GEMMA),
     "T5GemmaBackbone": lambda: hub.T5GemmaBackbone(**_T5GEMMA),
     "VGGBackbone": lambda: hub.VGGBackbone(
-        stackwise_num_repeats=[1, 1], stackwise_num_filters=[4, 8], image_shape=(16, 16, 3)
+        stackwise_num_repeats=[1, 1], stackwise_num_filters=[16, 32], image_shape=(16, 16, 3)
     ),
     "ViTBackbone": lambda: hub.ViTBackbone(
         image_shape=(28, 28, 3), patch_size=14, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16
@@ -638,8 +649,8 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "XLMRobertaBackbone": _text("XLMRobertaBackbone", max_sequence_length=8),
     "XLNetBackbone": _text("XLNetBackbone"),
     "XceptionBackbone": lambda: hub.XceptionBackbone(
-        stackwise_conv_filters=[[8, 8], [16, 16]],
-        stackwise_pooling=[True, False],
+        stackwise_conv_filters=[[16, 32], [32, 64]],
+        stackwise_pooling=[False, True],
         image_shape=(16, 16, 3),
     ),
 }
@@ -651,12 +662,11 @@ NOT_BUILT: dict[str, str] = {
 
 
 def backbone_names() -> set[str]:
-    """Every backbone class `keras_hub.models` exports."""
+    """Every backbone class `keras_hub.models` exports (the encoders of CLIP-like backbones too)."""
     return {
         name
         for name in dir(hub)
-        if name.endswith("Backbone")
-        and isinstance(getattr(hub, name), type)
+        if isinstance(getattr(hub, name), type)
         and issubclass(getattr(hub, name), hub.Backbone)
         and getattr(hub, name) is not hub.Backbone
     }

@@ -96,7 +96,7 @@ def get_layout_map(
         shape = tuple(variable.shape)
         kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
         own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
-    layouts = _unified(own, device_mesh)
+    layouts = _unified(own, device_mesh, axes)
     _warn_if_uneven(model, layouts, device_mesh)
     layout_map = keras.distribution.LayoutMap(device_mesh)
     for key, layout in _keyed(layouts).items():
@@ -210,12 +210,15 @@ def _unique_variables(model: keras.Model) -> list[keras.Variable]:
 
 
 def _unified(
-    own: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
+    own: list[tuple[str, tuple[int, ...], Axes]],
+    device_mesh: keras.distribution.DeviceMesh,
+    mesh_axes: Sequence[str],
 ) -> dict[str, Axes]:
     """One layout per path, from each variable's own (`own`: path, shape, layout).
 
     Paths that differ only by the counters Keras appends to names (`conv2d`, `conv2d_1`) get the
-    same layout where one of theirs divides all of them, the one splitting their bytes most:
+    same layout where one divides all of them (theirs, or the best for all their shapes at once),
+    the one splitting their bytes most:
     another build numbers them differently, so no key could tell them apart. Otherwise each path
     gets the one that divides all of its variables (replicated where none does).
     """
@@ -225,10 +228,10 @@ def _unified(
         groups.setdefault(counterless, []).append((path, shape, axes))
     layouts: dict[str, Axes] = {}
     for members in groups.values():
-        common = _common(members, device_mesh)
+        common = _common(members, device_mesh, mesh_axes)
         for path, shape, _ in members:
             if common is None:
-                common_here = _common([m for m in members if m[0] == path], device_mesh)
+                common_here = _common([m for m in members if m[0] == path], device_mesh, mesh_axes)
                 layouts[path] = common_here or (None,) * len(shape)
             else:
                 layouts[path] = common
@@ -236,14 +239,24 @@ def _unified(
 
 
 def _common(
-    members: list[tuple[str, tuple[int, ...], Axes]], device_mesh: keras.distribution.DeviceMesh
+    members: list[tuple[str, tuple[int, ...], Axes]],
+    device_mesh: keras.distribution.DeviceMesh,
+    mesh_axes: Sequence[str],
 ) -> Axes | None:
-    """Of the members' layouts, the one that divides every member's shape and leaves a device
-    the fewest elements of them; None if none divides them all."""
+    """Of the members' layouts and the split of their shapes' common divisors, the one that
+    divides every member's shape and leaves a device the fewest elements of them; None if none
+    divides them all."""
+    candidates = dict.fromkeys(layout for _, _, layout in members)
+    shapes = [shape for _, shape, _ in members]
+    if len({len(shape) for shape in shapes}) == 1:
+        divisors = tuple(math.gcd(*dims) for dims in zip(*shapes, strict=True))
+        split = _split_axes(divisors, device_mesh, mesh_axes)
+        if any(split):  # replicating them all is left to the fallback of each path its own
+            candidates[split] = None
     fits = [
-        axes
-        for axes in dict.fromkeys(axes for _, _, axes in members)
-        if all(_divides(axes, shape, device_mesh) for _, shape, _ in members)
+        layout
+        for layout in candidates
+        if all(_divides(layout, shape, device_mesh) for shape in shapes)
     ]
     if not fits:
         return None
@@ -272,26 +285,29 @@ def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
 def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
     r"""The map's keys: each path's names with their numbers generalized (`block_\d+/dense(?:_\d+)?/
     kernel`), where every path a key stands for has the same layout. Where they differ, only the
-    first names are generalized, as many as keep each key's layout one; the exact path where none
+    first names are generalized, as many as keep each key's layout one, and the others' counters
+    (`stage_1/dense(?:_\d+)?`, `stage_2/...`); then the others literal; the exact path where none
     does. Replicated paths need no key: Keras replicates what the map does not match."""
     groups: dict[str, dict[str, Axes]] = {}
     for path, axes in layouts.items():
         groups.setdefault(_general(path, None), {})[path] = axes
     keyed: dict[str, Axes] = {}
     for members in groups.values():
-        for level in range(next(iter(members)).count("/") + 1, -1, -1):
+        levels = range(next(iter(members)).count("/") + 1, -1, -1)
+        # Counters generalized before any name is kept literal: a build numbers them anew.
+        for counters, level in itertools.product((True, False), levels):
             keys: dict[str, set[Axes]] = {}
             for path, axes in members.items():
-                keys.setdefault(_general(path, level), set()).add(axes)
+                keys.setdefault(_general(path, level, counters), set()).add(axes)
             if all(len(found) == 1 for found in keys.values()):
                 keyed.update({key: found.pop() for key, found in keys.items()})
                 break
     return {key: axes for key, axes in keyed.items() if any(axes)}
 
 
-def _general(path: str, level: int | None) -> str:
+def _general(path: str, level: int | None, counters: bool = False) -> str:
     """`path` as a pattern, its first `level` names (all for None) generalized by `_name`, the
-    rest literal.
+    rest literal but for their counters if `counters` (`_counter`).
 
     Paths whose names generalize alike match each other's patterns and no other path's, so no
     path matches two keys (which `LayoutMap` refuses); within one such group, the patterns of one
@@ -299,7 +315,15 @@ def _general(path: str, level: int | None) -> str:
     """
     names = path.split("/")
     cut = len(names) if level is None else level
-    return "/".join([*map(_name, names[:cut]), *map(re.escape, names[cut:])])
+    rest = [_counter(name) if counters else re.escape(name) for name in names[cut:]]
+    return "/".join([*map(_name, names[:cut]), *rest])
+
+
+def _counter(name: str) -> str:
+    r"""A pattern for `name` with any counter suffix, or none: `_name`'s, its other numbers kept
+    (`stage_1_2` -> `stage_1_\d+`, `dense_3` -> `dense(?:_\d+)?`)."""
+    base = re.sub(r"_\d+$", "", name)
+    return re.escape(base) + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
 
 
 def _name(name: str) -> str:
