@@ -90,7 +90,20 @@ def test_same_file_as_keras_and_loads_back(tmp_path, distribution, build, bfloat
     loaded_variables = fresh.weights + fresh.optimizer.variables
     for saved, loaded in zip(saved_variables, loaded_variables, strict=True):
         assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras.weights.h5", "ours.weights.h5"]
+    # Keras loaded it with the sidecar beside it, which `verify` checks every dataset against
+    sidecar = "ours.weights.h5.keras_orbax_checksums.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keras.weights.h5",
+        "ours.weights.h5",
+        sidecar,
+    ]
+    result = keras_orbax.verify(ours)
+    assert result.intact and result.checksummed == len(got) - _groups(got) - 1, result
+    assert result.unchecked == ()
+
+
+def _groups(contents: dict[str, Any]) -> int:
+    return sum("shape" not in entry for name, entry in contents.items() if name != "/")
 
 
 def test_regions_cover_each_array_once_in_windows():

@@ -46,8 +46,8 @@ def rename(sink: ExportSink, staging: Path) -> None:
             _rename_each_file(sink, staging)
     else:
         order = sink.commit_order()
-        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
-            (parent / order[-1]).unlink(missing_ok=True)
+        for name in sink.removed_first():  # the old index first: a rename part-way never mixes
+            (parent / name).unlink(missing_ok=True)
         for name in order:
             os.replace(staging / name, parent / name)
     durable.fsync_path(parent)
