@@ -195,38 +195,36 @@ class H5File:
             SaveFailedError: a region's bytes in the file are not those its process wrote.
         """
         assert self.writer is not None
-        layouts: dict[str, tuple[dict[str, int], dict[str, TensorSpec]]] = {}
-        placements, paths = {}, {}
-        offset_of = {}
-        for file in {d[0] for d in self.writer.datasets}:
+        datasets = self.writer.datasets
+        offsets_in: dict[str, dict[str, int | None]] = {}
+        for file in dict.fromkeys(d[0] for d in datasets):
             with h5py.File(file, "r") as h5:
-                offset_of.update(
-                    {
-                        (file, d[1]): direct_offset(h5[d[1]])
-                        for d in self.writer.datasets
-                        if d[0] == file
-                    }
-                )
-        for number, (file, dataset, shape, dtype, *_) in enumerate(self.writer.datasets):
-            offset = offset_of[file, dataset]
+                offsets_in[file] = {d[1]: direct_offset(h5[d[1]]) for d in datasets if d[0] == file}
+        layouts: dict[str, tuple[dict[str, int], dict[str, TensorSpec]]] = {}
+        placements, names = {}, {}
+        for number, (file, dataset, shape, dtype, *_) in enumerate(datasets):
+            offset = offsets_in[file][dataset]
             if offset is None or 0 in shape:
                 continue  # no bytes, or not where NumPy holds them: left unchecked by readers
-            name = f"{self.name}:{number:06d}"
+            name = f"{Path(file).name}/{dataset.lstrip('/')}"  # the sidecar's, and messages'
             offsets, specs = layouts.setdefault(Path(file).name, ({}, {}))
             offsets[name] = offset
             specs[name] = TensorSpec(name, shape, np.dtype(dtype))
             axes = tuple(range(len(shape)))
             placements[name] = export_checksums.Placement(shape, axes, axes)
-            paths[name] = f"{Path(file).name}/{dataset.lstrip('/')}"
-        mine = {k: v for k, v in reported.items() if k.rpartition("/")[0] in placements}
-        entries = export_checksums.check_read_back(
+            names[f"{self.name}:{number:06d}"] = name
+        regions_reported = {}  # each by `<sidecar name>/<region key>`, as `check_read_back` reads
+        for key, crc in reported.items():
+            which, _, region = key.rpartition("/")
+            if which in names:
+                regions_reported[f"{names[which]}/{region}"] = crc
+        return export_checksums.check_read_back(
             staging,
             [FileLayout(f, b"", offsets, specs, 0) for f, (offsets, specs) in layouts.items()],
             placements,
-            mine,
+            regions_reported,
             export_checksums.read_back_bytes(self.window_bytes),
         )
-        return {paths[name]: entry for name, entry in entries.items()}
 
     def files(self, staging: Path) -> list[str]:
         """The file names written, in rename order: the parts the index names, then the index."""
