@@ -194,7 +194,7 @@ def _write(sink: ExportSink, name: str) -> Path:
         fault_point("fsync")
         _collectively(f"{name}: fsync", _fsync_staged, sink, staging)
         fault_point("rename")
-        _collectively(f"{name}: rename", replace.rename, sink, staging)
+        _collectively(f"{name}: rename", replace.rename, sink, staging, fault_point)
         committed = True
         fault_point("prune")
         if primary:
