@@ -56,7 +56,10 @@ class KerasWeightsSource(Source):
 
     kind: ClassVar[SourceKind] = "keras-weights"
     description = "Keras weights file"
-    no_checksums = "is a Keras weights file, which records no checksums"
+    no_checksums = (
+        "is a Keras weights file that records no checksums (`keras_orbax.save_weights` records "
+        "them beside the file)"
+    )
 
     def __init__(self, file: Path, location: Path | None = None) -> None:
         self.file = file
@@ -189,7 +192,10 @@ class KerasPresetSource(KerasWeightsSource):
 
     kind: ClassVar[SourceKind] = "keras-preset"
     description = "keras-hub preset"
-    no_checksums = "is a keras-hub preset, whose weights files record no checksums"
+    no_checksums = (
+        "is a keras-hub preset that records no checksums (`keras_orbax.save_to_preset` records "
+        "them)"
+    )
 
     @property
     def model_config(self) -> None:
