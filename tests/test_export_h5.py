@@ -162,7 +162,9 @@ def test_error_mid_export_leaves_the_previous_file(tmp_path):
     with pytest.raises(SaveFailedError, match="OSError: disk gone"):
         keras_orbax.save_weights(failing, destination)
     assert destination.read_bytes() == before  # the old, complete file: never a partial one
-    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]  # no partial file left
+    left = sorted(p.name for p in tmp_path.iterdir())  # no partial file left
+    assert left == ["m.weights.h5", "m.weights.h5.keras_orbax_checksums.json"]
+    assert keras_orbax.verify(destination).intact  # its own checksums, not the failed export's
     fresh = _models.mlp()
     fresh.load_weights(destination)
 
@@ -235,7 +237,8 @@ def test_killed_mid_export_leaves_nothing_that_loads(tmp_path):
     left = [p.name for p in tmp_path.iterdir()]
     assert left == [".m.weights.h5.partial"]  # hidden, not named as a weights file
     keras_orbax.save_weights(_models.mlp(), destination)  # the next export replaces it
-    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["m.weights.h5", "m.weights.h5.keras_orbax_checksums.json"]
 
 
 _MEMORY = """
