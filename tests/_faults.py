@@ -144,6 +144,22 @@ def loaded(sink: str, root: Path) -> dict[int, np.ndarray] | None:
     return {i: np.array(w.value) for i, w in enumerate(model.weights)}
 
 
+def assert_checksums_describe_the_export(sink: str, root: Path, recorded: bool = True) -> None:
+    """An export's sidecar (`export_checksums`) describes the files beside it, whichever export
+    they are: `verify` checks every dataset or tensor against it and finds them intact; or, where
+    not `recorded`, there is none and `verify` says it checked nothing."""
+    import keras_orbax
+
+    if sink.startswith("step"):
+        return
+    result = keras_orbax.verify(destination(sink, root))
+    if recorded:
+        assert result.intact and result.checksummed > 0 and result.unchecked == (), result
+    else:
+        assert not result.intact and result.checksummed == 0 and result.unchecked, result
+        assert "records no checksums" in result.why_unchecked, result
+
+
 def kept_files(sink: str, root: Path) -> dict[str, str]:
     """`files` of what a failed export must leave as it was: the whole export, or a checkpoint's
     first step, as a reader finds it once it has listed the steps (a listing puts back a step
@@ -283,16 +299,14 @@ def _mounts_under(root: Path) -> list[str]:
 def commits(sink: str, stage: str, fault: str) -> bool:
     """Whether an export with `fault` injected at the start of `stage` still commits: a fault at
     `prune` comes after the commit point; a full disk stops only what writes data (every file is
-    staged by then, except a preset's configs, which it writes once the regions are in, and a
-    Hugging Face export's checksums, written once every region is read back)."""
-    if stage == "prune":
+    staged by then, except a preset's configs, which it writes once the regions are in, and every
+    export's checksums, written once every region is read back: all after the agreement)."""
+    if stage in ("prune", "rename.last"):  # rename.last: the files renamed, not their sidecar
         return True
     if sink.startswith("step"):  # at "fsync", Orbax has renamed the step: only a power cut loses it
         return stage == "fsync" and fault != "EIO"
     if fault == "ENOSPC":
-        return stage in ("fsync", "rename") or (
-            stage == "agree" and sink not in ("preset", "transformers")
-        )
+        return stage in ("fsync", "rename")
     return False
 
 

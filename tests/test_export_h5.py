@@ -7,6 +7,7 @@ equal what `model.save_weights` writes, and `model.load_weights` reads back exac
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pytest
 
 import keras_orbax
 from keras_orbax._src.export import regions
-from keras_orbax.errors import SaveFailedError
+from keras_orbax.errors import CorruptCheckpointError, SaveFailedError
 from tests import _harness, _models
 
 
@@ -90,7 +91,20 @@ def test_same_file_as_keras_and_loads_back(tmp_path, distribution, build, bfloat
     loaded_variables = fresh.weights + fresh.optimizer.variables
     for saved, loaded in zip(saved_variables, loaded_variables, strict=True):
         assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keras.weights.h5", "ours.weights.h5"]
+    # Keras loaded it with the sidecar beside it, which `verify` checks every dataset against
+    sidecar = "ours.weights.h5.keras_orbax_checksums.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "keras.weights.h5",
+        "ours.weights.h5",
+        sidecar,
+    ]
+    result = keras_orbax.verify(ours)
+    assert result.intact and result.checksummed == len(got) - _groups(got) - 1, result
+    assert result.unchecked == ()
+
+
+def _groups(contents: dict[str, Any]) -> int:
+    return sum("shape" not in entry for name, entry in contents.items() if name != "/")
 
 
 def test_regions_cover_each_array_once_in_windows():
@@ -148,9 +162,52 @@ def test_error_mid_export_leaves_the_previous_file(tmp_path):
     with pytest.raises(SaveFailedError, match="OSError: disk gone"):
         keras_orbax.save_weights(failing, destination)
     assert destination.read_bytes() == before  # the old, complete file: never a partial one
-    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]  # no partial file left
+    left = sorted(p.name for p in tmp_path.iterdir())  # no partial file left
+    assert left == ["m.weights.h5", "m.weights.h5.keras_orbax_checksums.json"]
+    assert keras_orbax.verify(destination).intact  # its own checksums, not the failed export's
     fresh = _models.mlp()
     fresh.load_weights(destination)
+
+
+def flip_byte(file: Path, offset: int) -> None:
+    """One bit of `file` changed at `offset`, as a disk or a copy might change it."""
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_changed_byte_is_named_by_verify_and_every_restore(tmp_path):
+    """The sidecar beside the export lists each dataset's CRCs: a byte changed in one dataset is
+    named (file and h5 path) by `verify` and by a restore, which leaves the model as it was;
+    `verify=False` reads it as it is. An export over it replaces the file and its sidecar."""
+    saved = _models.mlp()
+    destination = keras_orbax.save_weights(saved, tmp_path / "m.weights.h5")
+    sidecar = tmp_path / "m.weights.h5.keras_orbax_checksums.json"
+    entries = json.loads(sidecar.read_text())["tensors"]
+    assert sorted(entries) == [f"m.weights.h5/{n}" for n in _dataset_names(h5py.File(destination))]
+    name, entry = max(entries.items(), key=lambda item: item[1]["bytes"])
+    flip_byte(destination, entry["offset"] + entry["bytes"] // 2)
+    where = rf"m\.weights\.h5: {name}: checksum .*, recorded .*bytes as read are not"
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.verify(destination)
+    model = _models.mlp()
+    before = [np.asarray(v.value) for v in model.weights]
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.restore_sharded(model, destination)
+    for variable, value in zip(model.weights, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(variable.value), value, err_msg=variable.path)
+    keras_orbax.restore_sharded(model, destination, verify=False)  # as it is, the flip included
+    changed = [
+        w.path
+        for w, s in zip(model.weights, saved.weights, strict=True)
+        if not np.array_equal(np.asarray(w.value), np.asarray(s.value))
+    ]
+    assert len(changed) == 1
+    keras_orbax.save_weights(saved, destination)  # the file and its sidecar, both replaced
+    assert keras_orbax.verify(destination).intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.weights.h5", sidecar.name]
 
 
 _KILLED_MID_EXPORT = """
@@ -180,7 +237,8 @@ def test_killed_mid_export_leaves_nothing_that_loads(tmp_path):
     left = [p.name for p in tmp_path.iterdir()]
     assert left == [".m.weights.h5.partial"]  # hidden, not named as a weights file
     keras_orbax.save_weights(_models.mlp(), destination)  # the next export replaces it
-    assert [p.name for p in tmp_path.iterdir()] == ["m.weights.h5"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["m.weights.h5", "m.weights.h5.keras_orbax_checksums.json"]
 
 
 _MEMORY = """
@@ -237,7 +295,7 @@ def two_processes(tmp_path_factory) -> tuple[Path, list[dict]]:
     """One launch of 2 processes x 4 devices: a whole export, one failing on each process, and
     one measured for memory."""
     root = tmp_path_factory.mktemp("two_processes")
-    for name in ("ok", "fail_0", "fail_1", "memory"):
+    for name in ("ok", "fail_0", "fail_1", "torn", "memory"):
         (root / name).mkdir()
     results = _harness.run_workers(
         _harness.WORKERS_DIR / "export_h5.py",
@@ -265,7 +323,28 @@ def test_two_processes_write_one_file(two_processes):
         assert np.array_equal(np.asarray(variable.value), values.astype(variable.dtype)), (
             variable.path
         )
-    assert [p.name for p in (root / "ok").iterdir()] == ["m.weights.h5"]
+    sidecar = "m.weights.h5.keras_orbax_checksums.json"
+    assert sorted(p.name for p in (root / "ok").iterdir()) == ["m.weights.h5", sidecar]
+    result = keras_orbax.verify(destination)  # every process's regions, read back and recorded
+    assert result.intact and result.unchecked == () and result.checksummed > 0, result
+
+
+def test_two_processes_region_torn_on_the_shared_filesystem_fails_both(two_processes):
+    """Each process reports each region's CRC as it staged it; process 0 reads every dataset
+    back from the file it assembled: a byte of process 1's staged region changed after its write
+    (before process 0 copied it in) fails the export on both processes, naming the file, the
+    dataset and the region, and leaves no file."""
+    root, results = two_processes
+    for process, result in enumerate(results):
+        error = result["torn"]["error"]
+        assert re.search(
+            r"^SaveFailedError: .*1 region of the export read back from the shared files is not "
+            r"the bytes their process wrote \(CRC-32C?\):\n  \S+/m\.weights\.h5: "
+            r"m\.weights\.h5/\S+, region [0-9.-]+\n",
+            error,
+            re.S,
+        ), (process, error)
+    assert list((root / "torn").iterdir()) == []
 
 
 def test_convert_a_checkpoint_to_weights_h5(tmp_path, distribution, capsys):
@@ -353,7 +432,10 @@ def test_sharded_weights_as_keras_writes_them(tmp_path, distribution):
     )
     assert written == tmp_path / "ours" / "m.weights.json"
     names = sorted(p.name for p in (tmp_path / "keras").iterdir())
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == names
+    sidecar = "m.weights.json.keras_orbax_checksums.json"  # Keras reads only the index's parts
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted([*names, sidecar])
+    result = keras_orbax.verify(written)  # every part's datasets, checked
+    assert result.intact and result.files == len(names) - 1 and result.unchecked == (), result
     assert len(names) > 3
     index = json.loads((tmp_path / "keras" / "m.weights.json").read_text())
     assert any(isinstance(parts, list) for parts in index["weight_map"].values())

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
 import keras
 import numpy as np
 import pytest
 
 import keras_orbax
+from keras_orbax._src.export.export_checksums import SIDECAR
+from keras_orbax.errors import CorruptCheckpointError
 from tests._hub import TINY_GEMMA, import_keras_hub
-from tests.test_export_h5 import h5_contents
+from tests.test_export_h5 import _dataset_names, flip_byte, h5_contents
 
 keras_hub = import_keras_hub()
 
@@ -33,11 +36,14 @@ def _tokens(batch: int = 8, length: int = 8) -> dict[str, np.ndarray]:
 
 
 def _same_preset_files(ours: Path, theirs: Path, *, same_model: bool = True) -> None:
-    """The same files, the weights with the same datasets and attributes, the same JSON (but the
-    date `metadata.json` records). Of another instance of the model (`same_model=False`), the
+    """The same files (and keras-orbax's checksums, which `verify` checks), the weights with the
+    same datasets and attributes, the same JSON (but the date `metadata.json` records). Of another instance of the model (`same_model=False`), the
     groups' `name` attributes and the config's `name` differ (Keras numbers each layer's name per
     process: `dropout_3`)."""
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    listed = sorted(p.name for p in theirs.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == sorted([*listed, SIDECAR])
+    verified = keras_orbax.verify(ours)  # the sidecar's CRCs: every backbone dataset checked
+    assert verified.intact and verified.checksummed > 0 and verified.unchecked == (), verified
     for path in sorted(theirs.iterdir()):
         if path.name.endswith(".h5"):
             got, expected = h5_contents(ours / path.name), h5_contents(path)
@@ -100,6 +106,15 @@ def test_round_trip_sharded_gemma_trained_one_step(tmp_path, distribution, lora)
     assert len(reloaded.weights) == len(backbone.weights)
     for trained, loaded in zip(backbone.weights, reloaded.weights, strict=True):
         assert np.array_equal(np.asarray(trained.value), np.asarray(loaded.value)), trained.path
+
+    # A byte changed in a dataset: keras-orbax's `from_preset` names the file and the dataset
+    entries = json.loads((tmp_path / "ours" / SIDECAR).read_text())["tensors"]
+    name, entry = max(entries.items(), key=lambda item: item[1]["bytes"])
+    assert name.startswith("model.weights.h5/") and entry["file"] == "model.weights.h5"
+    flip_byte(tmp_path / "ours" / entry["file"], entry["offset"] + entry["bytes"] // 2)
+    where = rf"model\.weights\.h5: {name}: checksum .*, recorded "
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.from_preset(keras_hub.models.GemmaBackbone, tmp_path / "ours")
 
 
 def test_task_preset_as_keras_hub_writes_it(tmp_path, distribution):
@@ -172,9 +187,14 @@ def test_round_trip_from_two_processes(tmp_path):
     assert changed > 0  # the step trained something
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == [
         "config.json",
+        SIDECAR,
         "metadata.json",
         "model.weights.h5",
     ]
+    verified = keras_orbax.verify(tmp_path / "ours")  # both processes' regions, read back
+    with h5py.File(tmp_path / "ours" / "model.weights.h5") as h5:
+        datasets = _dataset_names(h5)
+    assert verified.intact and verified.checksummed == len(datasets), verified
 
 
 def test_convert_a_hugging_face_directory_to_a_preset(tmp_path, distribution):
@@ -212,7 +232,7 @@ def test_a_task_with_its_preprocessor(tmp_path, distribution):
     task.save_to_preset(str(tmp_path / "theirs"))
     _same_preset_files(tmp_path / "ours", tmp_path / "theirs")
     assets = sorted(p.relative_to(tmp_path / "theirs") for p in (tmp_path / "theirs").rglob("*"))
-    assert assets == sorted(
+    assert sorted([*assets, Path(SIDECAR)]) == sorted(
         p.relative_to(tmp_path / "ours") for p in (tmp_path / "ours").rglob("*")
     )
     assert any(p.parts[0] == "assets" for p in assets)
@@ -225,7 +245,7 @@ def test_a_task_with_its_preprocessor(tmp_path, distribution):
     # and tokenizer assets), not only its backbone.
     keras_orbax.convert(tmp_path / "theirs", tmp_path / "converted", preset=True)
     _same_preset_files(tmp_path / "converted", tmp_path / "theirs", same_model=False)
-    assert assets == sorted(
+    assert sorted([*assets, Path(SIDECAR)]) == sorted(
         p.relative_to(tmp_path / "converted") for p in (tmp_path / "converted").rglob("*")
     )
     distribution(None)

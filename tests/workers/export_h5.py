@@ -1,10 +1,11 @@
 """Worker for tests/test_export_h5.py: a model sharded over both processes' devices, written with
 `keras_orbax.save_weights` by every process into one file; then a model whose walk raises part-way
-on process 0, then on process 1; then a 64 MiB kernel written with a 1 MiB window, each process's
-peak RSS growth measured (one launch for the five exports).
+on process 0, then on process 1; then one whose region process 1 staged is torn before process 0
+copies it in; then a 64 MiB kernel written with a 1 MiB window, each process's peak RSS growth
+measured (one launch for the six exports).
 
-args: {"root": a directory holding `ok/`, `fail_0/`, `fail_1/` and `memory/`, each to get
-`m.weights.h5`}
+args: {"root": a directory holding `ok/`, `fail_0/`, `fail_1/`, `torn/` and `memory/`, each to
+get `m.weights.h5`}
 """
 
 import jax
@@ -57,8 +58,39 @@ def main() -> None:
         except Exception as failed:  # every process must raise; the test checks what
             error = f"{type(failed).__name__}: {failed}"
         result[name] = {"spans_processes": spans, "error": error}
+    result["torn"] = _torn(f"{ctx.args['root']}/torn/m.weights.h5")
     result["memory"] = _memory(f"{ctx.args['root']}/memory")
     write_result(result)
+
+
+def _torn(path: str) -> dict:
+    """Process 1, once it has staged its regions and before it reports them, flips the last byte
+    of its largest staged region (a torn write on the shared filesystem); process 0 copies it in,
+    reads every dataset back against the CRCs each process reported, and both fail."""
+    from pathlib import Path
+
+    from keras_orbax._src.storage import commit
+
+    staged = Path(path).with_name(".m.weights.h5.partial") / "regions" / "m.weights.h5"
+
+    def tear(stage: str) -> None:
+        if stage == "agree" and jax.process_index() == 1:
+            largest = max(staged.iterdir(), key=lambda p: p.stat().st_size)
+            with open(largest, "r+b") as f:
+                f.seek(-1, 2)
+                byte = f.read(1)
+                f.seek(-1, 2)
+                f.write(bytes([byte[0] ^ 0x01]))
+
+    model = _models.compile_adam(_models.full_model())
+    model.optimizer.build(model.trainable_variables)
+    _models.fill_arange(model, limit=1000)
+    try:
+        with commit.on_stage(tear):
+            keras_orbax.save_weights(model, path, window_bytes=64)
+        return {"error": None}
+    except Exception as failed:  # every process must raise; the test checks what
+        return {"error": f"{type(failed).__name__}: {failed}"}
 
 
 def _memory(directory: str) -> dict:

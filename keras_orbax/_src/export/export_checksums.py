@@ -1,5 +1,6 @@
-"""Checksums of a Hugging Face export's safetensors files: each region's, read back by process 0
-before the commit, and each tensor's, kept in a sidecar file that readers check.
+"""Checksums of an export's files (a Hugging Face directory's safetensors files, a preset's or a
+`.weights.h5` export's h5 files): each region's, read back by process 0 before the commit, and
+each tensor's (h5 dataset's), kept in a sidecar file that readers check.
 
 Under `jax.distributed` every process writes its own regions into the shared files. Each reports,
 beside the keys of the regions it wrote, the CRC of each region's bytes as it wrote them (the
@@ -8,9 +9,12 @@ reported, reads every region back from the staged files (another host's bytes as
 filesystem gives them) and compares (`check_read_back`): a region missing, torn or overwritten
 fails the export on every process, naming the file and the tensor. In the same pass it computes
 each tensor's CRCs (`crc.RECORDED`) over its bytes in the file, and writes them to
-`keras_orbax_checksums.json` in the export (`SIDECAR`): a name keras-hub's, Keras's and
-transformers' loaders never open. `verify` and every restore of the directory check each tensor
-against it (`sources.hf_directory`).
+`keras_orbax_checksums.json` in the export (`SIDECAR`; beside a `.weights.h5` or `.weights.json`
+export, `<its name>.keras_orbax_checksums.json`: `sidecar_of`): names keras-hub's, Keras's and
+transformers' loaders never open. `verify` and every restore of the export check each tensor
+against it (`sources.export_sidecar`). An h5 export lists each dataset by its file and h5 path
+(`model.weights.h5/layers/dense/vars/0`); the h5 writer (`weights_h5`) places every dataset
+contiguously, so its bytes lie at one offset as those of a safetensors tensor do.
 
 ```json
 {"algorithm": "crc32", "tensors": {"model.embed_tokens.weight":
@@ -20,11 +24,12 @@ against it (`sources.hf_directory`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +38,42 @@ import numpy as np
 from keras_orbax._src.export import regions
 from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.format import crc
-from keras_orbax._src.format.checksum import ALGORITHM, EXPORT_FILE
+from keras_orbax._src.format.checksum import ALGORITHM, EXPORT_FILE, export_sidecar_of
+from keras_orbax._src.storage import commit
 from keras_orbax.errors import SaveFailedError
 
 SIDECAR = EXPORT_FILE
+sidecar_of = export_sidecar_of
 REGION_CRC = crc.CRC32C or crc.CRC32  # the fastest this install computes: every process's is
 _SLAB = 256 << 10  # a strided region is copied this much at a time to be checksummed
+
+
+class ReadBackSink(commit.ExportSink):
+    """An export whose processes each report the CRC of every region they wrote (`region_crcs`,
+    by region key), which process 0 checks by reading the staged files back in `assemble`
+    (`check_read_back`, with `reported`)."""
+
+    reported: dict[str, int]
+
+    @abc.abstractmethod
+    def region_crcs(self) -> Mapping[str, int]:
+        """This process's regions' CRCs (`region_crc`), by `<tensor>/<region key>`."""
+
+    def report(self, written: Sequence[str]) -> list[Any]:
+        """The regions' digest, and each region's CRC as this process wrote it."""
+        return [*commit.digest(written), dict(self.region_crcs())]
+
+    def check(self, reports: Sequence[Any]) -> None:
+        commit.check_regions(
+            [report[:2] for report in reports], self.regions_due, str(self.destination)
+        )
+        self.reported = {key: crc for report in reports for key, crc in report[2].items()}
+
+
+def read_back_bytes(window_bytes: int) -> int:
+    """The bands process 0 reads the export back in: at most half the window, and small enough
+    to stay in the CPU's cache while they are checksummed (one buffer, reused)."""
+    return max(1, min(window_bytes // 2, 8 << 20))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +216,7 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def write_sidecar(staging: Path, entries: Mapping[str, dict[str, Any]]) -> None:
-    """Process 0: the sidecar file, in the staged export (fsynced with the rest of it)."""
+def write_sidecar(path: Path, entries: Mapping[str, dict[str, Any]]) -> None:
+    """Process 0: the sidecar file at `path`, in the staged export (fsynced with the rest of it)."""
     content = {"algorithm": ALGORITHM, "tensors": dict(entries)}
-    (staging / SIDECAR).write_text(json.dumps(content, indent=1) + "\n")
+    path.write_text(json.dumps(content, indent=1) + "\n")

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 from keras_orbax._src.compat import hub_compat, saving_compat
-from keras_orbax._src.export import hub_fixes, regions, weights_h5
+from keras_orbax._src.export import export_checksums, hub_fixes, regions, weights_h5
 from keras_orbax._src.storage import commit, locations
 
 
@@ -74,13 +74,14 @@ def save_to_preset(
     return commit.write(sink, f"save_to_preset {destination}")
 
 
-class PresetSink(commit.ExportSink):
+class PresetSink(export_checksums.ReadBackSink):
     """A keras-hub preset, as keras-hub's `KerasPresetSaver.save_backbone` and `save_task` write
-    it: task weights (only the task's own layers), the backbone's weights (one file, or an index
-    and parts where it is larger than `max_shard_size` GB), the configs and the preprocessor's
-    files. The whole directory is staged and swapped with the old one at once (`storage.commit`):
-    a task's head never lands on another export's backbone, and the old directory's other files
-    are kept."""
+        it: task weights (only the task's own layers), the backbone's weights (one file, or an index
+        and parts where it is larger than `max_shard_size` GB), the configs and the preprocessor's
+        files. The whole directory is staged and swapped with the old one at once (`storage.commit`):
+        a task's head never lands on another export's backbone, and the old directory's other files
+        are kept. Each weights file's datasets are read back and checked before the commit, their CRCs
+    kept in `keras_orbax_checksums.json` (`export_checksums`)."""
 
     whole_directory = True
 
@@ -90,6 +91,7 @@ class PresetSink(commit.ExportSink):
         import keras_hub
 
         self.model, self.destination = model, destination
+        self.reported = {}
         is_task = isinstance(model, keras_hub.models.Task)
         self.backbone = model.backbone if is_task else model
         self.files: list[weights_h5.H5File] = []
@@ -116,11 +118,19 @@ class PresetSink(commit.ExportSink):
     def regions_due(self, process: int) -> list[str]:
         return [key for file in self.files for key in file.regions_due(process)]
 
+    def region_crcs(self) -> dict[str, int]:
+        return {key: crc for file in self.files for key, crc in file.region_crcs().items()}
+
     def assemble(self, staging: Path) -> None:
-        """The staged regions copied in, then the configs and the preprocessor's files."""
+        """The staged regions copied in and every dataset read back and checked (its CRCs kept in
+        the sidecar), then the configs and the preprocessor's files."""
         for file in self.files:
             file.assemble(staging)
         weights_h5.remove_regions(staging)
+        entries = {
+            k: v for file in self.files for k, v in file.read_back(staging, self.reported).items()
+        }
+        export_checksums.write_sidecar(staging / export_checksums.SIDECAR, entries)
         config = hub_compat.preset_file("CONFIG_FILE")
         hub_compat.save_preset_config(str(staging), self.backbone, config, metadata=True)
         hub_fixes.complete_preset_config(staging / config, self.backbone)
@@ -155,6 +165,6 @@ class PresetSink(commit.ExportSink):
         )
         return (
             relative in names
-            or relative == "metadata.json"
+            or relative in ("metadata.json", export_checksums.SIDECAR)
             or re.fullmatch(rf"{re.escape(stem)}_\d+\.weights\.h5", relative) is not None
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ def export_to_transformers(
     return commit.write(sink, f"export_to_transformers({directory})")
 
 
-class TransformersSink(commit.ExportSink):
+class TransformersSink(export_checksums.ReadBackSink):
     """A Hugging Face directory: `config.json`, the safetensors files (laid out before any byte is
     written, each process writing its own regions at their offsets) and, for a `CausalLM`, the
     tokenizer's and other configs. Staged whole and swapped with the old directory at once
@@ -151,17 +151,10 @@ class TransformersSink(commit.ExportSink):
         )
         return written
 
-    def report(self, written: Sequence[str]) -> list[Any]:
-        """The regions' digest, and each region's CRC as this process wrote it: process 0 reads
-        every region back before the commit (`export_checksums.check_read_back`)."""
-        crcs = {} if self.writer is None else self.writer.region_crcs
-        return [*commit.digest(written), crcs]
-
-    def check(self, reports: Sequence[Any]) -> None:
-        commit.check_regions(
-            [report[:2] for report in reports], self.regions_due, str(self.destination)
-        )
-        self.reported = {key: crc for report in reports for key, crc in report[2].items()}
+    def region_crcs(self) -> dict[str, int]:
+        """Each region's CRC as this process wrote it: process 0 reads every region back before
+        the commit (`export_checksums.check_read_back`)."""
+        return {} if self.writer is None else self.writer.region_crcs
 
     def regions_due(self, process: int) -> list[str]:
         return [
@@ -177,9 +170,13 @@ class TransformersSink(commit.ExportSink):
         nothing)."""
         placements = {} if self.writer is None else self.writer.placements
         entries = export_checksums.check_read_back(
-            staging, self.layouts, placements, self.reported, _read_back_bytes(self.window_bytes)
+            staging,
+            self.layouts,
+            placements,
+            self.reported,
+            export_checksums.read_back_bytes(self.window_bytes),
         )
-        export_checksums.write_sidecar(staging, entries)
+        export_checksums.write_sidecar(staging / export_checksums.SIDECAR, entries)
         if len(self.layouts) > 1:
             index = safetensors_writer.index_json(self.layouts)
             (staging / safetensors_writer.INDEX_FILE).write_text(index)
@@ -204,12 +201,6 @@ class TransformersSink(commit.ExportSink):
             or re.fullmatch(r"model-\d+-of-\d+\.safetensors", relative) is not None
             or (relative.startswith(".") and relative.endswith(".partial"))
         )
-
-
-def _read_back_bytes(window_bytes: int) -> int:
-    """The bands process 0 reads the export back in: at most half the window, and small enough
-    to stay in the CPU's cache while they are checksummed (one buffer, reused)."""
-    return max(1, min(window_bytes // 2, 8 << 20))
 
 
 def _parts(model: keras.Model) -> tuple[keras.Model, Any, bool]:

@@ -15,7 +15,11 @@ destination (which must be on a filesystem all processes share), and process 0 c
 The file goes through the commit protocol every export shares (`storage.commit`): staged in a hidden
 directory beside the destination, agreed on by every process (each region checked against those it
 was due to write), fsynced, then renamed into place; on any failure, on any process, the previous
-file is untouched.
+file is untouched. Every process reports each region's CRC as it wrote or staged it; process 0
+reads every dataset back from the finished file, checks each region against it, and records each
+dataset's CRCs in a sidecar (`export_checksums`): beside a `.weights.h5` export,
+`<name>.keras_orbax_checksums.json`, renamed after the file, the old one removed before it (a
+crash between leaves a file without a sidecar, never a sidecar of another file).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import keras
 import numpy as np
 
 from keras_orbax._src.compat import saving_compat
-from keras_orbax._src.export import file_windows, regions
+from keras_orbax._src.export import export_checksums, file_windows, regions
+from keras_orbax._src.export.safetensors_writer import FileLayout, TensorSpec
 from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import commit, durable, locations
 
@@ -176,6 +181,51 @@ class H5File:
         for process in range(1, multihost.process_count()):
             self.writer.copy_staged(process)
 
+    def region_crcs(self) -> dict[str, int]:
+        """This process's regions' CRCs, by `<name>:<dataset number>/<region key>`."""
+        crcs = {} if self.writer is None else self.writer.region_crcs
+        return {f"{self.name}:{key}": crc for key, crc in crcs.items()}
+
+    def read_back(self, staging: Path, reported: dict[str, int]) -> dict[str, dict[str, Any]]:
+        """Process 0, once assembled: every dataset read back from the files, each region
+        `reported` (by every process) checked against it (`export_checksums.check_read_back`);
+        each dataset's sidecar entry, by `<file>/<h5 path>`.
+
+        Raises:
+            SaveFailedError: a region's bytes in the file are not those its process wrote.
+        """
+        assert self.writer is not None
+        datasets = self.writer.datasets
+        offsets_in: dict[str, dict[str, int | None]] = {}
+        for file in dict.fromkeys(d[0] for d in datasets):
+            with h5py.File(file, "r") as h5:
+                offsets_in[file] = {d[1]: direct_offset(h5[d[1]]) for d in datasets if d[0] == file}
+        layouts: dict[str, tuple[dict[str, int], dict[str, TensorSpec]]] = {}
+        placements, names = {}, {}
+        for number, (file, dataset, shape, dtype, *_) in enumerate(datasets):
+            offset = offsets_in[file][dataset]
+            if offset is None or 0 in shape:
+                continue  # no bytes, or not where NumPy holds them: left unchecked by readers
+            name = f"{Path(file).name}/{dataset.lstrip('/')}"  # the sidecar's, and messages'
+            offsets, specs = layouts.setdefault(Path(file).name, ({}, {}))
+            offsets[name] = offset
+            specs[name] = TensorSpec(name, shape, np.dtype(dtype))
+            axes = tuple(range(len(shape)))
+            placements[name] = export_checksums.Placement(shape, axes, axes)
+            names[f"{self.name}:{number:06d}"] = name
+        regions_reported = {}  # each by `<sidecar name>/<region key>`, as `check_read_back` reads
+        for key, crc in reported.items():
+            which, _, region = key.rpartition("/")
+            if which in names:
+                regions_reported[f"{names[which]}/{region}"] = crc
+        return export_checksums.check_read_back(
+            staging,
+            [FileLayout(f, b"", offsets, specs, 0) for f, (offsets, specs) in layouts.items()],
+            placements,
+            regions_reported,
+            export_checksums.read_back_bytes(self.window_bytes),
+        )
+
     def files(self, staging: Path) -> list[str]:
         """The file names written, in rename order: the parts the index names, then the index."""
         if not self.sharded:
@@ -190,10 +240,11 @@ class H5File:
         return [*[p.name for p in parts_of(index)], *([self.name] if index.exists() else [])]
 
 
-class H5Sink(commit.ExportSink):
+class H5Sink(export_checksums.ReadBackSink):
     """`save_weights`'s sink: one `.weights.h5`, renamed into place in one step; or a
     `.weights.json` and its parts, the old index removed first so that no index ever names a part
-    of another export (a kill part-way leaves no index: nothing loads, nothing mixes)."""
+    of another export (a kill part-way leaves no index: nothing loads, nothing mixes). Its
+    sidecar is renamed last, the old one removed first: no sidecar describes another file."""
 
     whole_directory = False
 
@@ -201,6 +252,8 @@ class H5Sink(commit.ExportSink):
         self.file, self.destination = file, destination
         self._old: list[str] = []
         self._new: list[str] = []
+        self.reported = {}
+        self.sidecar = export_checksums.sidecar_of(file.name)
 
     def prepare(self, staging: Path) -> None:
         commit.check_space(staging, self.file.bytes_needed())
@@ -212,13 +265,22 @@ class H5Sink(commit.ExportSink):
     def regions_due(self, process: int) -> list[str]:
         return self.file.regions_due(process)
 
+    def region_crcs(self) -> dict[str, int]:
+        return self.file.region_crcs()
+
     def assemble(self, staging: Path) -> None:
         self.file.assemble(staging)
         remove_regions(staging)
-        self._new = self.file.files(staging)
+        entries = self.file.read_back(staging, self.reported)
+        export_checksums.write_sidecar(staging / self.sidecar, entries)
+        self._new = [*self.file.files(staging), self.sidecar]
 
     def commit_order(self) -> list[str]:
         return self._new
+
+    def removed_first(self) -> list[str]:
+        """The old sidecar (it describes the old file), and the old index of parts."""
+        return [self.sidecar, *([self.file.name] if self.file.sharded else [])]
 
     def replaced(self) -> list[str]:
         return [name for name in self._old if name not in self._new]
@@ -287,6 +349,8 @@ class _Writer:
         # dataset, in the walk's order (the same on every process)
         self.datasets: list[tuple[str, str, tuple[int, ...], Any, Any, bool, bool]] = []
         self.written: list[str] = []
+        # `<dataset number>/<region key>` -> the CRC of each region as this process wrote it
+        self.region_crcs: dict[str, int] = {}
         # (dataset number, file offset, array) of each dataset written after the walk
         self.direct: list[tuple[int, int, Any]] = []
 
@@ -324,6 +388,7 @@ class _Writer:
             else:
                 np.save(self.staging / name, region.block)
             self.written.append(name)
+            self._crc(number, region)
 
     def write_direct(self) -> None:
         """Process 0, once Keras's walk has closed the files: each array's regions written at
@@ -340,9 +405,15 @@ class _Writer:
                 for group in [list(found)] if whole else ([r] for r in found):
                     files.write_boxes(fd, offset, shape, [(r.index, r.block) for r in group])
                     self.written += [_staged_name(number, r.index) for r in group]
+                    for region in group:
+                        self._crc(number, region)
                     del group
             files.sync()
         self.direct = []
+
+    def _crc(self, number: int, region: regions.Region) -> None:
+        key = f"{number:06d}/{regions.region_key(region.index)}"
+        self.region_crcs[key] = export_checksums.region_crc(np.asarray(region.block))
 
     def due(self, process: int) -> list[str]:
         """The staged names of every window `process` writes."""

@@ -33,9 +33,16 @@ PIECE_BYTES = 4 << 20  # checksummed while still in cache, just before it is wri
 INDEX_BYTES = 16 + 4  # one (offset, nbytes) little-endian uint64 pair, then its CRC-32C
 CHECKSUMS_DIR = "keras_orbax_checksums"  # under <step>/state/: process_<i>.json per process
 OCDBT_FILE = "ocdbt.json"  # beside them in a compact step: its OCDBT files (`ocdbt_checksums`)
-# In a Hugging Face directory keras-orbax exported: each tensor's CRCs (`export_checksums`).
+# In a Hugging Face directory or keras-hub preset keras-orbax exported: each tensor's (h5
+# dataset's) CRCs (`export_checksums`); beside a `.weights.h5` export, `export_sidecar_of`.
 EXPORT_FILE = "keras_orbax_checksums.json"
 _READ_BYTES = 8 << 20
+
+
+def export_sidecar_of(file_name: str) -> str:
+    """The sidecar of a file export (`m.weights.h5`): `m.weights.h5.keras_orbax_checksums.json`,
+    beside it (Keras reads only the file, or the parts its `.weights.json` index names)."""
+    return f"{file_name}.{EXPORT_FILE}"
 
 
 def _crc32c_table() -> list[int]:

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_orbax._src.format import checksum
-from keras_orbax._src.format.crc import strongest
 from keras_orbax._src.format.step_record import METRIC, StepRecord, VariableRecord
 from keras_orbax._src.read.contiguous import ComputedArray, ContiguousArray
-from keras_orbax._src.sources import safetensors_files
+from keras_orbax._src.sources import export_sidecar, safetensors_files
 from keras_orbax._src.sources.base import FileCheck, Prepared, Source
 from keras_orbax._src.sources.safetensors_files import SafetensorsTensor
 from keras_orbax._src.storage.byte_runs import Index, aligned_empty
@@ -127,20 +126,10 @@ class TransformersSource(Source):
             CorruptCheckpointError: the sidecar cannot be read, or names each tensor and file
                 that fails its CRC.
         """
-        recorded = _recorded(self.location / checksum.EXPORT_FILE, self.tensors)
-        if recorded is None:
-            return None
-        advice = (
-            "No variable was modified. If another tool rewrote the files since keras-orbax "
-            f"exported them, delete {checksum.EXPORT_FILE}; or pass verify=False to read them "
-            "as they are."
+        places = {name: (t.file, t.offset, t.nbytes) for name, t in self.tensors.items()}
+        return export_sidecar.check(
+            self.location / checksum.EXPORT_FILE, places, f"'{self.location}'"
         )
-        what = f"'{self.location}'"
-        compared, nbytes = checksum.check_ranges(list(recorded.values()), what, advice)
-        files = len({r.path for r in recorded.values()})
-        unchecked = tuple(name for name in self.tensors if name not in recorded)
-        why = f"{len(unchecked)} tensors not in {checksum.EXPORT_FILE}" if unchecked else ""
-        return FileCheck(files, nbytes, compared, unchecked, why)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
         from keras_orbax._src.read import sharded_read
@@ -197,41 +186,6 @@ class TransformersSource(Source):
                 f"the model's variables ({example.name} is stored as {tuple(example.shape)})."
             )
         return Prepared(record, state, plan, reads, tuple(plan.problems), hint)
-
-
-def _recorded(
-    sidecar: Path, tensors: dict[str, SafetensorsTensor]
-) -> dict[str, checksum.Recorded] | None:
-    """Each tensor's recorded CRC from the export's sidecar file, where the tensor the headers
-    list lies where it says; None where there is no such file.
-
-    Raises:
-        CorruptCheckpointError: it cannot be read, or records another place for a tensor.
-    """
-    if not sidecar.is_file():
-        return None
-    try:
-        content = json.loads(sidecar.read_text())
-        entries = content["tensors"]
-        found = {}
-        for name, entry in entries.items():
-            tensor = tensors.get(name)
-            algorithm, value = strongest(entry)
-            if tensor is None or (
-                entry["file"] != tensor.file.name
-                or entry["offset"] != tensor.offset
-                or entry["bytes"] != tensor.nbytes
-            ):
-                raise ValueError(f"{name} is not where the safetensors headers put it")
-            found[name] = checksum.Recorded(
-                name, tensor.file, tensor.offset, tensor.nbytes, algorithm, value
-            )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CorruptCheckpointError(
-            f"Cannot use the checksum file {sidecar}: {error}. If another tool rewrote the "
-            "directory, delete that file."
-        ) from error
-    return found
 
 
 def _reader(ported: Any, hook: Any, shape: tuple[int, ...]) -> Any:

@@ -7,10 +7,12 @@ plan, the all-or-nothing checks and the region reads are the same as for keras-o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from keras_orbax._src.format import checksum
 from keras_orbax._src.format.own_state import OwnState
 from keras_orbax._src.format.step_record import (
     METRIC,
@@ -19,8 +21,9 @@ from keras_orbax._src.format.step_record import (
     StepRecord,
     VariableRecord,
 )
-from keras_orbax._src.sources import h5_files
-from keras_orbax._src.sources.base import Prepared, Source, SourceKind
+from keras_orbax._src.read.contiguous import ContiguousArray
+from keras_orbax._src.sources import export_sidecar, h5_files
+from keras_orbax._src.sources.base import FileCheck, Prepared, Source, SourceKind
 
 # Keras, JAX and the restore's modules load in the methods that restore: `resolve` asks
 # `is_weights_file` and `preset_weights` of every location, and `keras-orbax inspect` lists a
@@ -53,7 +56,10 @@ class KerasWeightsSource(Source):
 
     kind: ClassVar[SourceKind] = "keras-weights"
     description = "Keras weights file"
-    no_checksums = "is a Keras weights file, which records no checksums"
+    no_checksums = (
+        "is a Keras weights file that records no checksums (`keras_orbax.save_weights` records "
+        "them beside the file)"
+    )
 
     def __init__(self, file: Path, location: Path | None = None) -> None:
         self.file = file
@@ -75,6 +81,52 @@ class KerasWeightsSource(Source):
         record = StepRecord(step=0, variables=variables, model_config=config, format_version=0)
         super().__init__(location or file, record)
         self._own: OwnState | None = None  # known once a model is prepared
+
+    @property
+    def sidecar(self) -> Path | None:
+        """Where keras-orbax's export keeps its datasets' CRCs (`export.export_checksums`)."""
+        return self.file.parent / checksum.export_sidecar_of(self.file.name)
+
+    def check_files(
+        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
+    ) -> FileCheck | None:
+        """Each dataset against the CRCs keras-orbax's export recorded beside the file; None for
+        a file another tool wrote (none recorded)."""
+        found = self._check_datasets()
+        if found is not None and on_file is not None:
+            on_file(found.nbytes)
+        return found
+
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck | None]:
+        """Every dataset checked whole before any is read, where keras-orbax's export recorded
+        their CRCs: a restore reads such a file twice, once to check it."""
+        return reads, self._check_datasets()
+
+    def _check_datasets(self) -> FileCheck | None:
+        """Every dataset the sidecar records, read and checked; None where there is no sidecar.
+
+        Raises:
+            CorruptCheckpointError: the sidecar cannot be read, or naming each file and dataset
+                that fails its CRC.
+        """
+        if self.sidecar is None:
+            return None
+        places = {  # the sidecar's names: `<file>/<h5 path>`
+            f"{a.file.name}/{name}": (a.file, a.offset, a.nbytes)
+            for name, a in self.arrays.items()
+            if isinstance(a, ContiguousArray)
+        }
+        found = export_sidecar.check(self.sidecar, places, f"'{self.location}'")
+        if found is None:
+            return None
+        checked = {name.partition("/")[2] for name in places} - {
+            name.partition("/")[2] for name in found.unchecked
+        }
+        unchecked = tuple(name for name in self.arrays if name not in checked)
+        why = f"{len(unchecked)} datasets not in {self.sidecar.name}" if unchecked else ""
+        return dataclasses.replace(found, unchecked=unchecked, why_unchecked=why)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
         from keras_orbax._src.read import sharded_read
@@ -140,12 +192,19 @@ class KerasPresetSource(KerasWeightsSource):
 
     kind: ClassVar[SourceKind] = "keras-preset"
     description = "keras-hub preset"
-    no_checksums = "is a keras-hub preset, whose weights files record no checksums"
+    no_checksums = (
+        "is a keras-hub preset that records no checksums (`keras_orbax.save_to_preset` records "
+        "them)"
+    )
 
     @property
     def model_config(self) -> None:
         """A preset's config is keras-hub's, built by `from_preset`, not by `load_model`."""
         return None
+
+    @property
+    def sidecar(self) -> Path | None:
+        return self.location / checksum.EXPORT_FILE
 
 
 class KerasArchiveSource(KerasWeightsSource):
@@ -153,6 +212,10 @@ class KerasArchiveSource(KerasWeightsSource):
 
     description = "Keras .keras archive"
     no_checksums = "is a Keras .keras archive, which records no checksums"
+
+    @property
+    def sidecar(self) -> Path | None:
+        return None  # keras-orbax exports no archive
 
 
 def _whole(array: h5_files.H5Array) -> Any:

@@ -109,6 +109,12 @@ class ExportSink(Sink):
         """A file export's file names (in `staging` and beside `destination`), in rename order:
         configs and indexes last."""
 
+    def removed_first(self) -> Sequence[str]:
+        """A file export's names beside `destination` removed before any is renamed (an index:
+        a rename part-way never leaves one naming a mix); by default the last of `commit_order`."""
+        order = self.commit_order()
+        return list(order[-1:]) if len(order) > 1 else []
+
     def replaced(self) -> Sequence[str]:
         """A file export's names beside `destination` that no longer belong to it (old parts):
         removed when the export is committed."""
@@ -188,7 +194,7 @@ def _write(sink: ExportSink, name: str) -> Path:
         fault_point("fsync")
         _collectively(f"{name}: fsync", _fsync_staged, sink, staging)
         fault_point("rename")
-        _collectively(f"{name}: rename", replace.rename, sink, staging)
+        _collectively(f"{name}: rename", replace.rename, sink, staging, fault_point)
         committed = True
         fault_point("prune")
         if primary:

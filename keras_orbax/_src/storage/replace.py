@@ -19,6 +19,7 @@ import errno
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +35,11 @@ def in_place(sink: ExportSink) -> bool:
     return sink.whole_directory and os.path.ismount(sink.destination)
 
 
-def rename(sink: ExportSink, staging: Path) -> None:
-    """The commit: one atomic exchange for a directory, else each file, configs last."""
+def rename(
+    sink: ExportSink, staging: Path, fault_point: Callable[[str], None] | None = None
+) -> None:
+    """The commit: one atomic exchange for a directory, else each file, configs last (before the
+    last, a file export calls `fault_point("rename.last")`: where a fault matrix kills one)."""
     parent = sink.destination.parent
     if sink.whole_directory:
         if in_place(sink):
@@ -46,9 +50,11 @@ def rename(sink: ExportSink, staging: Path) -> None:
             _rename_each_file(sink, staging)
     else:
         order = sink.commit_order()
-        if len(order) > 1:  # the old index first: a rename part-way never mixes two exports
-            (parent / order[-1]).unlink(missing_ok=True)
+        for name in sink.removed_first():  # the old index first: a rename part-way never mixes
+            (parent / name).unlink(missing_ok=True)
         for name in order:
+            if fault_point is not None and len(order) > 1 and name == order[-1]:
+                fault_point("rename.last")
             os.replace(staging / name, parent / name)
     durable.fsync_path(parent)
 

@@ -138,7 +138,8 @@ def verify(
 
 def _without_restore_note(message: str) -> str:
     note = "No variable was modified."
-    message = message.replace(f"\n{note}", "").replace(f" {note}", "").rstrip()
+    message = message.replace(f"\n{note} ", "\n").replace(f"\n{note}", "")
+    message = message.replace(f" {note}", "").rstrip()
     return message if message.endswith(".") else f"{message}."
 
 
