@@ -9,6 +9,7 @@ trained one step, written back, reloaded by keras-hub.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import h5py
@@ -304,3 +305,31 @@ def test_saving_again_in_the_other_form_leaves_one_weights_form(tmp_path, distri
     ours = keras_orbax.from_preset(keras_hub.models.GemmaBackbone, both)
     for a, b in zip(theirs.weights, ours.weights, strict=True):
         assert np.array_equal(np.asarray(a.value), np.asarray(b.value)), a.path
+
+
+def test_a_task_heads_weights_are_checked_too(tmp_path, distribution):
+    """A classifier's head (`task.weights.h5`, which keras-hub's own loader reads after the
+    backbone): its datasets are in the preset's sidecar, and `verify` and `from_preset` check
+    them with the backbone's."""
+    distribution(_mesh_distribution((4, 2)))
+    keras.utils.set_random_seed(3)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=16,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+    )
+    task = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+    keras_orbax.save_to_preset(task, tmp_path / "p")
+    assert keras_orbax.verify(tmp_path / "p").intact
+    entries = json.loads((tmp_path / "p" / SIDECAR).read_text())["tensors"]
+    head = {n: e for n, e in entries.items() if e["file"] == "task.weights.h5"}
+    name, entry = max(head.items(), key=lambda item: item[1]["bytes"])
+    flip_byte(tmp_path / "p" / "task.weights.h5", entry["offset"] + entry["bytes"] // 2)
+    where = rf"task\.weights\.h5: {re.escape(name)}: checksum .*, recorded "
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.verify(tmp_path / "p")
+    with pytest.raises(CorruptCheckpointError, match=where):
+        keras_orbax.from_preset(keras_hub.models.BertTextClassifier, tmp_path / "p")

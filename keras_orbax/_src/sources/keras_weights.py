@@ -111,21 +111,23 @@ class KerasWeightsSource(Source):
             CorruptCheckpointError: the sidecar cannot be read, or naming each file and dataset
                 that fails its CRC.
         """
-        if self.sidecar is None:
-            return None
+        return None if self.sidecar is None else self.checked_against(self.sidecar)
+
+    def checked_against(self, sidecar: Path) -> FileCheck | None:
+        """`_check_datasets` with the CRCs that `sidecar` records (None: it does not exist)."""
         places = {  # the sidecar's names: `<file>/<h5 path>`
             f"{a.file.name}/{name}": (a.file, a.offset, a.nbytes)
             for name, a in self.arrays.items()
             if isinstance(a, ContiguousArray)
         }
-        found = export_sidecar.check(self.sidecar, places, f"'{self.location}'")
+        found = export_sidecar.check(sidecar, places, f"'{self.location}'")
         if found is None:
             return None
         checked = {name.partition("/")[2] for name in places} - {
             name.partition("/")[2] for name in found.unchecked
         }
         unchecked = tuple(name for name in self.arrays if name not in checked)
-        why = f"{len(unchecked)} datasets not in {self.sidecar.name}" if unchecked else ""
+        why = f"{len(unchecked)} datasets not in {sidecar.name}" if unchecked else ""
         return dataclasses.replace(found, unchecked=unchecked, why_unchecked=why)
 
     def plan_reads(self, requests: Sequence[ReadRequest]) -> ReadPlan:
@@ -205,6 +207,28 @@ class KerasPresetSource(KerasWeightsSource):
     @property
     def sidecar(self) -> Path | None:
         return self.location / checksum.EXPORT_FILE
+
+    def _check_datasets(self) -> FileCheck | None:
+        """The model's datasets and, where the preset has them, its task's (`task.weights.h5`,
+        which keras-hub's own loader reads once the backbone is restored), against the one
+        sidecar of the preset."""
+        found = super()._check_datasets()
+        task = self.location / TASK_WEIGHTS
+        if found is None or not task.is_file():
+            return found
+        head = KerasWeightsSource(task).checked_against(self.location / checksum.EXPORT_FILE)
+        if head is None:
+            return found
+        return FileCheck(
+            found.files + head.files,
+            found.nbytes + head.nbytes,
+            found.checksummed + head.checksummed,
+            found.unchecked + tuple(f"{TASK_WEIGHTS}/{name}" for name in head.unchecked),
+            "; ".join(w for w in (found.why_unchecked, head.why_unchecked) if w),
+        )
+
+
+TASK_WEIGHTS = "task.weights.h5"  # a preset's task's own layers, beside the backbone's
 
 
 class KerasArchiveSource(KerasWeightsSource):
