@@ -6,6 +6,7 @@ equal what `model.save_weights` writes, and `model.load_weights` reads back exac
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import subprocess
@@ -447,3 +448,30 @@ def test_sharded_weights_as_keras_writes_them(tmp_path, distribution):
     fresh.load_weights(written)
     for saved, loaded in zip(model.weights, fresh.weights, strict=True):
         assert np.array_equal(np.asarray(saved.value), np.asarray(loaded.value)), saved.path
+
+
+def test_a_rename_that_fails_part_way_says_what_is_in_place(tmp_path):
+    """An I/O error between the file's rename and its sidecar's: the new file is in place without
+    its checksums, and the error says so (not that the previous export is untouched)."""
+    from keras_orbax._src.storage import commit
+
+    destination = tmp_path / "m.weights.h5"
+    keras_orbax.save_weights(_models.mlp(), destination)
+    keras.utils.set_random_seed(7)
+    new = _models.mlp()
+
+    def eio_before_the_sidecar(stage: str) -> None:
+        if stage == "rename.last":
+            raise OSError(errno.EIO, "Input/output error")
+
+    with commit.on_stage(eio_before_the_sidecar):
+        with pytest.raises(SaveFailedError, match="failed part-way") as failed:
+            keras_orbax.save_weights(new, destination)
+    message = str(failed.value)
+    assert "In place now: the new m.weights.h5" in message and "untouched" not in message
+    assert "removed: the previous m.weights.h5.keras_orbax_checksums.json" in message
+    assert not keras_orbax.verify(destination).intact  # no checksums describe it
+    loaded = _models.mlp()
+    loaded.load_weights(destination)  # the new file, whole
+    for got, want in zip(loaded.weights, new.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(got.value), np.asarray(want.value))

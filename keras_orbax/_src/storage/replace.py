@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keras_orbax._src.storage import durable
-from keras_orbax.errors import KerasOrbaxWarning
+from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 
 if TYPE_CHECKING:
     from keras_orbax._src.storage.commit import ExportSink
@@ -49,14 +49,38 @@ def rename(
         elif not _exchange(staging, sink.destination):
             _rename_each_file(sink, staging)
     else:
-        order = sink.commit_order()
-        for name in sink.removed_first():  # the old index first: a rename part-way never mixes
-            (parent / name).unlink(missing_ok=True)
+        _rename_files(sink, staging, fault_point)
+    durable.fsync_path(parent)
+
+
+def _rename_files(
+    sink: ExportSink, staging: Path, fault_point: Callable[[str], None] | None
+) -> None:
+    """A file export's files renamed in `commit_order`, after `removed_first` is removed (the old
+    index first: a rename part-way never mixes). A failure part-way says what is in place: not
+    the previous export any more, nor the whole new one."""
+    parent, order = sink.destination.parent, sink.commit_order()
+    removed = [name for name in sink.removed_first() if (parent / name).exists()]
+    done: list[str] = []
+    try:
+        for name in removed:
+            (parent / name).unlink()
         for name in order:
             if fault_point is not None and len(order) > 1 and name == order[-1]:
                 fault_point("rename.last")
             os.replace(staging / name, parent / name)
-    durable.fsync_path(parent)
+            done.append(name)
+    except OSError as error:
+        if not done and not removed:
+            raise  # nothing in place changed: the previous export is untouched
+        raise SaveFailedError(
+            f"Renaming the export's files into {parent} failed part-way: "
+            f"{type(error).__name__}: {error}. In place now: "
+            + (", ".join(f"the new {n}" for n in done) or "the previous files")
+            + (f"; removed: the previous {', '.join(removed)}" if removed else "")
+            + f"; not written: the new {', '.join(n for n in order if n not in done)}. It is "
+            "neither the previous export nor the whole new one: export again."
+        ) from error
 
 
 def _rename_each_file(sink: ExportSink, staging: Path) -> None:
