@@ -464,9 +464,11 @@ def test_a_rename_that_fails_part_way_says_what_is_in_place(tmp_path):
         if stage == "rename.last":
             raise OSError(errno.EIO, "Input/output error")
 
-    with commit.on_stage(eio_before_the_sidecar):
-        with pytest.raises(SaveFailedError, match="failed part-way") as failed:
-            keras_orbax.save_weights(new, destination)
+    with (
+        commit.on_stage(eio_before_the_sidecar),
+        pytest.raises(SaveFailedError, match="failed part-way") as failed,
+    ):
+        keras_orbax.save_weights(new, destination)
     message = str(failed.value)
     assert "In place now: the new m.weights.h5" in message and "untouched" not in message
     assert "removed: the previous m.weights.h5.keras_orbax_checksums.json" in message
