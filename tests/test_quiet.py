@@ -76,7 +76,11 @@ def test_orbax_lines_go_to_debug_while_keras_orbax_drives_it(tmp_path, caplog):
     assert _orbax_records(caplog) == []
     assert ORBAX_LOGGER.filters == filters
     caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="keras_orbax.orbax"):
+    # Orbax's INFO lines made whatever level an earlier test left its (absl's) logger at.
+    with (
+        caplog.at_level(logging.INFO, logger="absl"),
+        caplog.at_level(logging.DEBUG, logger="keras_orbax.orbax"),
+    ):
         keras_orbax.save(model, tmp_path / "compact", step=2, format="compact")
     debug = [r for r in caplog.records if r.name == "keras_orbax.orbax"]
     assert debug and all(r.levelno == logging.DEBUG for r in debug)

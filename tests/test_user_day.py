@@ -161,7 +161,8 @@ def test_a_failed_save_message_ends_without_a_trailing_space(tmp_path):
     (tmp_path / "afile.txt").write_text("not a directory")
     with pytest.raises(SaveFailedError) as raised:
         keras_orbax.save(cli_models.mlp(), tmp_path / "afile.txt", step=1)
-    assert str(raised.value).endswith("Nothing was committed.")
+    message = str(raised.value)  # what the directory holds, listed after the failure
+    assert message.endswith("Nothing was committed. No step is committed in the directory.")
 
 
 def test_convert_keeps_the_source_steps_step_epoch_and_metrics(tmp_path, capsys):

@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from keras_orbax._src.compat import orbax_compat
-from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import held_if_free, is_held
 from keras_orbax.errors import KerasOrbaxWarning
@@ -64,6 +63,8 @@ def replaced(root: Path) -> list[tuple[int, Path]]:
 def removing_staged(root: Path, step: int) -> Iterator[None]:
     """If the block raises, process 0 removes what the save of `step` staged (call under its
     writer lock): a failed save leaves no staging directory behind."""
+    from keras_orbax._src.runtime import multihost  # JAX: not on the listing's path (inspect)
+
     try:
         yield
     except BaseException:
@@ -109,6 +110,8 @@ def replacing(root: Path, step: int) -> Iterator[None]:
     process, under the step's writer lock, before the checkpointer lists the steps). If the block
     raises, what it staged is removed and the previous step is put back; otherwise the previous
     step is removed, once the new one is durable (when the block returns)."""
+    from keras_orbax._src.runtime import multihost  # JAX: not on the listing's path (inspect)
+
     if locations.is_remote(root):  # no rename there: Orbax's own overwrite
         yield
         return

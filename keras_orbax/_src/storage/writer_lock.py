@@ -33,7 +33,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from keras_orbax._src.runtime import multihost
 from keras_orbax._src.storage import locations
 from keras_orbax.errors import StepLockedError
 
@@ -68,6 +67,8 @@ def writer_lock(directory: str | os.PathLike, step: int) -> Iterator[None]:
         fd = _acquire(directory, step)
         if fd is not None:
             taken.append(fd)
+
+    from keras_orbax._src.runtime import multihost  # JAX: not on inspect's listing path
 
     multihost.primary_value(f"writer lock of step {step}", take)
     try:
@@ -182,6 +183,8 @@ def run_lock(directory: str | os.PathLike) -> Iterator[None]:
             raise StepLockedError(_run_busy_message(directory, fd.holder, path))
         if fd is not None:
             taken.append(fd)
+
+    from keras_orbax._src.runtime import multihost  # JAX: not on inspect's listing path
 
     multihost.primary_value(f"run lock of {os.fspath(directory)}", take)
     try:
