@@ -60,11 +60,13 @@ def _rename_files(
     index first: a rename part-way never mixes). A failure part-way says what is in place: not
     the previous export any more, nor the whole new one."""
     parent, order = sink.destination.parent, sink.commit_order()
-    removed = [name for name in sink.removed_first() if (parent / name).exists()]
+    removed: list[str] = []
     done: list[str] = []
     try:
-        for name in removed:
-            (parent / name).unlink()
+        for name in sink.removed_first():
+            if (parent / name).exists():
+                (parent / name).unlink()
+                removed.append(name)
         for name in order:
             if fault_point is not None and len(order) > 1 and name == order[-1]:
                 fault_point("rename.last")
