@@ -10,13 +10,17 @@ whole (`checksum.check_ranges`) where the sidecar puts it exactly where the file
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keras_orbax._src.format import checksum
 from keras_orbax._src.format.crc import strongest
 from keras_orbax._src.sources.base import FileCheck
 from keras_orbax.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from keras_orbax._src.read.sharded_read import ReadPlan
 
 Place = tuple[Path, int, int]
 """Where an array's bytes lie, as its source reads them: (file, offset, bytes)."""
@@ -78,3 +82,25 @@ def check(sidecar: Path, places: Mapping[str, Place], what: str) -> FileCheck | 
     unchecked = tuple(name for name in places if name not in found)
     why = f"{len(unchecked)} arrays not in {sidecar.name}" if unchecked else ""
     return FileCheck(files, nbytes, compared, unchecked, why)
+
+
+class CheckedBySidecar:
+    """`check_files` and `verified_reads` of a source whose arrays keras-orbax's export may have
+    checksummed: each array against the sidecar (`checked_by_sidecar`, None where there is none),
+    and, for a restore, every one checked whole before any is read (such a source is read twice)."""
+
+    def checked_by_sidecar(self) -> FileCheck | None:
+        raise NotImplementedError
+
+    def check_files(
+        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
+    ) -> FileCheck | None:
+        found = self.checked_by_sidecar()
+        if found is not None and on_file is not None:
+            on_file(found.nbytes)
+        return found
+
+    def verified_reads(
+        self, reads: ReadPlan, *, read_back: bool = False
+    ) -> tuple[ReadPlan, FileCheck | None]:
+        return reads, self.checked_by_sidecar()

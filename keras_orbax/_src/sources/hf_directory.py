@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +81,7 @@ class TransposedArray:
         return out
 
 
-class TransformersSource(Source):
+class TransformersSource(export_sidecar.CheckedBySidecar, Source):
     """A Hugging Face model directory, listed by safetensors tensor name; restored into a keras-hub
     backbone as keras-hub's own converter assigns it."""
 
@@ -102,24 +102,7 @@ class TransformersSource(Source):
         """Its `config.json` is Hugging Face's: keras-hub's `from_preset` builds the model."""
         return None
 
-    def check_files(
-        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
-    ) -> FileCheck | None:
-        """Each tensor against the CRCs keras-orbax's export recorded beside the files
-        (`export_checksums`); None for a directory another tool wrote (none recorded)."""
-        found = self._check_tensors()
-        if found is not None and on_file is not None:
-            on_file(found.nbytes)
-        return found
-
-    def verified_reads(
-        self, reads: ReadPlan, *, read_back: bool = False
-    ) -> tuple[ReadPlan, FileCheck | None]:
-        """Every tensor checked whole before any is read, where keras-orbax's export recorded
-        their CRCs: a restore reads such a directory twice, once to check it."""
-        return reads, self._check_tensors()
-
-    def _check_tensors(self) -> FileCheck | None:
+    def checked_by_sidecar(self) -> FileCheck | None:
         """Reads every tensor the sidecar file lists and checks it; None where there is none.
 
         Raises:

@@ -8,7 +8,7 @@ plan, the all-or-nothing checks and the region reads are the same as for keras-o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,7 +50,7 @@ def preset_weights(directory: Path) -> Path | None:
     return next((directory / n for n in PRESET_WEIGHTS if (directory / n).is_file()), None)
 
 
-class KerasWeightsSource(Source):
+class KerasWeightsSource(export_sidecar.CheckedBySidecar, Source):
     """A Keras weights file, listed by h5 dataset path (`layers/dense/vars/0`, the keras-orbax key
     of ordinary layers), restored as Keras's own `load_weights` assigns it."""
 
@@ -87,24 +87,7 @@ class KerasWeightsSource(Source):
         """Where keras-orbax's export keeps its datasets' CRCs (`export.export_checksums`)."""
         return self.file.parent / checksum.export_sidecar_of(self.file.name)
 
-    def check_files(
-        self, keys: Sequence[str] | None = None, on_file: Callable[[int], None] | None = None
-    ) -> FileCheck | None:
-        """Each dataset against the CRCs keras-orbax's export recorded beside the file; None for
-        a file another tool wrote (none recorded)."""
-        found = self._check_datasets()
-        if found is not None and on_file is not None:
-            on_file(found.nbytes)
-        return found
-
-    def verified_reads(
-        self, reads: ReadPlan, *, read_back: bool = False
-    ) -> tuple[ReadPlan, FileCheck | None]:
-        """Every dataset checked whole before any is read, where keras-orbax's export recorded
-        their CRCs: a restore reads such a file twice, once to check it."""
-        return reads, self._check_datasets()
-
-    def _check_datasets(self) -> FileCheck | None:
+    def checked_by_sidecar(self) -> FileCheck | None:
         """Every dataset the sidecar records, read and checked; None where there is no sidecar.
 
         Raises:
@@ -114,7 +97,7 @@ class KerasWeightsSource(Source):
         return None if self.sidecar is None else self.checked_against(self.sidecar)
 
     def checked_against(self, sidecar: Path) -> FileCheck | None:
-        """`_check_datasets` with the CRCs that `sidecar` records (None: it does not exist)."""
+        """`checked_by_sidecar` with the CRCs that `sidecar` records (None: it does not exist)."""
         places = {  # the sidecar's names: `<file>/<h5 path>`
             f"{a.file.name}/{name}": (a.file, a.offset, a.nbytes)
             for name, a in self.arrays.items()
@@ -208,11 +191,11 @@ class KerasPresetSource(KerasWeightsSource):
     def sidecar(self) -> Path | None:
         return self.location / checksum.EXPORT_FILE
 
-    def _check_datasets(self) -> FileCheck | None:
+    def checked_by_sidecar(self) -> FileCheck | None:
         """The model's datasets and, where the preset has them, its task's (`task.weights.h5`,
         which keras-hub's own loader reads once the backbone is restored), against the one
         sidecar of the preset."""
-        found = super()._check_datasets()
+        found = super().checked_by_sidecar()
         task = self.location / TASK_WEIGHTS
         if found is None or not task.is_file():
             return found
