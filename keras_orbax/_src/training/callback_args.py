@@ -26,7 +26,7 @@ def validate(
     if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
         raise ValueError(f"directory must be a non-empty path. Received: directory={directory!r}")
     _check_not_a_file_name(os.fspath(directory))
-    if save_freq != "epoch" and not _positive_int(save_freq):
+    if save_freq != "epoch" and not positive_int(save_freq):
         raise ValueError(
             f"save_freq must be 'epoch' or a positive int. Received: save_freq={save_freq!r}"
         )
@@ -35,7 +35,7 @@ def validate(
         ("keep_best", keep_best),
         ("keep_every", keep_every),
     ):
-        if value is not None and not _positive_int(value):
+        if value is not None and not positive_int(value):
             raise ValueError(f"{name} must be None or a positive int. Received: {name}={value!r}")
     if format not in ("fast", "compact"):
         raise ValueError(f"format must be 'fast' or 'compact'. Received: format={format!r}")
@@ -80,5 +80,5 @@ def _format_fields(text: str) -> list[str]:
         return []
 
 
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -21,6 +21,7 @@ import keras
 
 from keras_orbax._src.format import step_dirs
 from keras_orbax._src.storage import locations
+from keras_orbax._src.training.callback_args import positive_int
 from keras_orbax._src.training.resume import Resumed, set_aside
 from keras_orbax._src.training.retention import Retention
 from keras_orbax._src.training.saving import Saves
@@ -62,9 +63,7 @@ def check_arguments(
         ("local_save_freq", local_save_freq),
         ("local_max_to_keep", local_max_to_keep),
     ):
-        if name == "local_save_freq" and value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not (positive_int(value) or (name == "local_save_freq" and value is None)):
             raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
     if save_weights_only:
         raise ValueError(
