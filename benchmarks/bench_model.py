@@ -71,6 +71,10 @@ def make_distribution(devices=None, mesh_shape=MESH_SHAPE, axes=MESH_AXES, rules
     import keras
 
     devices = list(devices if devices is not None else jax.devices())
+    if math.prod(mesh_shape) != len(devices):
+        # On one accelerator chip (`--set cpu_devices=0`) every axis but the last has size 1,
+        # so the same layout rules apply and each device holds the whole model.
+        mesh_shape = (*[1] * (len(mesh_shape) - 1), len(devices))
     mesh = keras.distribution.DeviceMesh(mesh_shape, axes, devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, value in (rules if rules is not None else layout_rules()).items():

@@ -100,6 +100,8 @@ def child(case: str, args: argparse.Namespace) -> dict:
             shutil.rmtree(args.dir)  # an earlier preset, made again
         os.rename(partial, args.dir)
         return made
+    if case == "place":
+        return place_files(preset_files(args.dir))
     if case in ("read", "read_kept"):
         clock, cpu = time.perf_counter(), cpu_seconds()
         nbytes = read_files(preset_files(args.dir), keep=case == "read_kept")
@@ -166,15 +168,17 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
     assert keras_orbax.from_preset and keras_orbax.restore_sharded
     out: dict = {"rss_import": status_kib("self", "VmRSS") * 1024}
     stage(args, case, "loading", out)
-    shape = tuple(int(n) for n in args.mesh.split("x"))
-    mesh = keras.distribution.DeviceMesh(
-        shape, ("batch", "model"), keras.distribution.list_devices()
-    )
     cls = keras_hub.models.GemmaBackbone
-    layout_map = cls.get_layout_map(mesh)
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    )
+    if args.mesh != "1":  # "1": one device (an accelerator chip), no distribution
+        shape = tuple(int(n) for n in args.mesh.split("x"))
+        mesh = keras.distribution.DeviceMesh(
+            shape, ("batch", "model"), keras.distribution.list_devices()
+        )
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=cls.get_layout_map(mesh), batch_dim_name="batch"
+            )
+        )
     clock, cpu = time.perf_counter(), cpu_seconds()
     if case == "build":  # what the load spends building the model: no weight read
         with keras_orbax.deferred_init():
@@ -191,6 +195,7 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
     out["peak_load"] = status_kib("self", "VmHWM") * 1024
     out["rss_loaded"] = status_kib("self", "VmRSS") * 1024
     out.update(model_bytes(model))
+    out.update(device_memory())
     if case == "export":
         import _seed_export
 
@@ -213,6 +218,56 @@ def load_case(case: str, args: argparse.Namespace) -> dict:
     np.save(os.path.join(args.out_dir, f"{case}_{args.mesh}.npy"), hidden)
     out["peak_end"] = status_kib("self", "VmHWM") * 1024
     return out
+
+
+def device_memory() -> dict:
+    """The first device's peak and current bytes since the process started, where the backend
+    keeps them (accelerators; not CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    names = {"peak_bytes_in_use": "device_peak", "bytes_in_use": "device_in_use"}
+    return {ours: stats[theirs] for theirs, ours in names.items() if theirs in stats}
+
+
+def place_files(paths: list[str], threads: int = 8, piece: int = 64 * 2**20) -> dict:
+    """The accelerator's floor: every byte of the files read in `piece`-sized reads by
+    `threads` threads, each piece put on the first device as soon as it is read and kept there;
+    and the host-to-device rate of one 1 GiB array already in memory."""
+    import jax
+    import numpy as np
+
+    device = jax.devices()[0]
+    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
+    pieces = [
+        (fds[path], offset, min(piece, size - offset))
+        for path in paths
+        for size in [os.path.getsize(path)]
+        for offset in range(0, size, piece)
+    ]
+
+    def read_and_place(job: tuple[int, int, int]):
+        fd, offset, length = job
+        buffer = np.empty(length, np.uint8)
+        os.preadv(fd, [memoryview(buffer)], offset)
+        return jax.block_until_ready(jax.device_put(buffer, device))
+
+    try:
+        clock = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            placed = list(pool.map(read_and_place, pieces))
+        seconds = time.perf_counter() - clock
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    nbytes = sum(p.nbytes for p in placed)
+    del placed
+    one = np.ones(GIB, np.uint8)
+    jax.block_until_ready(jax.device_put(one[: 2**20], device))  # the transfer path warmed
+    clock = time.perf_counter()
+    jax.block_until_ready(jax.device_put(one, device))
+    rate = GIB / (time.perf_counter() - clock)
+    return {"seconds": seconds, "bytes": nbytes, "h2d_s": nbytes / rate, "h2d_gib_s": rate / GIB}
 
 
 def stage(args: argparse.Namespace, case: str, name: str, out: dict) -> None:
@@ -258,7 +313,7 @@ def run_child(case: str, args: argparse.Namespace, mesh: str = "", env: dict | N
         args.dir,
     ]
     command += ["--out-dir", args.out_dir, "--max-shard-size", str(args.max_shard_size)]
-    command += ["--dtype", args.dtype]
+    command += ["--dtype", args.dtype, "--platform", args.platform]
     if mesh:
         command += ["--mesh", mesh]
     if case == "export":
@@ -354,8 +409,9 @@ def evict(directory: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ["KERAS_BACKEND"] = "jax"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    if args.platform == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
@@ -389,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     for mesh in args.meshes:
         for _ in range(args.repeats):
             cases = ("read", "read_kept", "ko") if args.kept_read else ("read", "ko")
+            cases = ("read", "place", "ko") if args.platform == "accelerator" else cases
             for case in cases:  # alternating, each right after the other
                 evict(args.dir)
                 report["runs"].append(run_child(case, args, mesh))
@@ -435,9 +492,23 @@ def machine() -> dict:
     }
 
 
+def _seed_configs() -> list[str]:
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    import _seed_preset  # imports no JAX
+
+    return list(_seed_preset.CONFIGS)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", choices=("small", "medium", "2b", "9b"), default="9b")
+    p.add_argument("--config", choices=sorted(_seed_configs()), default="9b")
+    p.add_argument(
+        "--platform",
+        choices=("cpu", "accelerator"),
+        default="cpu",
+        help="cpu: 8 virtual CPU devices; accelerator: JAX's own devices (--meshes 1: one chip)",
+    )
     p.add_argument(
         "--dir",
         default=None,
