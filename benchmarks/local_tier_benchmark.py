@@ -37,13 +37,18 @@ def _width(params: dict) -> int:
     return int(round((params["mib"] * 2**20 / 3 / 4 / LAYERS) ** 0.5 / 64) * 64)
 
 
+def _batch(params: dict) -> int:
+    # `--set batch=N`: a larger batch for an accelerator, whose step the default makes tiny.
+    return int(params.get("batch", BATCH))
+
+
 def _data(params: dict):
     import numpy as np
 
     width = _width(params)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((params["steps"] * BATCH, width), dtype="float32")
-    y = rng.standard_normal((params["steps"] * BATCH, width), dtype="float32")
+    x = rng.standard_normal((params["steps"] * _batch(params), width), dtype="float32")
+    y = rng.standard_normal((params["steps"] * _batch(params), width), dtype="float32")
     return x, y
 
 
@@ -66,13 +71,13 @@ def _synced(inner):
     return Synced(inner if inner is not None else keras.callbacks.Callback())
 
 
-def _checkpoint(work: str, **kwargs):
+def _checkpoint(work: str, every: int = 1, **kwargs):
     import keras_orbax
 
     return keras_orbax.ModelCheckpoint(
         os.path.join(work, "persistent"),
         local_directory=_shm(work),
-        local_save_freq=1,
+        local_save_freq=every,
         **kwargs,
     )
 
@@ -82,15 +87,20 @@ def run_case(case: str, params: dict, work: str) -> dict:
         return _recovery(case, params, work)
     model = build_model(_width(params))
     x, y = _data(params)
-    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # compile
+    model.fit(x, y, batch_size=_batch(params), epochs=1, verbose=0)  # compile
     for directory in (os.path.join(work, "persistent"), _shm(work)):
         shutil.rmtree(directory, ignore_errors=True)
-    timed = _synced(_checkpoint(work) if case == "local" else None)
+    # `--set every=N`: a local save every N batches (on an accelerator, N steps at least twice
+    # the state's transfer to the host let each save's fetch finish behind training).
+    every = int(params.get("every", 1))
+    timed = _synced(_checkpoint(work, every) if case == "local" else None)
     clock = bm.clock()
-    model.fit(x, y, batch_size=BATCH, epochs=params["epochs"], shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=_batch(params), epochs=params["epochs"], shuffle=False, verbose=0,
               callbacks=[timed])  # fmt: skip
     fit_s = bm.since(clock)[0]
     blocked = timed.seconds["on_train_batch_end"]
+    if case == "local":
+        blocked = blocked[every - 1 :: every]  # the batches that save
     steps = params["epochs"] * params["steps"]
     shutil.rmtree(_shm(work), ignore_errors=True)
     return {
@@ -116,7 +126,7 @@ def prepare(params: dict, work: str) -> dict:
             if int(self.model.optimizer.iterations.numpy()) == params["steps"] + 1:
                 self.model.stop_training = True
 
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0,
               callbacks=[_checkpoint(work, local_max_to_keep=1), Stop()])  # fmt: skip
     return {"local_step": params["steps"] + 1}
 
@@ -142,7 +152,9 @@ def _recovery(case: str, params: dict, work: str) -> dict:
     first = FirstBatch()
     callbacks = [first] if case == "floor" else [_checkpoint(work, resume=True), first]
     clock = bm.clock()
-    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    model.fit(
+        x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+    )
     result = {"first_batch_s": first.seconds}
     if case == "recover":
         return {**result, "seconds": first.seconds}
