@@ -9,9 +9,13 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.write import staging
+from keras_orbax._src.write import shard_writer, staging
 from keras_orbax._src.write.staging import HostStaging
 from tests import _models
+
+
+# The hidden kernel (16 x _WIDE float32) and its Adam slots just past `shard_writer.PACK_BYTES`.
+_WIDE = 16896
 
 
 @pytest.fixture
@@ -19,12 +23,16 @@ def mp(distribution):
     return distribution(_models.model_parallel((2, 4)))
 
 
-@pytest.fixture(params=["views", "copies"])
+@pytest.fixture(params=["views", "device copies", "copies"])
 def held_as(request, monkeypatch):
-    """Both ways a background save keeps the state: views pinning CPU buffers (what runs here),
-    and copies into warm host buffers (what runs on an accelerator, forced here)."""
-    if request.param == "copies":
+    """Every way a background save keeps the state: views pinning CPU buffers (what runs here);
+    what runs on an accelerator, forced here: copies on the device fetched into warm host buffers
+    while training goes on, or, where the device has no room for them, the shards fetched into
+    those buffers at once."""
+    if request.param != "views":
         monkeypatch.setattr(staging, "views_pin_buffers", lambda platform: False)
+    if request.param == "copies":
+        monkeypatch.setattr(HostStaging, "_room_for", lambda self, arrays: False)
     return request.param
 
 
@@ -108,7 +116,9 @@ def test_each_background_save_holds_its_own_epoch_while_training_goes_on(tmp_pat
     (a view that did not pin its buffer, or a buffer handed back before its write finished,
     would hold a later epoch's values)."""
     keras.utils.set_random_seed(5)
-    model = _models.compile_adam(_models.mlp(width=32))
+    model = _models.compile_adam(_models.mlp(width=_WIDE))
+    # Held as the fixture says only past PACK_BYTES: smaller arrays are assembled on the host.
+    assert not shard_writer.is_packed(model.get_layer("hidden").kernel.value)
     record = _Record()
     rng = np.random.default_rng(0)
     x, y = rng.random((32, 16), dtype="float32"), rng.random((32, 8), dtype="float32")
@@ -118,7 +128,7 @@ def test_each_background_save_holds_its_own_epoch_while_training_goes_on(tmp_pat
     )
 
     for epoch, want in enumerate(record.states):
-        restored = _models.compile_adam(_models.mlp(width=32))
+        restored = _models.compile_adam(_models.mlp(width=_WIDE))
         restored.optimizer.build(restored.trainable_variables)
         keras_orbax.restore_sharded(restored, tmp_path, step=4 * (epoch + 1))
         got = _models.values(restored.variables + restored.optimizer.variables)

@@ -210,8 +210,12 @@ class ArrayFiles:
         else:
             write = functools.partial(shard_files.write_shard, self._root, synced=self._synced)
         if self._plan is None:
-            return functools.partial(write, shard)
-        return functools.partial(self._plan.write_or_link, self._root, shard, write)
+            return functools.partial(_once_filled, shard, functools.partial(write, shard))
+        return functools.partial(
+            _once_filled,
+            shard,
+            functools.partial(self._plan.write_or_link, self._root, shard, write),
+        )
 
     def _make_dir(self, relative: str) -> None:
         if relative not in self._made:
@@ -243,3 +247,10 @@ def _ancestors(relative: str) -> list[str]:
     before the file and fsync-ed after it (`c/0/1/2` of a 3-D array has three below the array's)."""
     parts = relative.split("/")[:-1]
     return ["/".join(parts[:n]) for n in range(len(parts) + 1)]
+
+
+def _once_filled(shard: Shard, write: Callable[[], Any]) -> Any:
+    """`write()` once `shard`'s bytes have arrived (a background save's fetch from the device)."""
+    if shard.filled is not None:
+        shard.filled.result()
+    return write()

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ class Shard:
     data: np.ndarray  # C-contiguous host bytes
     packed: bool = False
     layout: str = ""  # compared by an incremental save besides the bytes (`incremental.layout_of`)
+    # Done once `data` holds the bytes: a background save's fetch from the device (`staging`).
+    filled: Future | None = None
 
     @property
     def relative(self) -> str:

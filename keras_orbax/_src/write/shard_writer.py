@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import contextvars
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -180,7 +181,19 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[Shard]:
     whole = [(p, distinct(p.value)) for p, one_file in zip(params, packed, strict=True) if one_file]
     whole = [(p, shards) for p, shards in whole if shards]
     picked = [(p.name, s) for p in unpacked for s in distinct(p.value)]
-    host = _on_host([s.data for _, s in picked])
+    held = staging.active() if copy else None
+    on_device = held.keep_on_device([p.value for p in unpacked]) if held is not None else None
+    filled: list[Future | None] = [None] * len(picked)
+    if on_device is not None:  # copied on the device, fetched into warm buffers meanwhile
+        host, filled = on_device[0], list(on_device[1])
+    else:
+        host = _on_host([s.data for _, s in picked])
+        if not copy:
+            host = [np.ascontiguousarray(data) for data in host]
+        elif held is not None:  # a background save of the callback: pinned, or warm buffers
+            host = held.keep(host, [p.value for p in unpacked])
+        else:
+            host = [np.array(data, order="C") for data in host]
     fetched = iter(_on_host([s.data for _, shards in whole for s in shards]))
     assembled = [
         Shard(
@@ -192,22 +205,15 @@ def _host_shards(params: Sequence[Any], *, copy: bool) -> list[Shard]:
         )
         for p, shards in whole
     ]
-    held = staging.active()
-    if not copy:
-        host = [np.ascontiguousarray(data) for data in host]
-    elif held is not None:  # a background save of the callback: pinned, or its warm buffers
-        host = held.keep(host, [p.value for p in unpacked])
-    else:
-        host = [np.array(data, order="C") for data in host]
     values = {p.name: p.value for p in unpacked}
     shards = []
-    for (name, shard), data in zip(picked, host, strict=True):
+    for (name, shard), data, fetch in zip(picked, host, filled, strict=True):
         chunk = shard.data.shape
         coords = tuple(
             (index.start or 0) // n if n else 0 for index, n in zip(shard.index, chunk, strict=True)
         )
         layout = _layout(values[name], chunk, packed=False)
-        shards.append(Shard(name, coords, data, layout=layout))
+        shards.append(Shard(name, coords, data, layout=layout, filled=fetch))
     return shards + assembled
 
 
