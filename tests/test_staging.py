@@ -13,7 +13,6 @@ from keras_orbax._src.write import shard_writer, staging
 from keras_orbax._src.write.staging import HostStaging
 from tests import _models
 
-
 # The hidden kernel (16 x _WIDE float32) and its Adam slots just past `shard_writer.PACK_BYTES`.
 _WIDE = 16896
 
