@@ -1,0 +1,329 @@
+"""`ModelCheckpoint`'s local tier under `jax.distributed`: each process keeps its own part of each
+local step in its own `local_directory` (its machine's `/dev/shm` or SSD; nothing shared), and a
+replica of the previous process's part, sent to it over JAX's collectives (`runtime.ring`), so the
+loss of any one process's local directory loses nothing.
+
+Per local save, on the train loop: this process's shards are copied to the host and packed with
+their checksums (`format.process_parts`), and one ring exchange gives each process its peer's
+part; both are then written in the background. No barrier waits for a write: which steps are
+whole everywhere is agreed when resuming (`resume`), over the coordination service.
+
+Resuming takes the newest step that every process can restore, from its own part or, where that
+is lost or damaged, from the copy its next process keeps (sent back over the ring); steps passed
+over are moved aside, never deleted. A step two neighbouring processes both lost (a process's part
+and its only replica) is passed over: the persistent tier is the fallback (docs/preemption.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.format import process_parts, step_dirs
+from keras_orbax._src.format.step_record import StepRecord, versions
+from keras_orbax._src.model import state_keys
+from keras_orbax._src.restore.result import RestoreResult
+from keras_orbax._src.runtime import multihost, ring
+from keras_orbax._src.storage import locations
+from keras_orbax._src.training.resume import Resumed, set_aside
+from keras_orbax._src.write.step_writer import _record as variable_record
+from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning, SaveFailedError
+
+logger = logging.getLogger("keras_orbax")
+
+
+class PeerTier:
+    """The local steps of one `ModelCheckpoint` under `jax.distributed` (see the module's doc).
+
+    Same surface as `LocalTier`: `open`, `due`, `save`, `check_follows`, `resume`, and `saves`
+    (`start`, `raise_if_failed`, `wait`, `close`) for the callback's hooks.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, every: int, max_to_keep: int) -> None:
+        self.directory = os.fspath(directory)
+        self.every = every
+        self.max_to_keep = max_to_keep
+        self.saves = self  # the callback waits on and closes the tier's writes through `saves`
+        self.last_saved_step: int | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
+        me, n = multihost.process_index(), multihost.process_count()
+        self.root = Path(os.path.abspath(os.path.expanduser(self.directory)))
+        self.own = process_parts.folder(self.root, me)
+        self.previous = (me - 1) % n
+        self.replica = process_parts.folder(self.root, self.previous)
+
+    # -- the callback's hooks ---------------------------------------------------------------------
+
+    def open(self) -> None:
+        if locations.is_remote(self.directory):
+            raise ValueError(
+                "Under jax.distributed, local_directory is each process's own local storage (its "
+                "part of each step, and a replica of a peer's): a bucket is the persistent "
+                f"directory's place. Received: local_directory={self.directory!r}"
+            )
+        self.own.mkdir(parents=True, exist_ok=True)
+        for into in (self.own, self.replica):
+            process_parts.remove_staged(into)  # a killed write's; only this process writes here
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-tier")
+
+    def start(self, model: keras.Model) -> None:
+        """Nothing to ready: the shards are copied at each save."""
+
+    def due(self, previous_step: int, step: int) -> bool:
+        return step // self.every > previous_step // self.every and step != self.last_saved_step
+
+    def check_follows(self, step: int) -> None:
+        """Refuses a local directory holding this process's steps of a run ahead of this one."""
+        steps = process_parts.steps(self.own)
+        if steps and steps[-1] > step:
+            raise ValueError(
+                f"local_directory '{self.directory}' already holds steps up to {steps[-1]} (in "
+                f"'{self.own}'), but the model is at step {step}: new local steps would be mixed "
+                "with a different run's. Pass resume=True to continue that run, or use a new "
+                f"local_directory. Received: local_directory='{self.directory}'"
+            )
+        self.last_saved_step = steps[-1] if steps else None
+
+    def save(
+        self,
+        model: keras.Model,
+        *,
+        step: int,
+        epoch: int,
+        batch: int | None,
+        steps_per_epoch: int | None,
+        data_state: dict[str, Any] | None,
+    ) -> None:
+        """Packs this process's shards, swaps parts with the peers (a collective: every process
+        saves at the same step), and writes both in the background once the previous local save
+        has committed."""
+        self.wait()
+        if self._pool is None:
+            raise SaveFailedError(f"The local tier '{self.directory}' is closed.")
+        state = state_keys.keyed_state(model)
+        variables = {k: v for k, v in state.variables.items() if keras_compat.is_allocated(v)}
+        record = StepRecord(
+            step=step,
+            epoch=epoch,
+            batch=batch,
+            variables={k: variable_record(k, v, state.roles[k]) for k, v in variables.items()},
+            versions=versions(),
+            extra={"reason": "local", "steps_per_epoch": steps_per_epoch},
+        )
+        me = multihost.process_index()
+        own = process_parts.pack(me, record, _host_shards(variables), data_state)
+        replica = ring.shift(own, by=1, name=f"local tier/step {step}")
+        self._pending = (step, self._pool.submit(self._write, own, replica))
+        self.last_saved_step = step
+        logger.debug("Saving step %d to the local tier '%s'", step, self.own)
+
+    def _write(self, own: bytes, replica: bytes) -> None:
+        process_parts.commit(self.own, own)
+        process_parts.commit(self.replica, replica)
+        for into in (self.own, self.replica):
+            for old in process_parts.steps(into)[: -self.max_to_keep]:
+                shutil.rmtree(into / str(old))
+
+    def raise_if_failed(self) -> None:
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Blocks until the local save in progress has committed.
+
+        Raises:
+            SaveFailedError: it failed; the earlier local steps are intact.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, future = pending
+        try:
+            future.result()
+        except Exception as error:
+            self.close(failing=True)
+            raise SaveFailedError(
+                f"Saving step {step} to the local tier '{self.own}' failed: "
+                f"{type(error).__name__}: {error}. Its earlier steps are intact."
+            ) from error
+
+    def close(self, *, failing: bool) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    # -- resuming ---------------------------------------------------------------------------------
+
+    def resume(
+        self,
+        model: keras.Model,
+        *,
+        persistent: str,
+        position_input: Callable[[str, int, StepRecord], bool],
+    ) -> Resumed | None:
+        """Restores the newest local step newer than the persistent tier's newest that every
+        process can restore, taking a lost or damaged part from the next process's replica;
+        None where there is none, for the persistent tier to resume from. Local steps passed
+        over are moved aside (never deleted), with a warning. A collective call.
+        """
+        persistent_steps = step_dirs.committed_steps(persistent)
+        newer_than = persistent_steps[-1] if persistent_steps else -1
+        own, own_damaged = _intact(self.own, newer_than)
+        replica, replica_damaged = _intact(self.replica, newer_than)
+        views = multihost.gather("local tier/intact", {"own": own, "replica": replica})
+        n = len(views)
+        held = [set(v["own"]) for v in views]
+        kept = [set(views[(p + 1) % n]["replica"]) for p in range(n)]  # p's part, at p + 1
+        step = next(
+            (
+                s
+                for s in sorted(set().union(*held, *kept), reverse=True)
+                if all(s in held[p] or s in kept[p] for p in range(n))
+            ),
+            None,
+        )
+        damaged = {self.own: own_damaged, self.replica: replica_damaged}
+        self._set_aside_passed_over(step, newer_than, damaged)
+        if step is None:
+            return None
+        missing = [p for p in range(n) if step not in held[p]]
+        if missing:
+            self._recover(step, missing)
+        restored, record = self._restore(model, step)
+        positioned = position_input(str(self.own), step, record)
+        keras_compat.set_initial_epoch(model, record.epoch)
+        if multihost.is_primary():
+            taken = f"; the parts of processes {missing} from their peers' replicas" * bool(missing)
+            logger.info(
+                "Resuming from step %d of the local tier '%s' (newer than the persistent "
+                "tier's %s%s)%s",
+                step,
+                self.directory,
+                newer_than if newer_than >= 0 else "none",
+                taken,
+                ", the input put where it was" if positioned else "",
+            )
+        return Resumed(restored, record.epoch)
+
+    def _set_aside_passed_over(
+        self, step: int | None, newer_than: int, damaged: dict[Path, dict[int, str]]
+    ) -> None:
+        """Moves aside this process's local steps (own and replica) newer than `step` (all newer
+        than the persistent tier's where `step` is None), and its own damaged `step`, which the
+        peer's replica replaces: each warned about, none deleted."""
+        for into in (self.own, self.replica):
+            bad = damaged[into]
+            passed = [
+                s
+                for s in process_parts.steps(into)
+                if s > newer_than and (step is None or s > step or (s == step and s in bad))
+            ]
+            if not passed:
+                continue
+            for s, where in zip(passed, set_aside(str(into), passed), strict=True):
+                why = f"is damaged: {bad[s]}" if s in bad else "is not whole on every process"
+                warnings.warn(
+                    f"Local step {s} of '{into}' {why}; it was moved aside to '{where}' (nothing "
+                    "is deleted; inspect it, then remove it yourself).",
+                    KerasOrbaxWarning,
+                    stacklevel=4,
+                )
+
+    def _recover(self, step: int, missing: list[int]) -> None:
+        """Sends each missing part back from the next process's replica (a collective)."""
+        me = multihost.process_index()
+        sending = self.previous in missing
+        payload = process_parts.payload(self.replica / str(step)) if sending else b""
+        received = ring.shift(payload, by=-1, name=f"local tier/recover {step}")
+        if me in missing:
+            process_parts.commit(self.own, received)
+            warnings.warn(
+                f"Step {step} of this process's local tier '{self.own}' was lost or damaged: "
+                f"it was taken from the replica process {(me + 1) % multihost.process_count()} "
+                "keeps, and written back.",
+                KerasOrbaxWarning,
+                stacklevel=4,
+            )
+
+    def _restore(self, model: keras.Model, step: int) -> tuple[RestoreResult, StepRecord]:
+        """Every process reads its own part of `step` and assigns it, or none assigns."""
+
+        def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
+            return restore_part(model, self.own / str(step))
+
+        arrays, manifest, nbytes = multihost.run_collectively(f"local tier/restore {step}", read)
+        state = state_keys.keyed_state(model)
+        for key, value in arrays.items():
+            state.variables[key].assign(value)
+        record = process_parts.record_of(manifest)
+        paths = {k: v.path for k, v in state.variables.items()}
+        result = RestoreResult(
+            step, record.epoch, tuple(arrays), (), (), nbytes, record, paths=paths
+        )
+        return result, record
+
+
+def restore_part(
+    model: keras.Model, step_dir: Path
+) -> tuple[dict[str, jax.Array], dict[str, Any], int]:
+    """The arrays of `model`'s variables from the part at `step_dir` (checked), its manifest and
+    the bytes read; assigns nothing."""
+    manifest, data = process_parts.read(step_dir)
+    state = state_keys.keyed_state(model)
+    unset = [v.path for v in state.variables.values() if not keras_compat.is_allocated(v)]
+    if unset:
+        raise ValueError(
+            f"A local step restores into a built model (fit builds it; else call model.build and "
+            f"optimizer.build first): {len(unset)} variables are not, e.g. {unset[:3]}."
+        )
+    targets = {}
+    for key, variable in state.variables.items():
+        value = keras_compat.current_value(variable)
+        if value.size:
+            targets[key] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
+    return process_parts.arrays(manifest, data, targets, f"'{step_dir}'"), manifest, len(data)
+
+
+def _intact(into: Path, newer_than: int) -> tuple[list[int], dict[int, str]]:
+    """The steps of a process's folder newer than `newer_than` whose part passes its checks, and
+    why each other one does not."""
+    intact, damaged = [], {}
+    for step in process_parts.steps(into):
+        if step <= newer_than:
+            continue
+        try:
+            process_parts.read(into / str(step))
+        except CorruptCheckpointError as error:
+            damaged[step] = str(error)
+            continue
+        intact.append(step)
+    return intact, damaged
+
+
+def _host_shards(variables: dict[str, keras.Variable]) -> list[tuple[str, Any, np.ndarray]]:
+    """This process's distinct shards of each variable, copied to the host now (the next train
+    step donates the device buffers)."""
+    shards = []
+    for key, variable in variables.items():
+        value = keras_compat.current_value(variable)
+        if not value.size:
+            continue
+        seen = set()
+        for shard in sorted(value.addressable_shards, key=lambda s: s.device.id):
+            index = process_parts.index_of(shard.index, value.shape)
+            if index not in seen:
+                seen.add(index)
+                shards.append((key, index, np.array(shard.data, copy=True)))
+    return shards

@@ -1,0 +1,87 @@
+"""`ModelCheckpoint(local_directory=...)` under jax.distributed: 2 processes x 4 CPU devices, each
+with its own local directory; each keeps its part of every local step and a replica of its peer's,
+sent over JAX's collectives. Two launches of the same job: the first trains a reference run
+uninterrupted, crashes a second (an exception out of `fit`) and SIGKILLs a third; between the
+launches the test deletes process 1's whole local directory of the killed run and damages process
+0's newest part of the crashed one; the second launch resumes both, bitwise as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from keras_orbax._src.format import process_parts
+from tests._harness import WORKERS_DIR, run_workers, start_workers
+
+WORKER = WORKERS_DIR / "local_tier_multiprocess.py"
+KILL_AFTER, CRASH_AFTER = 7, 10  # mid-epoch (4 batches an epoch): the persistent tier is at 4, 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local_tier_mp")
+    args = {"root": str(root), "phase": "first", "kill_after": KILL_AFTER}
+    args["crash_after"] = CRASH_AFTER
+    (root / "w1").mkdir()
+    with start_workers(WORKER, 2, 4, args, workdir=root / "w1") as workers:
+        workers.wait(480, expect_failure={0, 1})  # both SIGKILLed after batch KILL_AFTER
+        first = [json.loads(workers.result_path(i).read_text()) for i in range(2)]
+    killed_local = {p: _parts(root / "killed" / f"local_{p}") for p in range(2)}
+    shutil.rmtree(root / "killed" / "local_1")  # process 1's machine lost its local disk
+    damaged = root / "damaged" / "local_0" / "process_0" / str(CRASH_AFTER)
+    _flip_a_byte(damaged / process_parts.DATA)
+    resumed = run_workers(WORKER, 2, 4, {**args, "phase": "resume"}, timeout=480)
+    return root, first, killed_local, resumed
+
+
+def _parts(local: Path) -> dict[str, list[int]]:
+    return {p.name: process_parts.steps(p) for p in sorted(local.iterdir())}
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_each_process_keeps_its_part_and_a_replica_of_its_peers(runs):
+    root, first, _, _ = runs
+    last = 12
+    for me, peer in ((0, 1), (1, 0)):
+        assert first[me]["reference_local"] == {
+            f"process_{me}": [str(last - 1), str(last)],
+            f"process_{peer}": [str(last - 1), str(last)],
+        }
+        for step in (last - 1, last):
+            # The replica is the very bytes the peer wrote into its own local directory.
+            own = root / "reference" / f"local_{peer}" / f"process_{peer}" / str(step)
+            replica = root / "reference" / f"local_{me}" / f"process_{peer}" / str(step)
+            for name in (process_parts.MANIFEST, process_parts.DATA):
+                assert (replica / name).read_bytes() == (own / name).read_bytes()
+
+
+def test_a_lost_local_directory_resumes_from_the_newest_local_step_with_the_peers_replica(runs):
+    _, first, killed_local, resumed = runs
+    newest = killed_local[0]["process_0"][-1]
+    assert newest in (KILL_AFTER - 1, KILL_AFTER)  # newer than the persistent tier's step 4
+    assert killed_local[0]["process_1"][-1] == newest  # process 1's part, kept by process 0
+    for me in (0, 1):
+        assert resumed[me]["killed"]["restored"] == newest
+        assert resumed[me]["killed"]["digest"] == first[me]["reference"]  # bitwise, every shard
+    assert any(
+        "taken from the replica process 0 keeps" in w for w in resumed[1]["killed"]["warnings"]
+    )
+    assert resumed[1]["killed"]["local"]["process_1"][-2:] == ["11", "12"]  # the tier goes on
+
+
+def test_a_damaged_part_is_set_aside_and_taken_from_the_peers_replica(runs):
+    _, first, _, resumed = runs
+    for me in (0, 1):
+        assert resumed[me]["damaged"]["restored"] == CRASH_AFTER
+        assert resumed[me]["damaged"]["digest"] == first[me]["reference"]
+    assert f"{CRASH_AFTER}.unreadable" in resumed[0]["damaged"]["local"]["process_0"]  # kept
+    assert any("is damaged" in w for w in resumed[0]["damaged"]["warnings"])
