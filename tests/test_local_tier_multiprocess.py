@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import keras_orbax
 from keras_orbax._src.format import process_parts
+from keras_orbax.errors import CheckpointNotFoundError
+from tests import _models
 from tests._harness import WORKERS_DIR, run_workers, start_workers
 
 WORKER = WORKERS_DIR / "local_tier_multiprocess.py"
@@ -85,3 +88,32 @@ def test_a_damaged_part_is_set_aside_and_taken_from_the_peers_replica(runs):
         assert resumed[me]["damaged"]["digest"] == first[me]["reference"]
     assert f"{CRASH_AFTER}.unreadable" in resumed[0]["damaged"]["local"]["process_0"]  # kept
     assert any("is damaged" in w for w in resumed[0]["damaged"]["warnings"])
+
+
+def test_restore_sharded_takes_a_lost_part_from_the_peer(runs):
+    _, _, _, resumed = runs
+    for me in (0, 1):
+        assert resumed[me]["restore_sharded"]["step"] == 12
+        assert resumed[me]["restore_sharded"]["digest"] == resumed[me]["killed"]["weights"]
+
+
+def test_every_local_step_verifies_and_inspect_shows_each_processs_parts(runs):
+    root, _, _, _ = runs
+    for me, peer in ((0, 1), (1, 0)):
+        local = root / "reference" / f"local_{me}"
+        for step in (11, 12):
+            result = keras_orbax.verify(local, step)
+            assert result.intact and result.step == step and result.checksummed == 6
+        info = keras_orbax.inspect(local)
+        assert info.step == 12 and info.record.batch is None and info.record.epoch == 3
+        assert info.parts == {f"process_{me}": (11, 12), f"process_{peer}": (11, 12)}
+        assert f"local tier: process_{peer}/ holds the parts of steps [11, 12]" in str(info)
+    _flip_a_byte(root / "reference" / "local_1" / "process_0" / "12" / process_parts.DATA)
+    with pytest.raises(keras_orbax.errors.CorruptCheckpointError, match=r"data of .* is damaged"):
+        keras_orbax.verify(root / "reference" / "local_1", 12)
+
+
+def test_one_process_cannot_restore_a_tier_of_several(runs):
+    root, _, _, _ = runs
+    with pytest.raises(CheckpointNotFoundError, match=r"written under jax\.distributed by 2"):
+        keras_orbax.restore_sharded(_models.mlp(), root / "reference" / "local_0")

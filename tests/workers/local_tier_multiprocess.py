@@ -8,7 +8,9 @@ phase "first": trains `reference` uninterrupted, then `damaged` until an excepti
 after batch `crash_after`, writes its result, then trains `killed` and SIGKILLs itself after batch
 `kill_after` (both processes, at the same batch).
 phase "resume": the test has deleted process 1's local directory of `killed` and damaged process
-0's newest own part of `damaged`; resumes both runs to their end.
+0's newest own part of `damaged`; resumes both runs to their end. Then process 1 deletes its own
+part of `killed`'s newest step, and both `restore_sharded` a fresh model from their local
+directory of `killed`.
 Each result holds a digest of this process's shards of the whole state (weights, optimizer,
 metrics) after each run, the step each resume restored, and what each local directory holds.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -75,10 +78,11 @@ def _train(run: Path, *, stop_after: int | None = None, kill: bool = False):
     return model, restored, [str(w.message) for w in caught]
 
 
-def _digest(model: keras.Model) -> str:
-    """This process's shards of every variable, in order, hashed."""
+def _digest(model: keras.Model, *, metrics: bool = True) -> str:
+    """This process's shards of every variable (weights, optimizer, metrics), in order, hashed."""
     digest = hashlib.sha256()
-    for variable in model.variables + model.optimizer.variables + model.metrics_variables:
+    variables = model.variables + model.optimizer.variables
+    for variable in variables + (model.metrics_variables if metrics else []):
         value = variable.value
         for shard in sorted(value.addressable_shards, key=lambda s: s.device.id):
             digest.update(np.asarray(shard.data).tobytes())
@@ -110,12 +114,25 @@ def main() -> None:
     result = {}
     for run in ("killed", "damaged"):
         model, restored, warned = _train(root / run)
+        if run == "killed":
+            model_killed = model
         result[run] = {
             "digest": _digest(model),
             "restored": restored,
             "warnings": warned,
             "local": _listing(root / run / f"local_{me}"),
         }
+    # restore_sharded of a local directory as the user passed it: process 1's own part of the
+    # newest step deleted, it comes from the replica process 0 keeps.
+    killed = root / "killed" / f"local_{me}"
+    if me == 1:
+        shutil.rmtree(killed / "process_1")
+    multihost.gather("test/own part deleted", 0)
+    fresh = _models.compile_adam(_models.mlp())
+    fresh.optimizer.build(fresh.trainable_variables)
+    restored = keras_orbax.restore_sharded(fresh, killed)
+    result["restore_sharded"] = {"step": restored.step, "digest": _digest(fresh, metrics=False)}
+    result["killed"]["weights"] = _digest(model_killed, metrics=False)
     write_result(result)
 
 

@@ -33,12 +33,12 @@ from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import process_parts, step_dirs
 from keras_orbax._src.format.step_record import StepRecord, versions
 from keras_orbax._src.model import state_keys
-from keras_orbax._src.restore.result import RestoreResult
+from keras_orbax._src.restore import process_tier
 from keras_orbax._src.runtime import multihost, ring
 from keras_orbax._src.storage import locations
 from keras_orbax._src.training.resume import Resumed, set_aside
 from keras_orbax._src.write.step_writer import _record as variable_record
-from keras_orbax.errors import CorruptCheckpointError, KerasOrbaxWarning, SaveFailedError
+from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
 
@@ -174,64 +174,62 @@ class PeerTier:
         position_input: Callable[[str, int, StepRecord], bool],
     ) -> Resumed | None:
         """Restores the newest local step newer than the persistent tier's newest that every
-        process can restore, taking a lost or damaged part from the next process's replica;
-        None where there is none, for the persistent tier to resume from. Local steps passed
-        over are moved aside (never deleted), with a warning. A collective call.
+        process can restore, taking a lost or damaged part from the next process's replica (and
+        writing it back); None where there is none, for the persistent tier to resume from. Local
+        steps passed over are moved aside (never deleted), with a warning. A collective call.
         """
         persistent_steps = step_dirs.committed_steps(persistent)
         newer_than = persistent_steps[-1] if persistent_steps else -1
-        own, own_damaged = _intact(self.own, newer_than)
-        replica, replica_damaged = _intact(self.replica, newer_than)
-        views = multihost.gather("local tier/intact", {"own": own, "replica": replica})
-        n = len(views)
-        held = [set(v["own"]) for v in views]
-        kept = [set(views[(p + 1) % n]["replica"]) for p in range(n)]  # p's part, at p + 1
-        step = next(
-            (
-                s
-                for s in sorted(set().union(*held, *kept), reverse=True)
-                if all(s in held[p] or s in kept[p] for p in range(n))
-            ),
-            None,
-        )
-        damaged = {self.own: own_damaged, self.replica: replica_damaged}
-        self._set_aside_passed_over(step, newer_than, damaged)
-        if step is None:
+        choice = process_tier.newest_whole(self.own, self.replica, newer_than=newer_than)
+        self._set_aside_passed_over(choice, newer_than)
+        if choice.step is None:
             return None
-        missing = [p for p in range(n) if step not in held[p]]
-        if missing:
-            self._recover(step, missing)
-        restored, record = self._restore(model, step)
+        step, me = choice.step, multihost.process_index()
+        where = f"step {step} of '{self.own}'"
+
+        def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
+            payload = process_tier.part_of(self.own, self.replica, choice)
+            if me in choice.missing:  # written back: this process's tier holds it again
+                process_parts.commit(self.own, payload)
+            return process_tier.arrays_from(model, payload, where)
+
+        arrays, manifest, nbytes = multihost.run_collectively(f"local tier/restore {step}", read)
+        restored = process_tier.assign(model, arrays, manifest, nbytes, step=step)
+        if me in choice.missing:
+            warnings.warn(
+                f"Step {step} of this process's local tier '{self.own}' was lost or damaged: "
+                f"it was taken from the replica process {(me + 1) % multihost.process_count()} "
+                "keeps, and written back.",
+                KerasOrbaxWarning,
+                stacklevel=3,
+            )
+        record = restored.record
         positioned = position_input(str(self.own), step, record)
         keras_compat.set_initial_epoch(model, record.epoch)
         if multihost.is_primary():
-            taken = f"; the parts of processes {missing} from their peers' replicas" * bool(missing)
             logger.info(
-                "Resuming from step %d of the local tier '%s' (newer than the persistent "
-                "tier's %s%s)%s",
+                "Resuming from step %d of the local tier '%s' (newer than the persistent tier's "
+                "%s)%s%s",
                 step,
                 self.directory,
                 newer_than if newer_than >= 0 else "none",
-                taken,
-                ", the input put where it was" if positioned else "",
+                f"; processes {list(choice.missing)} from their peers' replicas"
+                * bool(choice.missing),
+                "; the input put where it was" if positioned else "",
             )
         return Resumed(restored, record.epoch)
 
-    def _set_aside_passed_over(
-        self, step: int | None, newer_than: int, damaged: dict[Path, dict[int, str]]
-    ) -> None:
-        """Moves aside this process's local steps (own and replica) newer than `step` (all newer
-        than the persistent tier's where `step` is None), and its own damaged `step`, which the
-        peer's replica replaces: each warned about, none deleted."""
-        for into in (self.own, self.replica):
-            bad = damaged[into]
+    def _set_aside_passed_over(self, choice: process_tier.Choice, newer_than: int) -> None:
+        """Moves aside this process's local steps (own and replica) newer than the chosen step
+        (all newer than the persistent tier's where none is chosen), and its own damaged chosen
+        step, which the peer's replica replaces: each warned about, none deleted."""
+        step = choice.step
+        for into, bad in ((self.own, choice.damaged_own), (self.replica, choice.damaged_replica)):
             passed = [
                 s
                 for s in process_parts.steps(into)
                 if s > newer_than and (step is None or s > step or (s == step and s in bad))
             ]
-            if not passed:
-                continue
             for s, where in zip(passed, set_aside(str(into), passed), strict=True):
                 why = f"is damaged: {bad[s]}" if s in bad else "is not whole on every process"
                 warnings.warn(
@@ -240,76 +238,6 @@ class PeerTier:
                     KerasOrbaxWarning,
                     stacklevel=4,
                 )
-
-    def _recover(self, step: int, missing: list[int]) -> None:
-        """Sends each missing part back from the next process's replica (a collective)."""
-        me = multihost.process_index()
-        sending = self.previous in missing
-        payload = process_parts.payload(self.replica / str(step)) if sending else b""
-        received = ring.shift(payload, by=-1, name=f"local tier/recover {step}")
-        if me in missing:
-            process_parts.commit(self.own, received)
-            warnings.warn(
-                f"Step {step} of this process's local tier '{self.own}' was lost or damaged: "
-                f"it was taken from the replica process {(me + 1) % multihost.process_count()} "
-                "keeps, and written back.",
-                KerasOrbaxWarning,
-                stacklevel=4,
-            )
-
-    def _restore(self, model: keras.Model, step: int) -> tuple[RestoreResult, StepRecord]:
-        """Every process reads its own part of `step` and assigns it, or none assigns."""
-
-        def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
-            return restore_part(model, self.own / str(step))
-
-        arrays, manifest, nbytes = multihost.run_collectively(f"local tier/restore {step}", read)
-        state = state_keys.keyed_state(model)
-        for key, value in arrays.items():
-            state.variables[key].assign(value)
-        record = process_parts.record_of(manifest)
-        paths = {k: v.path for k, v in state.variables.items()}
-        result = RestoreResult(
-            step, record.epoch, tuple(arrays), (), (), nbytes, record, paths=paths
-        )
-        return result, record
-
-
-def restore_part(
-    model: keras.Model, step_dir: Path
-) -> tuple[dict[str, jax.Array], dict[str, Any], int]:
-    """The arrays of `model`'s variables from the part at `step_dir` (checked), its manifest and
-    the bytes read; assigns nothing."""
-    manifest, data = process_parts.read(step_dir)
-    state = state_keys.keyed_state(model)
-    unset = [v.path for v in state.variables.values() if not keras_compat.is_allocated(v)]
-    if unset:
-        raise ValueError(
-            f"A local step restores into a built model (fit builds it; else call model.build and "
-            f"optimizer.build first): {len(unset)} variables are not, e.g. {unset[:3]}."
-        )
-    targets = {}
-    for key, variable in state.variables.items():
-        value = keras_compat.current_value(variable)
-        if value.size:
-            targets[key] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding)
-    return process_parts.arrays(manifest, data, targets, f"'{step_dir}'"), manifest, len(data)
-
-
-def _intact(into: Path, newer_than: int) -> tuple[list[int], dict[int, str]]:
-    """The steps of a process's folder newer than `newer_than` whose part passes its checks, and
-    why each other one does not."""
-    intact, damaged = [], {}
-    for step in process_parts.steps(into):
-        if step <= newer_than:
-            continue
-        try:
-            process_parts.read(into / str(step))
-        except CorruptCheckpointError as error:
-            damaged[step] = str(error)
-            continue
-        intact.append(step)
-    return intact, damaged
 
 
 def _host_shards(variables: dict[str, keras.Variable]) -> list[tuple[str, Any, np.ndarray]]:
