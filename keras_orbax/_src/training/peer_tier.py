@@ -17,6 +17,7 @@ and its only replica) is passed over: the persistent tier is the fallback (docs/
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import shutil
@@ -32,13 +33,13 @@ import numpy as np
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import process_parts, step_dirs
 from keras_orbax._src.format.step_record import StepRecord, versions
-from keras_orbax._src.model import state_keys
+from keras_orbax._src.model import keras_walk, state_keys
 from keras_orbax._src.restore import process_tier
 from keras_orbax._src.runtime import multihost, ring
 from keras_orbax._src.storage import locations
 from keras_orbax._src.training.resume import Resumed, set_aside
 from keras_orbax._src.write.step_writer import _record as variable_record
-from keras_orbax.errors import KerasOrbaxWarning, SaveFailedError
+from keras_orbax.errors import CheckpointMismatchError, KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
 
@@ -58,6 +59,7 @@ class PeerTier:
         self.last_saved_step: int | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
+        self._checked = False  # whether the model's state is all variables (`_refuse_host_state`)
         me, n = multihost.process_index(), multihost.process_count()
         self.root = Path(os.path.abspath(os.path.expanduser(self.directory)))
         self.own = process_parts.folder(self.root, me)
@@ -113,6 +115,9 @@ class PeerTier:
         if self._pool is None:
             raise SaveFailedError(f"The local tier '{self.directory}' is closed.")
         state = state_keys.keyed_state(model)
+        if not self._checked:
+            _refuse_host_state(model, state, self.directory)
+            self._checked = True
         variables = {k: v for k, v in state.variables.items() if keras_compat.is_allocated(v)}
         record = StepRecord(
             step=step,
@@ -193,7 +198,20 @@ class PeerTier:
                 process_parts.commit(self.own, payload)
             return process_tier.arrays_from(model, payload, where)
 
-        arrays, manifest, nbytes = multihost.run_collectively(f"local tier/restore {step}", read)
+        try:
+            arrays, manifest, nbytes = multihost.run_collectively(
+                f"local tier/restore {step}", read
+            )
+        except CheckpointMismatchError as error:  # another mesh or model: the local tier is moot
+            warnings.warn(
+                f"Step {step} of the local tier '{self.directory}' does not fit this run's model "
+                f"or mesh, so fit resumes from '{persistent}'. {error}",
+                KerasOrbaxWarning,
+                stacklevel=3,
+            )
+            moot = dataclasses.replace(choice, step=None)
+            self._set_aside_passed_over(moot, newer_than, "does not fit this run's model or mesh")
+            return None
         restored = process_tier.assign(model, arrays, manifest, nbytes, step=step)
         if me in choice.missing:
             warnings.warn(
@@ -219,7 +237,12 @@ class PeerTier:
             )
         return Resumed(restored, record.epoch)
 
-    def _set_aside_passed_over(self, choice: process_tier.Choice, newer_than: int) -> None:
+    def _set_aside_passed_over(
+        self,
+        choice: process_tier.Choice,
+        newer_than: int,
+        why: str = "is not whole on every process",
+    ) -> None:
         """Moves aside this process's local steps (own and replica) newer than the chosen step
         (all newer than the persistent tier's where none is chosen), and its own damaged chosen
         step, which the peer's replica replaces: each warned about, none deleted."""
@@ -231,13 +254,26 @@ class PeerTier:
                 if s > newer_than and (step is None or s > step or (s == step and s in bad))
             ]
             for s, where in zip(passed, set_aside(str(into), passed), strict=True):
-                why = f"is damaged: {bad[s]}" if s in bad else "is not whole on every process"
                 warnings.warn(
-                    f"Local step {s} of '{into}' {why}; it was moved aside to '{where}' (nothing "
+                    f"Local step {s} of '{into}' {f'is damaged: {bad[s]}' if s in bad else why}; it was moved aside to '{where}' (nothing "
                     "is deleted; inspect it, then remove it yourself).",
                     KerasOrbaxWarning,
                     stacklevel=4,
                 )
+
+
+def _refuse_host_state(model: keras.Model, state: state_keys.KeyedState, directory: str) -> None:
+    """Raises ValueError where `model`'s layers store values besides their variables (a lookup
+    layer's vocabulary): a part holds variables only, so a resume would not bring those back."""
+    kept = keras_walk.captured(model, state.objects)
+    entries = sorted(kept.values) + sorted(kept.assets)
+    if entries:
+        raise ValueError(
+            f"Under jax.distributed, a local step holds model '{model.name}''s variables only, "
+            f"but its layers store more besides them ({', '.join(entries[:5])}): a resume from "
+            "the local tier would not restore it. Use the persistent directory alone (save_freq) "
+            f"for this model. Received: local_directory={directory!r}"
+        )
 
 
 def _host_shards(variables: dict[str, keras.Variable]) -> list[tuple[str, Any, np.ndarray]]:
