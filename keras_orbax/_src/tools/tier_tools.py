@@ -49,12 +49,12 @@ def _step(root: Path, step: int | None) -> tuple[int, dict[int, Path]]:
         for p, steps in parts.items()
         if chosen in steps
     }
-    if not holding:
+    if chosen is None or not holding:
         raise CheckpointNotFoundError(
             f"The local tier '{root}' holds {'no step' if step is None else f'no step {step}'} "
             f"(steps found: {found}). Received: directory='{root}', step={step}"
         )
-    return int(chosen), holding  # type: ignore[arg-type]
+    return chosen, holding
 
 
 def verify(root: Path, step: int | None) -> VerifyResult:

@@ -38,7 +38,7 @@ from keras_orbax._src.restore import process_tier
 from keras_orbax._src.runtime import multihost, ring
 from keras_orbax._src.storage import locations
 from keras_orbax._src.training.resume import Resumed, set_aside
-from keras_orbax._src.write.step_writer import _record as variable_record
+from keras_orbax._src.write.step_writer import variable_record
 from keras_orbax.errors import CheckpointMismatchError, KerasOrbaxWarning, SaveFailedError
 
 logger = logging.getLogger("keras_orbax")
@@ -87,16 +87,20 @@ class PeerTier:
         return step // self.every > previous_step // self.every and step != self.last_saved_step
 
     def check_follows(self, step: int) -> None:
-        """Refuses a local directory holding this process's steps of a run ahead of this one."""
+        """Refuses, on every process, local directories holding steps of a run ahead of this
+        one (a collective call: every process then takes part in the same saves' exchanges)."""
         steps = process_parts.steps(self.own)
-        if steps and steps[-1] > step:
+        found = multihost.gather("local tier/newest", steps[-1] if steps else None)
+        newest = max((n for n in found if n is not None), default=None)
+        if newest is not None and newest > step:
+            ahead = found.index(newest)
             raise ValueError(
-                f"local_directory '{self.directory}' already holds steps up to {steps[-1]} (in "
-                f"'{self.own}'), but the model is at step {step}: new local steps would be mixed "
+                f"local_directory '{self.directory}' of process {ahead} already holds steps up "
+                f"to {newest}, but the model is at step {step}: new local steps would be mixed "
                 "with a different run's. Pass resume=True to continue that run, or use a new "
                 f"local_directory. Received: local_directory='{self.directory}'"
             )
-        self.last_saved_step = steps[-1] if steps else None
+        self.last_saved_step = newest
 
     def save(
         self,
