@@ -79,15 +79,20 @@ def pack(
     shards: Iterable[tuple[str, Index, np.ndarray]],
     data_state: Mapping[str, Any] | None,
 ) -> bytes:
-    """Process `process`'s part: its manifest (sealed), then every shard's bytes."""
-    regions, pieces, offset = [], [], 0
+    """Process `process`'s part: its manifest (sealed), then every shard's bytes, copied once
+    into the part (the caller's arrays may be device buffers the next train step donates)."""
+    shards = [(key, index, np.ascontiguousarray(data)) for key, index, data in shards]
+    regions, offsets, offset = [], [], 0
     for key, index, data in shards:
-        raw = np.ascontiguousarray(data).tobytes()
-        regions.append({"key": key, "index": [list(i) for i in index], "offset": offset})
-        regions[-1]["nbytes"] = len(raw)
-        pieces.append(raw)
-        offset += len(raw)
-    body = b"".join(pieces)
+        regions.append(
+            {"key": key, "index": [list(i) for i in index], "offset": offset, "nbytes": data.nbytes}
+        )
+        offsets.append(offset)
+        offset += data.nbytes
+    body = bytearray(offset)
+    into = np.frombuffer(body, np.uint8)
+    for start, (_, _, data) in zip(offsets, shards, strict=True):
+        into[start : start + data.nbytes] = data.reshape(-1).view(np.uint8)
     manifest = json_checksum.sealed(
         {
             "kind": KIND,
@@ -101,7 +106,7 @@ def pack(
         }
     )
     text = json.dumps(manifest).encode()
-    return _LENGTH.pack(len(text)) + text + body
+    return b"".join((_LENGTH.pack(len(text)), text, body))
 
 
 def unpack(payload: bytes, where: str) -> tuple[dict[str, Any], memoryview]:

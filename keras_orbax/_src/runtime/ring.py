@@ -41,13 +41,15 @@ def shift(payload: bytes, *, by: int, name: str) -> bytes:
         ProcessSyncError: a process did not reach the exchange (`multihost.gather`).
     """
     n, me = multihost.process_count(), multihost.process_index()
-    framed = _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
-    widths = multihost.gather(f"{name}/sizes", len(framed))  # every process pads to the widest
+    header = _HEADER.pack(len(payload), zlib.crc32(payload))
+    framed = len(header) + len(payload)
+    widths = multihost.gather(f"{name}/sizes", framed)  # every process pads to the widest
     width = -(-max(widths) // _GRAIN) * _GRAIN
     devices = _one_device_per_process(n)
     mesh = Mesh(np.array(devices), (AXIS,))
     buffer = np.zeros((1, width), np.uint8)
-    buffer[0, : len(framed)] = np.frombuffer(framed, np.uint8)
+    buffer[0, : len(header)] = np.frombuffer(header, np.uint8)
+    buffer[0, len(header) : framed] = np.frombuffer(payload, np.uint8)
     mine = jax.device_put(buffer, devices[me])
     ring = jax.make_array_from_single_device_arrays(
         (n, width), NamedSharding(mesh, PartitionSpec(AXIS)), [mine]

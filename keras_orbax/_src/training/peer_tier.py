@@ -281,8 +281,8 @@ def _refuse_host_state(model: keras.Model, state: state_keys.KeyedState, directo
 
 
 def _host_shards(variables: dict[str, keras.Variable]) -> list[tuple[str, Any, np.ndarray]]:
-    """This process's distinct shards of each variable, copied to the host now (the next train
-    step donates the device buffers)."""
+    """This process's distinct shards of each variable, as host arrays (on CPU, views of the
+    device buffers: `process_parts.pack` copies them before the next train step donates them)."""
     shards = []
     for key, variable in variables.items():
         value = keras_compat.current_value(variable)
@@ -293,5 +293,5 @@ def _host_shards(variables: dict[str, keras.Variable]) -> list[tuple[str, Any, n
             index = process_parts.index_of(shard.index, value.shape)
             if index not in seen:
                 seen.add(index)
-                shards.append((key, index, np.array(shard.data, copy=True)))
+                shards.append((key, index, np.asarray(shard.data)))
     return shards
