@@ -37,7 +37,10 @@ def runs(tmp_path_factory):
     shutil.rmtree(root / "killed" / "local_1")  # process 1's machine lost its local disk
     damaged = root / "damaged" / "local_0" / "process_0" / str(CRASH_AFTER)
     _flip_a_byte(damaged / process_parts.DATA)
-    resumed = run_workers(WORKER, 2, 4, {**args, "phase": "resume"}, timeout=480)
+    (root / "w2").mkdir()
+    resume = {**args, "phase": "resume"}
+    resumed = run_workers(WORKER, 2, 4, resume, timeout=480, workdir=root / "w2")
+    resumed[0]["log"] = (root / "w2" / "worker_0.log").read_text()
     return root, first, killed_local, resumed
 
 
@@ -79,6 +82,12 @@ def test_a_lost_local_directory_resumes_from_the_newest_local_step_with_the_peer
         "taken from the replica process 0 keeps" in w for w in resumed[1]["killed"]["warnings"]
     )
     assert resumed[1]["killed"]["local"]["process_1"][-2:] == ["11", "12"]  # the tier goes on
+    killed = runs[0] / "killed"
+    assert (  # which tier and step, on process 0 (verbose=1)
+        f"Resuming from step {newest} of the local tier '{killed / 'local_0'}', newer than step "
+        f"4, the newest of '{killed / 'ckpt'}', the parts of processes [1] from their peers' "
+        "replicas"
+    ) in resumed[0]["log"]
 
 
 def test_a_damaged_part_is_set_aside_and_taken_from_the_peers_replica(runs):

@@ -65,6 +65,7 @@ def _train(run: Path, *, stop_after: int | None = None, kill: bool = False):
         local_max_to_keep=2,
         max_to_keep=None,
         resume=True,
+        verbose=1,  # says which tier and step it resumed from
     )
     rng = np.random.default_rng(jax.process_index())  # each process feeds its half of a batch
     x, y = rng.random((ROWS, 16), dtype="float32"), rng.random((ROWS, 8), dtype="float32")

@@ -408,7 +408,10 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         resumed = None
         if isinstance(self._local, peer_tier.PeerTier):
             resumed = self._local.resume(
-                self.model, persistent=self.directory, position_input=self._position_input
+                self.model,
+                persistent=self.directory,
+                position_input=self._position_input,
+                verbose=self.verbose,
             )
         elif self._local is not None:
             resumed = self._local.resume(self._resume_from, persistent=self.directory)

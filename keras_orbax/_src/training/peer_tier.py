@@ -181,6 +181,7 @@ class PeerTier:
         *,
         persistent: str,
         position_input: Callable[[str, int, StepRecord], bool],
+        verbose: int = 0,
     ) -> Resumed | None:
         """Restores the newest local step newer than the persistent tier's newest that every
         process can restore, taking a lost or damaged part from the next process's replica (and
@@ -229,16 +230,17 @@ class PeerTier:
         positioned = position_input(str(self.own), step, record)
         keras_compat.set_initial_epoch(model, record.epoch)
         if multihost.is_primary():
-            logger.info(
-                "Resuming from step %d of the local tier '%s' (newer than the persistent tier's "
-                "%s)%s%s",
-                step,
-                self.directory,
-                newer_than if newer_than >= 0 else "none",
-                f"; processes {list(choice.missing)} from their peers' replicas"
-                * bool(choice.missing),
-                "; the input put where it was" if positioned else "",
+            than = f"step {newer_than}, the newest of" if newer_than >= 0 else "any step of"
+            line = (
+                f"Resuming from step {step} of the local tier '{self.directory}', newer than "
+                f"{than} '{persistent}'"
+                + f", the parts of processes {list(choice.missing)} from their peers' replicas"
+                * bool(choice.missing)
+                + (": the input goes on where it was." if positioned else ".")
             )
+            logger.info(line)
+            if verbose > 0:
+                print(line, flush=True)
         return Resumed(restored, record.epoch)
 
     def _set_aside_passed_over(
