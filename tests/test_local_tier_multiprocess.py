@@ -126,3 +126,12 @@ def test_one_process_cannot_restore_a_tier_of_several(runs):
     root, _, _, _ = runs
     with pytest.raises(CheckpointNotFoundError, match=r"written under jax\.distributed by 2"):
         keras_orbax.restore_sharded(_models.mlp(), root / "reference" / "local_0")
+
+
+def test_a_write_failing_on_one_process_stops_fit_on_every_process(runs):
+    _, _, _, resumed = runs
+    for me in (0, 1):
+        message = resumed[me]["failing"]
+        assert "'local tier/before step 2' failed on 1 of 2 processes" in message
+        assert "process 1: SaveFailedError: Saving step 1 to the local tier" in message
+        assert "FileExistsError" in message

@@ -10,7 +10,7 @@ after batch `crash_after`, writes its result, then trains `killed` and SIGKILLs 
 phase "resume": the test has deleted process 1's local directory of `killed` and damaged process
 0's newest own part of `damaged`; resumes both runs to their end. Then process 1 deletes its own
 part of `killed`'s newest step, and both `restore_sharded` a fresh model from their local
-directory of `killed`.
+directory of `killed`. Last, `failing` trains with process 1's replica folder taken by a file.
 Each result holds a digest of this process's shards of the whole state (weights, optimizer,
 metrics) after each run, the step each resume restored, and what each local directory holds.
 """
@@ -134,6 +134,17 @@ def main() -> None:
     restored = keras_orbax.restore_sharded(fresh, killed)
     result["restore_sharded"] = {"step": restored.step, "digest": _digest(fresh, metrics=False)}
     result["killed"]["weights"] = _digest(model_killed, metrics=False)
+    # A write that fails on one process (its replica's folder is taken by a file) stops fit on
+    # every process at the next local save, none left waiting in the exchange.
+    failing = root / "failing"
+    if me == 1:
+        (failing / "local_1").mkdir(parents=True)
+        (failing / "local_1" / "process_0").write_text("not a folder")
+    multihost.gather("test/replica folder taken", 0)
+    try:
+        _train(failing)
+    except keras_orbax.errors.SaveFailedError as error:
+        result["failing"] = str(error)
     write_result(result)
 
 

@@ -114,8 +114,19 @@ class PeerTier:
     ) -> None:
         """Packs this process's shards, swaps parts with the peers (a collective: every process
         saves at the same step), and writes both in the background once the previous local save
-        has committed."""
-        self.wait()
+        has committed: a write that failed on any process raises `SaveFailedError` on every
+        process here, so that none waits in the exchange for one that has stopped."""
+        failure = None
+        try:
+            self.wait()
+        except SaveFailedError as error:
+            failure = error
+        multihost.agree(
+            f"local tier/before step {step}",
+            failure,
+            unchanged="the earlier local steps are intact",
+            fallback=SaveFailedError,
+        )
         if self._pool is None:
             raise SaveFailedError(f"The local tier '{self.directory}' is closed.")
         state = state_keys.keyed_state(model)
@@ -146,8 +157,8 @@ class PeerTier:
                 shutil.rmtree(into / str(old))
 
     def raise_if_failed(self) -> None:
-        if self._pending is not None and self._pending[1].done():
-            self.wait()
+        """Nothing: a failed write is raised at the next save, on every process at once (one
+        process leaving `fit` alone would leave the others waiting in the exchange)."""
 
     def wait(self) -> None:
         """Blocks until the local save in progress has committed.
