@@ -76,7 +76,8 @@ def newest_whole(
     kept = [set(views[(p + 1) % n]["replica"]) for p in range(n)]  # p's part, at p + 1
     steps = sorted(set().union(*held, *kept), reverse=True)
     whole = [s for s in steps if all(s in held[p] or s in kept[p] for p in range(n))]
-    chosen = step if step in whole else None if step is not None else next(iter(whole), None)
+    wanted = whole[:1] if step is None else [s for s in whole if s == step]
+    chosen = wanted[0] if wanted else None
     missing = () if chosen is None else tuple(p for p in range(n) if chosen not in held[p])
     return Choice(chosen, missing, damaged_own, damaged_replica)
 
