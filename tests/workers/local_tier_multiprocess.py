@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 import keras_orbax
-from keras_orbax._src.runtime import multihost
+from keras_orbax._src.runtime import multihost, ring
 from tests import _models
 from tests._worker_util import init_worker, write_result
 
@@ -96,6 +96,7 @@ def _listing(local: Path) -> dict[str, list[str]]:
 
 def main() -> None:
     ctx = init_worker()
+    ring._CHUNK_BYTES = 4096  # each part (about 10 KiB) travels in several chunks, as large ones do
     root, me = Path(ctx.args["root"]), ctx.process_id
     distribution = _models.model_parallel((2, 4))
     distribution.auto_shard_dataset = False

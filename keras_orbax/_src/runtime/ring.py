@@ -29,6 +29,9 @@ _HEADER = struct.Struct("<QI")  # payload length, CRC-32 of the payload
 # Payloads are padded to a multiple of this: a payload of about the same size each time (a
 # process's part of a step) reuses one compiled program.
 _GRAIN = 1 << 16
+# Sent in chunks of at most this: the exchange holds one chunk at a time on one device per
+# process, beside the training state.
+_CHUNK_BYTES = 64 << 20
 AXIS = "process"
 
 
@@ -41,25 +44,28 @@ def shift(payload: bytes, *, by: int, name: str) -> bytes:
         ProcessSyncError: a process did not reach the exchange (`multihost.gather`).
     """
     n, me = multihost.process_count(), multihost.process_index()
-    header = _HEADER.pack(len(payload), zlib.crc32(payload))
-    framed = len(header) + len(payload)
-    widths = multihost.gather(f"{name}/sizes", framed)  # every process pads to the widest
-    width = -(-max(widths) // _GRAIN) * _GRAIN
+    framed = np.frombuffer(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload, np.uint8)
+    total = max(multihost.gather(f"{name}/sizes", len(framed)))  # every process pads to it
+    width = min(_CHUNK_BYTES, -(-total // _GRAIN) * _GRAIN)
     devices = _one_device_per_process(n)
     mesh = Mesh(np.array(devices), (AXIS,))
-    buffer = np.zeros((1, width), np.uint8)
-    buffer[0, : len(header)] = np.frombuffer(header, np.uint8)
-    buffer[0, len(header) : framed] = np.frombuffer(payload, np.uint8)
-    mine = jax.device_put(buffer, devices[me])
-    ring = jax.make_array_from_single_device_arrays(
-        (n, width), NamedSharding(mesh, PartitionSpec(AXIS)), [mine]
-    )
-    received = _program(mesh, by % n)(ring)
-    data = np.asarray(received.addressable_shards[0].data)[0].tobytes()
+    program = _program(mesh, by % n)
+    received = np.empty(-(-total // width) * width, np.uint8)
+    for start in range(0, total, width):  # one device's memory holds one chunk at a time
+        chunk = np.zeros((1, width), np.uint8)
+        piece = framed[start : start + width]
+        chunk[0, : len(piece)] = piece
+        mine = jax.device_put(chunk, devices[me])
+        ring = jax.make_array_from_single_device_arrays(
+            (n, width), NamedSharding(mesh, PartitionSpec(AXIS)), [mine]
+        )
+        out = program(ring)
+        received[start : start + width] = np.asarray(out.addressable_shards[0].data)[0]
+        del mine, ring, out
     sender = (me - by) % n
-    length, crc = _HEADER.unpack_from(data)
-    body = data[_HEADER.size : _HEADER.size + length]
-    if length + _HEADER.size > width or len(body) != length or zlib.crc32(body) != crc:
+    length, crc = _HEADER.unpack(received[: _HEADER.size].tobytes())
+    body = received[_HEADER.size : _HEADER.size + length].tobytes()
+    if len(body) != length or zlib.crc32(body) != crc:
         raise CorruptCheckpointError(
             f"The bytes process {sender} sent to process {me} for '{name}' arrived damaged "
             f"(length {length}, CRC-32 {crc:08x} framed; {zlib.crc32(body):08x} received)."
