@@ -96,7 +96,8 @@ def _listing(local: Path) -> dict[str, list[str]]:
 
 def main() -> None:
     ctx = init_worker()
-    ring._CHUNK_BYTES = 4096  # each part (about 10 KiB) travels in several chunks, as large ones do
+    # Each part (about 10 KiB) travels in several chunks, as large ones do.
+    ring._GRAIN, ring._CHUNK_BYTES = 512, 4096
     root, me = Path(ctx.args["root"]), ctx.process_id
     distribution = _models.model_parallel((2, 4))
     distribution.auto_shard_dataset = False
