@@ -12,10 +12,12 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import keras_orbax
 from keras_orbax._src.format import process_parts
+from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax.errors import CheckpointNotFoundError
 from tests import _models
 from tests._harness import WORKERS_DIR, run_workers, start_workers
@@ -135,3 +137,14 @@ def test_a_write_failing_on_one_process_stops_fit_on_every_process(runs):
         assert "'local tier/before step 2' failed on 1 of 2 processes" in message
         assert "process 1: SaveFailedError: Saving step 1 to the local tier" in message
         assert "FileExistsError" in message
+
+
+def test_a_part_damaged_in_flight_is_not_written(tmp_path):
+    """What the receiver of a replica does with it (`process_parts.commit`), on one process."""
+    record = StepRecord(step=3, variables={})
+    shards = [("k", ((0, 4),), np.arange(4, dtype="float32"))]
+    payload = bytearray(process_parts.pack(1, record, shards, None))
+    payload[-5] ^= 0x01  # a byte of the shard's data
+    with pytest.raises(keras_orbax.errors.CorruptCheckpointError, match=r"data of .* is damaged"):
+        process_parts.commit(tmp_path / "process_1", bytes(payload))
+    assert not (tmp_path / "process_1").exists()  # nothing written, nothing staged

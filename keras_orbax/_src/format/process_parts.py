@@ -109,8 +109,11 @@ def pack(
     return b"".join((_LENGTH.pack(len(text)), text, body))
 
 
-def unpack(payload: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
-    """The manifest and data of a part, both checked.
+def unpack(
+    payload: bytes, where: str, *, check_data: bool = True
+) -> tuple[dict[str, Any], memoryview]:
+    """The manifest and data of a part, both checked (the data's CRC-32 only with `check_data`:
+    a part this process has just packed is not read again).
 
     Raises:
         CorruptCheckpointError: the manifest does not parse or fails its seal, or the data its
@@ -126,7 +129,7 @@ def unpack(payload: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
     if problem is not None or manifest.get("kind") != KIND:
         raise CorruptCheckpointError(f"The manifest of {where} is damaged: {problem or 'kind'}.")
     data = view[_LENGTH.size + length :]
-    if len(data) != manifest["nbytes"] or zlib.crc32(data) != manifest["crc32"]:
+    if len(data) != manifest["nbytes"] or (check_data and zlib.crc32(data) != manifest["crc32"]):
         raise CorruptCheckpointError(
             f"The data of {where} is damaged: {len(data)} bytes with CRC-32 "
             f"{zlib.crc32(data):08x}, where {manifest['nbytes']} bytes with CRC-32 "
@@ -135,15 +138,16 @@ def unpack(payload: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
     return manifest, data
 
 
-def commit(into: Path, payload: bytes) -> Path:
-    """Writes a checked part as step `<into>/<step>`: staged under a temporary name, fsynced, then
-    renamed. Returns the step's directory.
+def commit(into: Path, payload: bytes, *, checked: bool = False) -> Path:
+    """Writes a part as step `<into>/<step>`: checked (unless `checked` already: this process
+    packed it, or has just read it), staged under a temporary name, fsynced, then renamed.
+    Returns the step's directory.
 
     Raises:
         CorruptCheckpointError: the payload fails its checks (nothing is written).
         OSError: the write failed; no step is left (the staged directory is removed).
     """
-    manifest, data = unpack(payload, f"the part for '{into}'")
+    manifest, data = unpack(payload, f"the part for '{into}'", check_data=not checked)
     step_dir = into / str(manifest["step"])
     staged = into / f"{manifest['step']}{_STAGED}"
     into.mkdir(parents=True, exist_ok=True)

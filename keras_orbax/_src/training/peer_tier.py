@@ -161,8 +161,8 @@ class PeerTier:
         logger.debug("Saving step %d to the local tier '%s'", step, self.own)
 
     def _write(self, own: bytes, replica: bytes) -> None:
-        process_parts.commit(self.own, own)
-        process_parts.commit(self.replica, replica)
+        process_parts.commit(self.own, own, checked=True)  # packed here
+        process_parts.commit(self.replica, replica)  # its CRC-32 checked here, off the loop
         for into in (self.own, self.replica):
             for old in process_parts.steps(into)[: -self.max_to_keep]:
                 shutil.rmtree(into / str(old))
@@ -221,9 +221,10 @@ class PeerTier:
 
         def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
             payload = process_tier.part_of(self.own, self.replica, choice)
+            read = process_tier.arrays_from(model, payload, where)  # the part checked
             if me in choice.missing:  # written back: this process's tier holds it again
-                process_parts.commit(self.own, payload)
-            return process_tier.arrays_from(model, payload, where)
+                process_parts.commit(self.own, payload, checked=True)
+            return read
 
         try:
             arrays, manifest, nbytes = multihost.run_collectively(
