@@ -39,6 +39,9 @@ def runs(tmp_path_factory):
     shutil.rmtree(root / "killed" / "local_1")  # process 1's machine lost its local disk
     damaged = root / "damaged" / "local_0" / "process_0" / str(CRASH_AFTER)
     _flip_a_byte(damaged / process_parts.DATA)
+    # Two neighbours lost: process 0's local directory, and process 1's replica of its parts.
+    shutil.rmtree(root / "neighbours" / "local_0")
+    shutil.rmtree(root / "neighbours" / "local_1" / "process_0")
     (root / "w2").mkdir()
     resume = {**args, "phase": "resume"}
     resumed = run_workers(WORKER, 2, 4, resume, timeout=480, workdir=root / "w2")
@@ -99,6 +102,18 @@ def test_a_damaged_part_is_set_aside_and_taken_from_the_peers_replica(runs):
         assert resumed[me]["damaged"]["digest"] == first[me]["reference"]
     assert f"{CRASH_AFTER}.unreadable" in resumed[0]["damaged"]["local"]["process_0"]  # kept
     assert any("is damaged" in w for w in resumed[0]["damaged"]["warnings"])
+
+
+def test_two_neighbours_lost_fall_back_to_the_persistent_tier(runs):
+    _, first, _, resumed = runs
+    for me in (0, 1):
+        assert resumed[me]["neighbours"]["restored"] == 8  # the persistent tier's newest
+        assert resumed[me]["neighbours"]["digest"] == first[me]["reference"]
+    # Process 1's own parts, of steps no process 0 part exists for, are kept aside.
+    assert {f"{s}.unreadable" for s in (9, 10)} <= set(
+        resumed[1]["neighbours"]["local"]["process_1"]
+    )
+    assert any("is not whole on every process" in w for w in resumed[1]["neighbours"]["warnings"])
 
 
 def test_restore_sharded_takes_a_lost_part_from_the_peer(runs):

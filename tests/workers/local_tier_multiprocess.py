@@ -4,11 +4,12 @@ the persistent `<run>/ckpt`).
 
 args: {"root": str, "phase": "first" | "resume", "kill_after": int, "crash_after": int}
 
-phase "first": trains `reference` uninterrupted, then `damaged` until an exception out of `fit`
-after batch `crash_after`, writes its result, then trains `killed` and SIGKILLs itself after batch
+phase "first": trains `reference` uninterrupted, then `damaged` and `neighbours` until an
+exception out of `fit` after batch `crash_after`, writes its result, then trains `killed` and SIGKILLs itself after batch
 `kill_after` (both processes, at the same batch).
 phase "resume": the test has deleted process 1's local directory of `killed` and damaged process
-0's newest own part of `damaged`; resumes both runs to their end. Then process 1 deletes its own
+0's newest own part of `damaged`, and every copy of process 0's parts of `neighbours` (its local
+directory, and its replica in process 1's); resumes the three runs to their end. Then process 1 deletes its own
 part of `killed`'s newest step, and both `restore_sharded` a fresh model from their local
 directory of `killed`. Last, `failing` trains with process 1's replica folder taken by a file.
 Each result holds a digest of this process's shards of the whole state (weights, optimizer,
@@ -104,7 +105,8 @@ def main() -> None:
     keras.distribution.set_distribution(distribution)
     if ctx.args["phase"] == "first":
         reference, _, _ = _train(root / "reference")
-        _train(root / "damaged", stop_after=ctx.args["crash_after"])
+        for run in ("damaged", "neighbours"):
+            _train(root / run, stop_after=ctx.args["crash_after"])
         result = {
             "reference": _digest(reference),
             "reference_local": _listing(root / "reference" / f"local_{me}"),
@@ -115,7 +117,7 @@ def main() -> None:
         _train(root / "killed", stop_after=ctx.args["kill_after"], kill=True)
         raise SystemExit("not killed")
     result = {}
-    for run in ("killed", "damaged"):
+    for run in ("killed", "damaged", "neighbours"):
         model, restored, warned = _train(root / run)
         if run == "killed":
             model_killed = model
