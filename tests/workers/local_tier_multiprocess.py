@@ -35,7 +35,7 @@ from keras_orbax._src.runtime import multihost, ring
 from tests import _models
 from tests._worker_util import init_worker, write_result
 
-EPOCHS, ROWS, BATCH = 3, 16, 4
+EPOCHS, ROWS, BATCH = 2, 16, 4
 
 
 class _Crash(Exception):
