@@ -115,11 +115,11 @@ def restore_sharded(
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
+    if process_tier.named(directory):  # a local tier of ModelCheckpoint's, under jax.distributed
+        return process_tier.restore_tier(model, directory, step, strict=strict)
     # Collective: process 0 decides what the location names and which step; every process checks
     # what it will read, then reads its shards; all raise if any fails, and only then does any
     # process change anything.
-    if process_tier.named(directory):  # a local tier of ModelCheckpoint's, under jax.distributed
-        return process_tier.restore_tier(model, directory, step, strict=strict)
     source = resolve.open_on_every_process(directory, step, "restore_sharded")
     return restore_source(
         model,

@@ -87,11 +87,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         local_directory: A second tier of steps in fast local storage (under `/dev/shm`, or a
             local SSD), written in the background every `local_save_freq` batches, so that a
             crash loses the batches since the last local save. `resume` takes the newest
-            intact step of either tier. Each step there is an ordinary keras-orbax step. Under
-            `jax.distributed`, each process's own local storage: it keeps its part of each
-            step there and a replica of the previous process's, sent over JAX's collectives,
-            so the loss of one process's local directory loses nothing. See
-            docs/preemption.md.
+            intact step of either tier. On one process, each step there is an ordinary
+            keras-orbax step. Under `jax.distributed`, each process's own local storage: it
+            keeps its part of each step there and a replica of the previous process's, sent
+            over JAX's collectives, so the loss of one process's local directory loses
+            nothing. See docs/preemption.md.
         local_save_freq: Save to `local_directory` every N batches (None: every batch).
         local_max_to_keep: Keep the latest N local steps (one more while a new one commits).
 
