@@ -54,12 +54,12 @@ def folder(root: Path, process: int) -> Path:
 
 def is_process_tier(root: Path) -> bool:
     """Whether `root` is a local directory of parts written under `jax.distributed`."""
-    return root.is_dir() and any(_process_of(p) is not None for p in root.iterdir())
+    return root.is_dir() and any(_process_of(p) is not None and p.is_dir() for p in root.iterdir())
 
 
 def processes_in(root: Path) -> list[int]:
     """The processes whose parts (own or replica) `root` holds, ascending."""
-    found = (_process_of(p) for p in root.iterdir()) if root.is_dir() else ()
+    found = (_process_of(p) for p in root.iterdir() if p.is_dir()) if root.is_dir() else ()
     return sorted(p for p in found if p is not None)
 
 
