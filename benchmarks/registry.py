@@ -327,6 +327,30 @@ BENCHMARKS = [
         targets={"local": 1 / 0.9},
     ),
     _suite(
+        "local_tier_processes",
+        "local_tier_multiprocess_benchmark",
+        "`fit` with a local tier saving after every batch under jax.distributed (2 processes x 4 "
+        "CPU devices, each its own /dev/shm folder, its part sent to its peer) against `fit` alone",
+        {
+            "plain": "`fit` with no checkpoint",
+            "local": "`ModelCheckpoint(dir, local_directory=<shm>/<process>, local_save_freq=1)`",
+        },
+        "plain",
+        prepare=False,
+        sizes={
+            "small": {"mib": 16, "epochs": 1, "steps": 4},
+            "full": {"mib": 256, "epochs": 2, "steps": 8},
+        },
+        repeats=3,
+        cpu_devices=1,  # the case process starts the 2 workers, which set their own
+        columns=(
+            ("step_ms", "step ms", ".1f"),
+            ("blocked_ms", "blocked per save ms", ".1f"),
+            ("blocked_max_ms", "longest ms", ".1f"),
+        ),
+        targets={"local": 1 / 0.9},
+    ),
+    _suite(
         "local_recovery",
         "local_tier_benchmark",
         "a resumed `fit`'s start to its first trained batch, from the local tier, against `fit` "

@@ -47,6 +47,7 @@ _LONGEST_FIRST = (
     "test_hostile_inputs.py",
     "test_layout_maps.py",
     "test_hub_tasks.py",
+    "test_local_tier_multiprocess.py",
     "test_local_tier.py",
     "test_shared_directory.py",
     "test_quantization_matrix.py",

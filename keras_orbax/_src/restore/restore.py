@@ -15,7 +15,7 @@ from keras_orbax._src.model import deferred, keras_walk, matching, state_keys
 from keras_orbax._src.model.matching import counted, listed
 from keras_orbax._src.model.state_keys import OPTIMIZER
 from keras_orbax._src.read import replicas, sharded_read
-from keras_orbax._src.restore import notices
+from keras_orbax._src.restore import notices, process_tier
 from keras_orbax._src.restore.checked_reads import checked_reads, unverified_keys
 from keras_orbax._src.restore.replicated import replicated_message
 from keras_orbax._src.restore.result import RestoreResult
@@ -55,6 +55,11 @@ def restore_sharded(
             callback, or one of its steps (`ckpt/8`, `ckpt@8`); a directory written by
             `keras.callbacks.OrbaxCheckpoint`; a `.weights.h5`, `.weights.json` or `.keras` file;
             a keras-hub preset or a Hugging Face model directory. Relative, `~`, `gs://`, `s3://`.
+            Also a `ModelCheckpoint`'s `local_directory` written under `jax.distributed`, each
+            process passing its own: its part of the step is read there, or received from the
+            process that keeps its replica; the model must be built, on the mesh the step was
+            saved from, and each part is checked whole (`strict=False` is refused; the read
+            options do not apply).
         step: The step to restore; `None` means the latest committed one (or the one named by
             `directory`).
         strict: If False, restore what matches: variables the checkpoint lacks or holds with another
@@ -110,6 +115,8 @@ def restore_sharded(
     keras_orbax.restore_sharded(model, "/ckpt")
     ```
     """
+    if process_tier.named(directory):  # a local tier of ModelCheckpoint's, under jax.distributed
+        return process_tier.restore_tier(model, directory, step, strict=strict)
     # Collective: process 0 decides what the location names and which step; every process checks
     # what it will read, then reads its shards; all raise if any fails, and only then does any
     # process change anything.

@@ -63,6 +63,9 @@ class CheckpointInfo:
         leftovers: What saves left beside the steps, one line each: a killed save's staging
             directory (`<step>.orbax-checkpoint-tmp`, taking disk space), a step an overwrite
             moved aside (empty: nothing).
+        parts: For a local tier written under `jax.distributed`: the steps of each process's
+            part this directory holds (its own process's, and the replica of its peer's), by
+            folder (`process_1`); empty otherwise.
     """
 
     directory: Path
@@ -76,6 +79,7 @@ class CheckpointInfo:
     keras_state: dict[str, str] = dataclasses.field(default_factory=dict)
     data_position: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     leftovers: tuple[str, ...] = ()
+    parts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +107,8 @@ class CheckpointInfo:
             lines.append(
                 f"written by {'Keras (a .keras archive)' if archive else _WRITTEN_BY[self.kind]}"
             )
+        for folder, steps in self.parts.items():
+            lines.append(f"local tier: {folder}/ holds the parts of steps {list(steps)}")
         if self.summaries:
             lines.extend(self._step_table())
         lines += [f"left beside the steps: {line}" for line in self.leftovers]
@@ -172,6 +178,7 @@ class CheckpointInfo:
             "versions": self.record.versions,
             "keras_state": self.keras_state,
             "leftovers": list(self.leftovers),
+            "parts": {folder: list(steps) for folder, steps in self.parts.items()},
             "variables": [
                 {**dataclasses.asdict(v), "shape": list(v.shape), "nbytes": v.nbytes}
                 for v in self.record.variables.values()
@@ -190,7 +197,9 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
         directory: Any location `restore_sharded` takes: a checkpoint root or one of its steps
             (`ckpt/8`, `ckpt@8`), a directory written by `keras.callbacks.OrbaxCheckpoint`, a
             `.weights.h5`, `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face
-            model directory.
+            model directory. Or a `ModelCheckpoint`'s `local_directory` written under
+            `jax.distributed` (one machine's): the parts it holds by process, and the step's
+            record. Each tier is inspected by its own directory.
         step: The step to describe; `None` means the latest committed one.
 
     Example:
@@ -198,6 +207,11 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
     print(keras_orbax.inspect("/ckpt"))
     ```
     """
+    from keras_orbax._src.tools import tier_tools  # it builds on this module's types
+
+    tier = tier_tools.located(directory)
+    if tier is not None:
+        return tier_tools.inspect(tier, step)
     source = resolve.open_source(directory, step)
     summaries = []
     files = _step_files(source, source.steps)

@@ -92,7 +92,10 @@ def verify(
 
     Args:
         directory: Any location `restore_sharded` takes (a checkpoint root or step, a weights
-            file, a preset or a Hugging Face directory).
+            file, a preset or a Hugging Face directory). For a `ModelCheckpoint`'s
+            `local_directory` written under `jax.distributed`, every part of the step that
+            directory holds (its process's own, and the replica of its peer's): each part's
+            manifest, data CRC-32 and input position.
         step: The step to check; `None` means the latest committed one.
         verbose: 1 shows the bytes checked and the rate on a terminal.
 
@@ -110,6 +113,11 @@ def verify(
     assert result.intact
     ```
     """
+    from keras_orbax._src.tools import tier_tools  # it builds on this module's types
+
+    tier = tier_tools.located(directory)
+    if tier is not None:
+        return tier_tools.verify(tier, step)
     source = resolve.open_source(directory, step)
     total = sum(v.nbytes for v in source.record.variables.values())
     try:

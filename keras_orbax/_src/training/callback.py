@@ -15,7 +15,7 @@ from keras_orbax._src.format import step_dirs
 from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import locations
-from keras_orbax._src.training import local_tier
+from keras_orbax._src.training import local_tier, peer_tier
 from keras_orbax._src.training.best_so_far import BestSoFar
 from keras_orbax._src.training.callback_args import validate
 from keras_orbax._src.training.input_position import FitProgress, InputPosition
@@ -87,8 +87,11 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         local_directory: A second tier of steps in fast local storage (under `/dev/shm`, or a
             local SSD), written in the background every `local_save_freq` batches, so that a
             crash loses the batches since the last local save. `resume` takes the newest
-            intact step of either tier. Each step there is an ordinary keras-orbax step; one
-            process only for now. See docs/preemption.md.
+            intact step of either tier. On one process, each step there is an ordinary
+            keras-orbax step. Under `jax.distributed`, each process's own local storage: it
+            keeps its part of each step there and a replica of the previous process's, sent
+            over JAX's collectives, so the loss of one process's local directory loses
+            nothing. See docs/preemption.md.
         local_save_freq: Save to `local_directory` every N batches (None: every batch).
         local_max_to_keep: Keep the latest N local steps (one more while a new one commits).
 
@@ -186,7 +189,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self.local_directory = None if local_directory is None else os.fspath(local_directory)
         self.local_save_freq = local_save_freq
         self.local_max_to_keep = local_max_to_keep
-        self._local = (
+        self._local: local_tier.LocalTier | peer_tier.PeerTier | None = (
             None
             if local_directory is None
             else local_tier.LocalTier(
@@ -216,6 +219,13 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._data = InputPosition.of_fit(self._save_may_follow)  # the input of this fit
         try:
             checkpointer = self._saves.open()  # StepLockedError if another run writes there
+            if isinstance(self._local, local_tier.LocalTier) and multihost.process_count() > 1:
+                # Each process's local directory may be on its own machine: parts and replicas.
+                self._local = peer_tier.PeerTier(
+                    self._local.directory,
+                    every=self._local.every,
+                    max_to_keep=self.local_max_to_keep,
+                )
             if self._local is not None:
                 self._local.open()
             self._begin_in_directory(checkpointer)
@@ -396,7 +406,14 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def _restore(self, checkpointer: ocp.training.Checkpointer) -> None:
         resumed = None
-        if self._local is not None:
+        if isinstance(self._local, peer_tier.PeerTier):
+            resumed = self._local.resume(
+                self.model,
+                persistent=self.directory,
+                position_input=self._position_input,
+                verbose=self.verbose,
+            )
+        elif self._local is not None:
             resumed = self._local.resume(self._resume_from, persistent=self.directory)
         if resumed is None:
             resumed = self._resume_from(self.directory, checkpointer)

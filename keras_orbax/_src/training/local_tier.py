@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import keras
 
 from keras_orbax._src.format import step_dirs
@@ -115,17 +114,8 @@ class LocalTier:
         self.last_saved_step: int | None = None
 
     def open(self) -> None:
-        """Opens the tier's writer. Under `jax.distributed`, refuses: each process's local
-        directory would hold only its own shards, which `restore_sharded` cannot yet put together
-        from several machines (docs/preemption.md)."""
-        if jax.process_count() > 1:
-            raise ValueError(
-                "local_directory is not supported under jax.distributed yet "
-                f"({jax.process_count()} processes): each process's local directory would hold "
-                "only its own shards, with no replica on a peer. Use the persistent directory "
-                "alone (save_freq) for now. Received: "
-                f"local_directory={self.directory!r}"
-            )
+        """Opens the tier's writer (one process; under `jax.distributed`, `ModelCheckpoint`
+        uses `peer_tier.PeerTier` instead)."""
         self.saves.open()
 
     def save(

@@ -248,7 +248,7 @@ def write_step(
         step=step,
         epoch=epoch,
         batch=batch,
-        variables={key: _record(key, v, state.roles[key]) for key, v in variables.items()},
+        variables={key: variable_record(key, v, state.roles[key]) for key, v in variables.items()},
         model_config=_model_config(model),
         versions=versions(),
         extra=extra or {},
@@ -366,7 +366,8 @@ def _step_exists(root: step_dirs.CheckpointRoot, step: int) -> StepExistsError:
     )
 
 
-def _record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
+def variable_record(key: str, variable: keras.Variable, role: str) -> VariableRecord:
+    """What a step records of `variable`, saved under `key` (a local tier's parts record the same)."""
     value = keras_compat.current_value(variable)
     return VariableRecord(
         key=key,
