@@ -27,9 +27,8 @@ import struct
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from keras_orbax._src.format import json_checksum
@@ -38,6 +37,9 @@ from keras_orbax._src.format.dtypes import np_dtype
 from keras_orbax._src.format.step_record import StepRecord
 from keras_orbax._src.storage import durable
 from keras_orbax.errors import CheckpointMismatchError, CorruptCheckpointError
+
+if TYPE_CHECKING:  # `inspect` and `verify` read parts without importing JAX
+    import jax
 
 MANIFEST = "part.json"
 DATA = "part.bin"
@@ -225,6 +227,8 @@ def arrays(
         CheckpointMismatchError: a target's key is missing from the part, or its shape, dtype or
             the regions its devices hold differ from what was saved; the message lists each.
     """
+    import jax
+
     record = record_of(manifest)
     regions: dict[str, dict[Index, Mapping[str, Any]]] = {}
     for region in manifest["regions"]:
