@@ -3,8 +3,9 @@
 keras-hub writes layout maps by hand for a few backbones. Every other model gets one derived from
 its variables' shapes: each variable of two or more dimensions is split over the model axis along
 its largest dimension that the axis divides, and over the data axis along another one (as
-keras-hub's own maps split embeddings and kernels over both); what no axis divides, and every
-vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
+keras-hub's own maps split embeddings and kernels over both), of three or more only along the
+last two (a convolution kernel's others are its window, which XLA's partitioner does not split
+correctly); what no axis divides, and every vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
 any number, so that a model built again (layer names counted up from another start) is matched
 the same way.
 """
@@ -48,7 +49,9 @@ def get_layout_map(
     backbone class has its own `get_layout_map` (Gemma, Llama, Qwen...), its layouts are kept for
     every variable whose dimensions they divide. Every other variable of two or more dimensions is
     split over the model axis along its largest dimension that the axis divides and over the data
-    axis along another one; vectors, scalars and what no axis divides are replicated.
+    axis along another one (of three or more, among the last two: a convolution's window is never
+    split, as XLA computes a strided convolution split there wrongly); vectors, scalars and what
+    no axis divides are replicated.
 
     The keys match any layer number (`decoder_block_\\d+/...`, `moe_block(?:_\\d+)?/...`), so
     the map fits the model that `from_preset` or a script builds next, whatever Keras numbers its
@@ -76,7 +79,8 @@ def get_layout_map(
 
     Warns:
         KerasOrbaxWarning: what the mesh's axes could not split leaves each device more than 1.25 x
-            an even split of the model's matrices; the message names the least split.
+            an even split of the model's matrices; the message names the least split and why
+            (no axis divides them, a convolution window, or a key shared with other shapes).
 
     Example:
     ```python
@@ -97,7 +101,7 @@ def get_layout_map(
         kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
         own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
     layouts = _unified(own, device_mesh, axes)
-    _warn_if_uneven(model, layouts, device_mesh)
+    _warn_if_uneven(model, layouts, device_mesh, axes)
     layout_map = keras.distribution.LayoutMap(device_mesh)
     for key, layout in _keyed(layouts).items():
         layout_map[key] = layout
@@ -105,17 +109,27 @@ def get_layout_map(
 
 
 def _split_axes(
-    shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh, axes: Sequence[str]
+    shape: tuple[int, ...],
+    device_mesh: keras.distribution.DeviceMesh,
+    axes: Sequence[str],
+    *,
+    windows: bool = False,
 ) -> Axes:
     """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
-    own dimension that it divides, the model axis on the largest; replicated below two dimensions."""
+    own dimension that it divides, the model axis on the largest; replicated below two dimensions.
+
+    Of three or more dimensions only the last two are split (unless `windows`): a convolution
+    kernel's others are its window, and XLA's partitioner computes a strided convolution whose
+    kernel is split along its window wrongly (a ViT's 14 x 14 patch embedding gives other outputs).
+    """
     replicated: Axes = (None,) * len(shape)
     if len(shape) < 2:
         return replicated
     sizes = [_axis_size(device_mesh, name) for name in axes]
     best, best_parts = replicated, 1
     # Each axis gets a dimension or none (-1); the model axis is tried on the largest first.
-    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+    first = 0 if windows else max(len(shape) - 2, 0)
+    dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
     for choice in itertools.product(*([*dims, -1] for _ in axes)):
         used = [d for d in choice if d >= 0]
         if len(used) != len(set(used)):
@@ -340,29 +354,54 @@ def _name(name: str) -> str:
 
 
 def _warn_if_uneven(
-    model: keras.Model, layouts: dict[str, Axes], device_mesh: keras.distribution.DeviceMesh
+    model: keras.Model,
+    layouts: dict[str, Axes],
+    device_mesh: keras.distribution.DeviceMesh,
+    mesh_axes: Sequence[str],
 ) -> None:
     """Warns where what could not be split leaves a device well above an even split of the
-    variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose)."""
+    variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose),
+    naming the least split variables by why they are."""
     devices = math.prod(device_mesh.shape)
     sizes: dict[str, int] = {}
     held: dict[str, float] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for v in _unique_variables(model):
         if v.ndim >= 2:
             size, axes = _bytes(v), layouts[v.path]
             parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
             sizes[v.path] = sizes.get(v.path, 0) + size
             held[v.path] = held.get(v.path, 0.0) + size / parts
+            shapes[v.path] = tuple(v.shape)
     total, per_device = sum(sizes.values()), sum(held.values())
     if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
         return
     excess = {path: held[path] - sizes[path] / devices for path in held}
     least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
+    why: dict[str, list[str]] = {"shared": [], "window": [], "indivisible": []}
+    for path in least_split:
+        shape, given = shapes[path], _parts(layouts[path], device_mesh)
+        if _parts(_split_axes(shape, device_mesh, mesh_axes), device_mesh) > given:
+            why["shared"].append(path)
+        elif _parts(_split_axes(shape, device_mesh, mesh_axes, windows=True), device_mesh) > given:
+            why["window"].append(path)
+        else:
+            why["indivisible"].append(path)
+    reasons = {
+        "shared": "{} share one key with variables of other shapes (their layers are unnamed, "
+        "and Keras's counters, all that tells them apart, change from build to build), so one "
+        "layout must divide them all",
+        "window": "{} are split along their last two dimensions only (a convolution kernel's "
+        "others are its window, where XLA's partitioner computes a strided convolution wrongly)",
+        "indivisible": "the mesh's axes do not divide the dimensions of {}; a mesh whose axes "
+        "divide them splits them evenly",
+    }
     warnings.warn(
         f"The layout map leaves each of the {devices} devices {per_device / 2**20:.2f} MiB of "
         f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
-        "an even split: the mesh's axes do not divide the dimensions of "
-        f"{matching.listed(least_split, 5)}. A mesh whose axes divide them splits them evenly.",
+        "an even split: "
+        + "; ".join(reasons[k].format(matching.listed(why[k], 5)) for k in why if why[k])
+        + ".",
         KerasOrbaxWarning,
         stacklevel=3,
     )
