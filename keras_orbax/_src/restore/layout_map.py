@@ -25,10 +25,11 @@ import keras
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.model import matching
+from keras_orbax._src.restore import layout_keys
 from keras_orbax._src.restore import preset as preset_loading
 from keras_orbax.errors import KerasOrbaxWarning
 
-Axes = tuple[str | None, ...]
+Axes = layout_keys.Axes
 
 # Above this many times an even split of the model, a device holds enough of what could not be
 # split for the user to want to know (the bound the tests hold keras-hub's backbones to).
@@ -92,6 +93,18 @@ def get_layout_map(
     """
     axes = _mesh_axes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
     model = _model_of(preset_or_model)
+    layouts = _layouts(model, device_mesh, axes)
+    _warn_if_uneven(model, layouts, device_mesh, axes)
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    for key, layout in layout_keys.keyed(layouts).items():
+        layout_map[key] = layout
+    return layout_map
+
+
+def _layouts(
+    model: keras.Model, device_mesh: keras.distribution.DeviceMesh, axes: tuple[str, str]
+) -> dict[str, Axes]:
+    """Each variable path's layout over `device_mesh`."""
     hub_map = _hub_layout_map(model, device_mesh, axes)
     # Each variable's own layout; then one per path (a subclassed model or two nested encoders
     # can hold one path twice) and per name that Keras's counters alone tell apart.
@@ -100,12 +113,7 @@ def get_layout_map(
         shape = tuple(variable.shape)
         kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
         own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
-    layouts = _unified(own, device_mesh, axes)
-    _warn_if_uneven(model, layouts, device_mesh, axes)
-    layout_map = keras.distribution.LayoutMap(device_mesh)
-    for key, layout in _keyed(layouts).items():
-        layout_map[key] = layout
-    return layout_map
+    return _unified(own, device_mesh, axes)
 
 
 def _split_axes(
@@ -296,83 +304,17 @@ def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
     return math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
 
 
-def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
-    r"""The map's keys: each path's names with their numbers generalized (`block_\d+/dense(?:_\d+)?/
-    kernel`), where every path a key stands for has the same layout. Where they differ, only the
-    first names are generalized, as many as keep each key's layout one, and the others' counters
-    (`stage_1/dense(?:_\d+)?`, `stage_2/...`); then the others literal; the exact path where none
-    does. Replicated paths need no key: Keras replicates what the map does not match."""
-    groups: dict[str, dict[str, Axes]] = {}
-    for path, axes in layouts.items():
-        groups.setdefault(_general(path, None), {})[path] = axes
-    keyed: dict[str, Axes] = {}
-    for members in groups.values():
-        levels = range(next(iter(members)).count("/") + 1, -1, -1)
-        # Counters generalized before any name is kept literal: a build numbers them anew.
-        for counters, level in itertools.product((True, False), levels):
-            keys: dict[str, set[Axes]] = {}
-            for path, axes in members.items():
-                keys.setdefault(_general(path, level, counters), set()).add(axes)
-            if all(len(found) == 1 for found in keys.values()):
-                keyed.update({key: found.pop() for key, found in keys.items()})
-                break
-    return {key: axes for key, axes in keyed.items() if any(axes)}
-
-
-def _general(path: str, level: int | None, counters: bool = False) -> str:
-    """`path` as a pattern, its first `level` names (all for None) generalized by `_name`, the
-    rest literal but for their counters if `counters` (`_counter`).
-
-    Paths whose names generalize alike match each other's patterns and no other path's, so no
-    path matches two keys (which `LayoutMap` refuses); within one such group, the patterns of one
-    level are disjoint too.
-    """
-    names = path.split("/")
-    cut = len(names) if level is None else level
-    rest = [_counter(name) if counters else re.escape(name) for name in names[cut:]]
-    return "/".join([*map(_name, names[:cut]), *rest])
-
-
-def _counter(name: str) -> str:
-    r"""A pattern for `name` with any counter suffix, or none: `_name`'s, its other numbers kept
-    (`stage_1_2` -> `stage_1_\d+`, `dense_3` -> `dense(?:_\d+)?`)."""
-    base = re.sub(r"_\d+$", "", name)
-    return re.escape(base) + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
-
-
-def _name(name: str) -> str:
-    r"""A pattern for every name that Keras could give the same layer in another build: its
-    numbers any number, and its counter suffix (`dense`, `dense_1`, `dense_12`) any or none.
-
-    It matches exactly the names of the same form: digits runs as `\d+`, and one trailing
-    `_<number>` dropped (`dense_3` and `dense` are one form, `block_1_2` and `block_3_4` another).
-    """
-    base = re.sub(r"_\d+$", "", name)
-    pattern = r"\d+".join(re.escape(part) for part in re.split(r"\d+", base))
-    # `block_1_2` drops one suffix to `block_1`: its form keeps a counter (`block_\d+_\d+`).
-    return pattern + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
-
-
 def _warn_if_uneven(
     model: keras.Model,
     layouts: dict[str, Axes],
     device_mesh: keras.distribution.DeviceMesh,
-    mesh_axes: Sequence[str],
+    mesh_axes: tuple[str, str],
 ) -> None:
     """Warns where what could not be split leaves a device well above an even split of the
     variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose),
     naming the least split variables by why they are."""
     devices = math.prod(device_mesh.shape)
-    sizes: dict[str, int] = {}
-    held: dict[str, float] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for v in _unique_variables(model):
-        if v.ndim >= 2:
-            size, axes = _bytes(v), layouts[v.path]
-            parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
-            sizes[v.path] = sizes.get(v.path, 0) + size
-            held[v.path] = held.get(v.path, 0.0) + size / parts
-            shapes[v.path] = tuple(v.shape)
+    sizes, held, shapes = _shares(model, layouts, device_mesh)
     total, per_device = sum(sizes.values()), sum(held.values())
     if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
         return
@@ -396,15 +338,53 @@ def _warn_if_uneven(
         "indivisible": "the mesh's axes do not divide the dimensions of {}; a mesh whose axes "
         "divide them splits them evenly",
     }
+    said = [reasons[k].format(matching.listed(why[k], 5)) for k in why if why[k]]
+    if why["shared"] or why["window"]:
+        said.extend(_one_axis_way_out(model, device_mesh, mesh_axes))
     warnings.warn(
         f"The layout map leaves each of the {devices} devices {per_device / 2**20:.2f} MiB of "
         f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
-        "an even split: "
-        + "; ".join(reasons[k].format(matching.listed(why[k], 5)) for k in why if why[k])
-        + ".",
+        f"an even split: {'; '.join(said)}.",
         KerasOrbaxWarning,
         stacklevel=3,
     )
+
+
+def _shares(
+    model: keras.Model, layouts: dict[str, Axes], device_mesh: keras.distribution.DeviceMesh
+) -> tuple[dict[str, int], dict[str, float], dict[str, tuple[int, ...]]]:
+    """Of each path's matrices (two or more dimensions): bytes, bytes a device holds, shape."""
+    sizes: dict[str, int] = {}
+    held: dict[str, float] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for v in _unique_variables(model):
+        if v.ndim >= 2:
+            size, axes = _bytes(v), layouts[v.path]
+            parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
+            sizes[v.path] = sizes.get(v.path, 0) + size
+            held[v.path] = held.get(v.path, 0.0) + size / parts
+            shapes[v.path] = tuple(v.shape)
+    return sizes, held, shapes
+
+
+def _one_axis_way_out(
+    model: keras.Model, device_mesh: keras.distribution.DeviceMesh, mesh_axes: tuple[str, str]
+) -> list[str]:
+    """The mesh with every device on the model axis, named where it splits the model within the
+    tolerance (a key shared by unnamed layers, or a window, may leave one axis all it can use)."""
+    devices = math.prod(device_mesh.shape)
+    if _axis_size(device_mesh, mesh_axes[0]) == devices:
+        return []
+    names = tuple(device_mesh.axis_names)
+    shape = tuple(devices if name == mesh_axes[0] else 1 for name in names)
+    one_axis = keras.distribution.DeviceMesh(shape, names, list(device_mesh.devices.flat))
+    sizes, held, _ = _shares(model, _layouts(model, one_axis, mesh_axes), one_axis)
+    if sum(held.values()) > _EVEN_SPLIT_TOLERANCE * sum(sizes.values()) / devices:
+        return []
+    return [
+        f"all {devices} devices on the {mesh_axes[0]!r} axis (DeviceMesh({shape}, {names})) "
+        f"split them within {_EVEN_SPLIT_TOLERANCE} x"
+    ]
 
 
 def _bytes(variable: keras.Variable) -> int:
