@@ -40,7 +40,7 @@ UNEVEN = {
 # channels, split over the model axis only: XLA's partitioner computes it wrongly split along its
 # window (test_every_backbone_computes_sharded_what_it_computes_unsharded fails so).
 _PATCHES = r"(patch_embeddings?(/projection)?|patching_and_embedding/conv2d(_\d+)?)/kernel"
-_WINDOW = rf"{_PATCHES}[^;]* are split along their last two dimensions only"
+_WINDOW = rf"{_PATCHES}[^;]* are convolution kernels, not split along their window"
 UNEVEN |= dict.fromkeys(
     [
         *("BLIP2Backbone", "CLIPBackbone", "CLIPVisionEncoder", "DINOV2Backbone"),

@@ -3,9 +3,9 @@
 keras-hub writes layout maps by hand for a few backbones. Every other model gets one derived from
 its variables' shapes: each variable of two or more dimensions is split over the model axis along
 its largest dimension that the axis divides, and over the data axis along another one (as
-keras-hub's own maps split embeddings and kernels over both), of three or more only along the
-last two (a convolution kernel's others are its window, which XLA's partitioner does not split
-correctly); what no axis divides, and every vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
+keras-hub's own maps split embeddings and kernels over both), a convolution kernel only along its
+channels (XLA's partitioner computes a strided convolution split along its window wrongly); what
+no axis divides, and every vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
 any number, so that a model built again (layer names counted up from another start) is matched
 the same way.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import keras
 
-from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.compat import keras_compat, saving_compat
 from keras_orbax._src.model import matching
 from keras_orbax._src.restore import layout_keys
 from keras_orbax._src.restore import preset as preset_loading
@@ -50,9 +50,9 @@ def get_layout_map(
     backbone class has its own `get_layout_map` (Gemma, Llama, Qwen...), its layouts are kept for
     every variable whose dimensions they divide. Every other variable of two or more dimensions is
     split over the model axis along its largest dimension that the axis divides and over the data
-    axis along another one (of three or more, among the last two: a convolution's window is never
-    split, as XLA computes a strided convolution split there wrongly); vectors, scalars and what
-    no axis divides are replicated.
+    axis along another one (a convolution kernel only along its channels: XLA computes a strided
+    convolution split along its window wrongly); vectors, scalars and what no axis divides are
+    replicated.
 
     The keys match any layer number (`decoder_block_\\d+/...`, `moe_block(?:_\\d+)?/...`), so
     the map fits the model that `from_preset` or a script builds next, whatever Keras numbers its
@@ -106,14 +106,36 @@ def _layouts(
 ) -> dict[str, Axes]:
     """Each variable path's layout over `device_mesh`."""
     hub_map = _hub_layout_map(model, device_mesh, axes)
+    windows = _convolution_kernels(model)
     # Each variable's own layout; then one per path (a subclassed model or two nested encoders
     # can hold one path twice) and per name that Keras's counters alone tell apart.
     own = []
     for variable in _unique_variables(model):
-        shape = tuple(variable.shape)
-        kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
-        own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
-    return _unified(own, device_mesh, axes)
+        path, shape = variable.path, tuple(variable.shape)
+        kept = _hub_axes(hub_map, path, shape, device_mesh)
+        split = _split_axes(shape, device_mesh, axes, window=path in windows)
+        own.append((path, shape, kept or split))
+    return _unified(own, device_mesh, axes, windows)
+
+
+# Keras's convolutions: their kernels' leading dimensions are the window, the last two the channels.
+_CONVOLUTIONS = (
+    *(keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D),
+    *(keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose),
+    *(keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D),
+    *(keras.layers.SeparableConv1D, keras.layers.SeparableConv2D),
+)
+
+
+def _convolution_kernels(model: keras.Model) -> frozenset[str]:
+    """The paths of the model's convolution kernels."""
+    return frozenset(
+        v.path
+        for layer in saving_compat.all_layers(model)
+        if isinstance(layer, _CONVOLUTIONS)
+        for v in keras_compat.own_variables(layer)
+        if v.ndim >= 3
+    )
 
 
 def _split_axes(
@@ -121,14 +143,14 @@ def _split_axes(
     device_mesh: keras.distribution.DeviceMesh,
     axes: Sequence[str],
     *,
-    windows: bool = False,
+    window: bool = False,
 ) -> Axes:
     """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
     own dimension that it divides, the model axis on the largest; replicated below two dimensions.
 
-    Of three or more dimensions only the last two are split (unless `windows`): a convolution
-    kernel's others are its window, and XLA's partitioner computes a strided convolution whose
-    kernel is split along its window wrongly (a ViT's 14 x 14 patch embedding gives other outputs).
+    A convolution kernel's (`window`) leading dimensions, its window, are not split: XLA's
+    partitioner computes a strided convolution whose kernel is split there wrongly (a ViT's
+    14 x 14 patch embedding gives other outputs).
     """
     replicated: Axes = (None,) * len(shape)
     if len(shape) < 2:
@@ -136,7 +158,7 @@ def _split_axes(
     sizes = [_axis_size(device_mesh, name) for name in axes]
     best, best_parts = replicated, 1
     # Each axis gets a dimension or none (-1); the model axis is tried on the largest first.
-    first = 0 if windows else max(len(shape) - 2, 0)
+    first = max(len(shape) - 2, 0) if window else 0
     dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
     for choice in itertools.product(*([*dims, -1] for _ in axes)):
         used = [d for d in choice if d >= 0]
@@ -235,6 +257,7 @@ def _unified(
     own: list[tuple[str, tuple[int, ...], Axes]],
     device_mesh: keras.distribution.DeviceMesh,
     mesh_axes: Sequence[str],
+    windows: frozenset[str],
 ) -> dict[str, Axes]:
     """One layout per path, from each variable's own (`own`: path, shape, layout).
 
@@ -250,10 +273,11 @@ def _unified(
         groups.setdefault(counterless, []).append((path, shape, axes))
     layouts: dict[str, Axes] = {}
     for members in groups.values():
-        common = _common(members, device_mesh, mesh_axes)
+        common = _common(members, device_mesh, mesh_axes, windows)
         for path, shape, _ in members:
             if common is None:
-                common_here = _common([m for m in members if m[0] == path], device_mesh, mesh_axes)
+                alone = [m for m in members if m[0] == path]
+                common_here = _common(alone, device_mesh, mesh_axes, windows)
                 layouts[path] = common_here or (None,) * len(shape)
             else:
                 layouts[path] = common
@@ -264,6 +288,7 @@ def _common(
     members: list[tuple[str, tuple[int, ...], Axes]],
     device_mesh: keras.distribution.DeviceMesh,
     mesh_axes: Sequence[str],
+    windows: frozenset[str],
 ) -> Axes | None:
     """Of the members' layouts and the split of their shapes' common divisors, the one that
     divides every member's shape and leaves a device the fewest elements of them; None if none
@@ -272,7 +297,8 @@ def _common(
     shapes = [shape for _, shape, _ in members]
     if len({len(shape) for shape in shapes}) == 1:
         divisors = tuple(math.gcd(*dims) for dims in zip(*shapes, strict=True))
-        split = _split_axes(divisors, device_mesh, mesh_axes)
+        window = any(path in windows for path, _, _ in members)
+        split = _split_axes(divisors, device_mesh, mesh_axes, window=window)
         if any(split):  # replicating them all is left to the fallback of each path its own
             candidates[split] = None
     fits = [
@@ -320,12 +346,14 @@ def _warn_if_uneven(
         return
     excess = {path: held[path] - sizes[path] / devices for path in held}
     least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
+    windows = _convolution_kernels(model)
     why: dict[str, list[str]] = {"shared": [], "window": [], "indivisible": []}
     for path in least_split:
         shape, given = shapes[path], _parts(layouts[path], device_mesh)
-        if _parts(_split_axes(shape, device_mesh, mesh_axes), device_mesh) > given:
+        own = _split_axes(shape, device_mesh, mesh_axes, window=path in windows)
+        if _parts(own, device_mesh) > given:
             why["shared"].append(path)
-        elif _parts(_split_axes(shape, device_mesh, mesh_axes, windows=True), device_mesh) > given:
+        elif _parts(_split_axes(shape, device_mesh, mesh_axes), device_mesh) > given:
             why["window"].append(path)
         else:
             why["indivisible"].append(path)
@@ -333,8 +361,8 @@ def _warn_if_uneven(
         "shared": "{} share one key with variables of other shapes (their layers are unnamed, "
         "and Keras's counters, all that tells them apart, change from build to build), so one "
         "layout must divide them all",
-        "window": "{} are split along their last two dimensions only (a convolution kernel's "
-        "others are its window, where XLA's partitioner computes a strided convolution wrongly)",
+        "window": "{} are convolution kernels, not split along their window (XLA's "
+        "partitioner computes a strided convolution whose kernel is split there wrongly)",
         "indivisible": "the mesh's axes do not divide the dimensions of {}; a mesh whose axes "
         "divide them splits them evenly",
     }
