@@ -3,7 +3,8 @@
 The backbones are keras-hub's own, in the tiny configs of tests/_hub_backbones.py (after keras-hub's
 own tests; tests/test_hub_backbones.py checks that they name every keras-hub backbone), which the
 mesh divides. Where keras-hub has a map of its own, its key/value heads (4) divide the model axis
-(4), except Gemma's here (2), so that keras-hub's own map cannot be used as it is.
+(4), except Gemma's here (2), so that keras-hub's own map cannot be used as it is. Each backbone is
+split evenly, and computes sharded what it computes unsharded.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ UNEVEN |= dict.fromkeys(
 
 
 def _bound(name: str) -> float:
-    """Per-device bytes, in even splits: where the map warns, every matrix is split at least over
-    the model axis (4 of the 8 devices)."""
+    """Per-device bytes, in even shares: where the map warns, its largest matrices are split at
+    least over the model axis (4 of the 8 devices)."""
     return 2.0 if name in UNEVEN else 1.25
 
 
