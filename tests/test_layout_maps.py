@@ -284,6 +284,7 @@ FORWARD_IN_CI |= {"MixtralBackbone", "ResNetBackbone", "MobileNetV5Backbone", "M
 
 
 def _forward_cases() -> list:
+    assert not FORWARD_IN_CI - set(BACKBONES), FORWARD_IN_CI - set(BACKBONES)
     sweep = os.environ.get("KERAS_ORBAX_HUB_SWEEP") == "1"
     skip = pytest.mark.skip(reason="the whole sweep runs with KERAS_ORBAX_HUB_SWEEP=1")
     return [

@@ -150,7 +150,8 @@ def _split_axes(
 
     A convolution kernel's (`window`) leading dimensions, its window, are not split: XLA's
     partitioner computes a strided convolution whose kernel is split there wrongly (a ViT's
-    14 x 14 patch embedding gives other outputs).
+    14 x 14 patch embedding gives other outputs; jax-ml/jax#16894 reports strided convolutions
+    partitioned wrongly too). Split along their channels they compute right.
     """
     replicated: Axes = (None,) * len(shape)
     if len(shape) < 2:
