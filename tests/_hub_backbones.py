@@ -465,7 +465,8 @@ BACKBONES: dict[str, Callable[[], Any]] = {
         y_shape=(16,),
     ),
     "GPT2Backbone": _text("GPT2Backbone", max_sequence_length=8),
-    "GPTNeoXBackbone": _text("GPTNeoXBackbone", max_sequence_length=8),
+    # A quarter of its heads' 4 dimensions would be one rotary dimension, which keras-hub refuses.
+    "GPTNeoXBackbone": _text("GPTNeoXBackbone", max_sequence_length=8, rotary_percentage=0.5),
     "Gemma3Backbone": _llm("Gemma3Backbone", head_dim=8, image_size=16),
     "Gemma3nBackbone": lambda: hub.Gemma3nBackbone(
         text_vocab_size=64,
@@ -517,7 +518,7 @@ BACKBONES: dict[str, Callable[[], Any]] = {
     "MobileNetV5Backbone": _mobilenet_v5,
     "MoonshineBackbone": lambda: hub.MoonshineBackbone(
         vocabulary_size=64,
-        filter_dim=8,
+        filter_dim=16,  # its hidden size: keras-hub builds another, but cannot call it
         encoder_num_layers=2,
         decoder_num_layers=2,
         hidden_dim=16,

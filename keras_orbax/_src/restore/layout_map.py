@@ -3,8 +3,9 @@
 keras-hub writes layout maps by hand for a few backbones. Every other model gets one derived from
 its variables' shapes: each variable of two or more dimensions is split over the model axis along
 its largest dimension that the axis divides, and over the data axis along another one (as
-keras-hub's own maps split embeddings and kernels over both); what no axis divides, and every
-vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
+keras-hub's own maps split embeddings and kernels over both), a convolution kernel only along its
+channels (XLA's partitioner computes a strided convolution split along its window wrongly); what
+no axis divides, and every vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
 any number, so that a model built again (layer names counted up from another start) is matched
 the same way.
 """
@@ -22,12 +23,13 @@ from typing import Any
 
 import keras
 
-from keras_orbax._src.compat import keras_compat
+from keras_orbax._src.compat import keras_compat, saving_compat
 from keras_orbax._src.model import matching
+from keras_orbax._src.restore import layout_keys
 from keras_orbax._src.restore import preset as preset_loading
 from keras_orbax.errors import KerasOrbaxWarning
 
-Axes = tuple[str | None, ...]
+Axes = layout_keys.Axes
 
 # Above this many times an even split of the model, a device holds enough of what could not be
 # split for the user to want to know (the bound the tests hold keras-hub's backbones to).
@@ -48,7 +50,9 @@ def get_layout_map(
     backbone class has its own `get_layout_map` (Gemma, Llama, Qwen...), its layouts are kept for
     every variable whose dimensions they divide. Every other variable of two or more dimensions is
     split over the model axis along its largest dimension that the axis divides and over the data
-    axis along another one; vectors, scalars and what no axis divides are replicated.
+    axis along another one (a convolution kernel only along its channels: XLA computes a strided
+    convolution split along its window wrongly); vectors, scalars and what no axis divides are
+    replicated.
 
     The keys match any layer number (`decoder_block_\\d+/...`, `moe_block(?:_\\d+)?/...`), so
     the map fits the model that `from_preset` or a script builds next, whatever Keras numbers its
@@ -76,7 +80,8 @@ def get_layout_map(
 
     Warns:
         KerasOrbaxWarning: what the mesh's axes could not split leaves each device more than 1.25 x
-            an even split of the model's matrices; the message names the least split.
+            an even split of the model's matrices; the message names the least split and why
+            (no axis divides them, a convolution window, or a key shared with other shapes).
 
     Example:
     ```python
@@ -88,34 +93,74 @@ def get_layout_map(
     """
     axes = _mesh_axes(device_mesh, model_parallel_dim_name, data_parallel_dim_name)
     model = _model_of(preset_or_model)
-    hub_map = _hub_layout_map(model, device_mesh, axes)
-    # Each variable's own layout; then one per path (a subclassed model or two nested encoders
-    # can hold one path twice) and per name that Keras's counters alone tell apart.
-    own = []
-    for variable in _unique_variables(model):
-        shape = tuple(variable.shape)
-        kept = _hub_axes(hub_map, variable.path, shape, device_mesh)
-        own.append((variable.path, shape, kept or _split_axes(shape, device_mesh, axes)))
-    layouts = _unified(own, device_mesh, axes)
-    _warn_if_uneven(model, layouts, device_mesh)
+    layouts = _layouts(model, device_mesh, axes)
+    _warn_if_uneven(model, layouts, device_mesh, axes)
     layout_map = keras.distribution.LayoutMap(device_mesh)
-    for key, layout in _keyed(layouts).items():
+    for key, layout in layout_keys.keyed(layouts).items():
         layout_map[key] = layout
     return layout_map
 
 
+def _layouts(
+    model: keras.Model, device_mesh: keras.distribution.DeviceMesh, axes: tuple[str, str]
+) -> dict[str, Axes]:
+    """Each variable path's layout over `device_mesh`."""
+    hub_map = _hub_layout_map(model, device_mesh, axes)
+    windows = _convolution_kernels(model)
+    # Each variable's own layout; then one per path (a subclassed model or two nested encoders
+    # can hold one path twice) and per name that Keras's counters alone tell apart.
+    own = []
+    for variable in _unique_variables(model):
+        path, shape = variable.path, tuple(variable.shape)
+        kept = _hub_axes(hub_map, path, shape, device_mesh)
+        split = _split_axes(shape, device_mesh, axes, window=path in windows)
+        own.append((path, shape, kept or split))
+    return _unified(own, device_mesh, axes, windows)
+
+
+# Keras's convolutions: their kernels' leading dimensions are the window, the last two the channels.
+_CONVOLUTIONS = (
+    *(keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D),
+    *(keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose),
+    *(keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D),
+    *(keras.layers.SeparableConv1D, keras.layers.SeparableConv2D),
+)
+
+
+def _convolution_kernels(model: keras.Model) -> frozenset[str]:
+    """The paths of the model's convolution kernels."""
+    return frozenset(
+        v.path
+        for layer in saving_compat.all_layers(model)
+        if isinstance(layer, _CONVOLUTIONS)
+        for v in keras_compat.own_variables(layer)
+        if v.ndim >= 3
+    )
+
+
 def _split_axes(
-    shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh, axes: Sequence[str]
+    shape: tuple[int, ...],
+    device_mesh: keras.distribution.DeviceMesh,
+    axes: Sequence[str],
+    *,
+    window: bool = False,
 ) -> Axes:
     """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
-    own dimension that it divides, the model axis on the largest; replicated below two dimensions."""
+    own dimension that it divides, the model axis on the largest; replicated below two dimensions.
+
+    A convolution kernel's (`window`) leading dimensions, its window, are not split: XLA's
+    partitioner computes a strided convolution whose kernel is split there wrongly (a ViT's
+    14 x 14 patch embedding gives other outputs; jax-ml/jax#16894 reports strided convolutions
+    partitioned wrongly too). Split along their channels they compute right.
+    """
     replicated: Axes = (None,) * len(shape)
     if len(shape) < 2:
         return replicated
     sizes = [_axis_size(device_mesh, name) for name in axes]
     best, best_parts = replicated, 1
     # Each axis gets a dimension or none (-1); the model axis is tried on the largest first.
-    dims = sorted(range(len(shape)), key=lambda d: -shape[d])
+    first = max(len(shape) - 2, 0) if window else 0
+    dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
     for choice in itertools.product(*([*dims, -1] for _ in axes)):
         used = [d for d in choice if d >= 0]
         if len(used) != len(set(used)):
@@ -213,6 +258,7 @@ def _unified(
     own: list[tuple[str, tuple[int, ...], Axes]],
     device_mesh: keras.distribution.DeviceMesh,
     mesh_axes: Sequence[str],
+    windows: frozenset[str],
 ) -> dict[str, Axes]:
     """One layout per path, from each variable's own (`own`: path, shape, layout).
 
@@ -228,10 +274,11 @@ def _unified(
         groups.setdefault(counterless, []).append((path, shape, axes))
     layouts: dict[str, Axes] = {}
     for members in groups.values():
-        common = _common(members, device_mesh, mesh_axes)
+        common = _common(members, device_mesh, mesh_axes, windows)
         for path, shape, _ in members:
             if common is None:
-                common_here = _common([m for m in members if m[0] == path], device_mesh, mesh_axes)
+                alone = [m for m in members if m[0] == path]
+                common_here = _common(alone, device_mesh, mesh_axes, windows)
                 layouts[path] = common_here or (None,) * len(shape)
             else:
                 layouts[path] = common
@@ -242,6 +289,7 @@ def _common(
     members: list[tuple[str, tuple[int, ...], Axes]],
     device_mesh: keras.distribution.DeviceMesh,
     mesh_axes: Sequence[str],
+    windows: frozenset[str],
 ) -> Axes | None:
     """Of the members' layouts and the split of their shapes' common divisors, the one that
     divides every member's shape and leaves a device the fewest elements of them; None if none
@@ -250,7 +298,8 @@ def _common(
     shapes = [shape for _, shape, _ in members]
     if len({len(shape) for shape in shapes}) == 1:
         divisors = tuple(math.gcd(*dims) for dims in zip(*shapes, strict=True))
-        split = _split_axes(divisors, device_mesh, mesh_axes)
+        window = any(path in windows for path, _, _ in members)
+        split = _split_axes(divisors, device_mesh, mesh_axes, window=window)
         if any(split):  # replicating them all is left to the fallback of each path its own
             candidates[split] = None
     fits = [
@@ -282,90 +331,89 @@ def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
     return math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
 
 
-def _keyed(layouts: dict[str, Axes]) -> dict[str, Axes]:
-    r"""The map's keys: each path's names with their numbers generalized (`block_\d+/dense(?:_\d+)?/
-    kernel`), where every path a key stands for has the same layout. Where they differ, only the
-    first names are generalized, as many as keep each key's layout one, and the others' counters
-    (`stage_1/dense(?:_\d+)?`, `stage_2/...`); then the others literal; the exact path where none
-    does. Replicated paths need no key: Keras replicates what the map does not match."""
-    groups: dict[str, dict[str, Axes]] = {}
-    for path, axes in layouts.items():
-        groups.setdefault(_general(path, None), {})[path] = axes
-    keyed: dict[str, Axes] = {}
-    for members in groups.values():
-        levels = range(next(iter(members)).count("/") + 1, -1, -1)
-        # Counters generalized before any name is kept literal: a build numbers them anew.
-        for counters, level in itertools.product((True, False), levels):
-            keys: dict[str, set[Axes]] = {}
-            for path, axes in members.items():
-                keys.setdefault(_general(path, level, counters), set()).add(axes)
-            if all(len(found) == 1 for found in keys.values()):
-                keyed.update({key: found.pop() for key, found in keys.items()})
-                break
-    return {key: axes for key, axes in keyed.items() if any(axes)}
-
-
-def _general(path: str, level: int | None, counters: bool = False) -> str:
-    """`path` as a pattern, its first `level` names (all for None) generalized by `_name`, the
-    rest literal but for their counters if `counters` (`_counter`).
-
-    Paths whose names generalize alike match each other's patterns and no other path's, so no
-    path matches two keys (which `LayoutMap` refuses); within one such group, the patterns of one
-    level are disjoint too.
-    """
-    names = path.split("/")
-    cut = len(names) if level is None else level
-    rest = [_counter(name) if counters else re.escape(name) for name in names[cut:]]
-    return "/".join([*map(_name, names[:cut]), *rest])
-
-
-def _counter(name: str) -> str:
-    r"""A pattern for `name` with any counter suffix, or none: `_name`'s, its other numbers kept
-    (`stage_1_2` -> `stage_1_\d+`, `dense_3` -> `dense(?:_\d+)?`)."""
-    base = re.sub(r"_\d+$", "", name)
-    return re.escape(base) + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
-
-
-def _name(name: str) -> str:
-    r"""A pattern for every name that Keras could give the same layer in another build: its
-    numbers any number, and its counter suffix (`dense`, `dense_1`, `dense_12`) any or none.
-
-    It matches exactly the names of the same form: digits runs as `\d+`, and one trailing
-    `_<number>` dropped (`dense_3` and `dense` are one form, `block_1_2` and `block_3_4` another).
-    """
-    base = re.sub(r"_\d+$", "", name)
-    pattern = r"\d+".join(re.escape(part) for part in re.split(r"\d+", base))
-    # `block_1_2` drops one suffix to `block_1`: its form keeps a counter (`block_\d+_\d+`).
-    return pattern + (r"_\d+" if re.search(r"_\d+$", base) else r"(?:_\d+)?")
-
-
 def _warn_if_uneven(
-    model: keras.Model, layouts: dict[str, Axes], device_mesh: keras.distribution.DeviceMesh
+    model: keras.Model,
+    layouts: dict[str, Axes],
+    device_mesh: keras.distribution.DeviceMesh,
+    mesh_axes: tuple[str, str],
 ) -> None:
     """Warns where what could not be split leaves a device well above an even split of the
-    variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose)."""
+    variables meant to be (two or more dimensions; vectors and scalars are replicated on purpose),
+    naming the least split variables by why they are."""
     devices = math.prod(device_mesh.shape)
+    sizes, held, shapes = _shares(model, layouts, device_mesh)
+    total, per_device = sum(sizes.values()), sum(held.values())
+    if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
+        return
+    excess = {path: held[path] - sizes[path] / devices for path in held}
+    least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
+    windows = _convolution_kernels(model)
+    why: dict[str, list[str]] = {"shared": [], "window": [], "indivisible": []}
+    for path in least_split:
+        shape, given = shapes[path], _parts(layouts[path], device_mesh)
+        own = _split_axes(shape, device_mesh, mesh_axes, window=path in windows)
+        if _parts(own, device_mesh) > given:
+            why["shared"].append(path)
+        elif _parts(_split_axes(shape, device_mesh, mesh_axes), device_mesh) > given:
+            why["window"].append(path)
+        else:
+            why["indivisible"].append(path)
+    reasons = {
+        "shared": "{} share one key with variables of other shapes (their layers are unnamed, "
+        "and Keras's counters, all that tells them apart, change from build to build), so one "
+        "layout must divide them all",
+        "window": "{} are convolution kernels, not split along their window (XLA's "
+        "partitioner computes a strided convolution whose kernel is split there wrongly)",
+        "indivisible": "the mesh's axes do not divide the dimensions of {}; a mesh whose axes "
+        "divide them splits them evenly",
+    }
+    said = [reasons[k].format(matching.listed(why[k], 5)) for k in why if why[k]]
+    if why["shared"] or why["window"]:
+        said.extend(_one_axis_way_out(model, device_mesh, mesh_axes))
+    warnings.warn(
+        f"The layout map leaves each of the {devices} devices {per_device / 2**20:.2f} MiB of "
+        f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
+        f"an even split: {'; '.join(said)}.",
+        KerasOrbaxWarning,
+        stacklevel=3,
+    )
+
+
+def _shares(
+    model: keras.Model, layouts: dict[str, Axes], device_mesh: keras.distribution.DeviceMesh
+) -> tuple[dict[str, int], dict[str, float], dict[str, tuple[int, ...]]]:
+    """Of each path's matrices (two or more dimensions): bytes, bytes a device holds, shape."""
     sizes: dict[str, int] = {}
     held: dict[str, float] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for v in _unique_variables(model):
         if v.ndim >= 2:
             size, axes = _bytes(v), layouts[v.path]
             parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
             sizes[v.path] = sizes.get(v.path, 0) + size
             held[v.path] = held.get(v.path, 0.0) + size / parts
-    total, per_device = sum(sizes.values()), sum(held.values())
-    if per_device <= _EVEN_SPLIT_TOLERANCE * total / devices:
-        return
-    excess = {path: held[path] - sizes[path] / devices for path in held}
-    least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
-    warnings.warn(
-        f"The layout map leaves each of the {devices} devices {per_device / 2**20:.2f} MiB of "
-        f"the model's {total / 2**20:.2f} MiB of matrices, {per_device * devices / total:.2f} x "
-        "an even split: the mesh's axes do not divide the dimensions of "
-        f"{matching.listed(least_split, 5)}. A mesh whose axes divide them splits them evenly.",
-        KerasOrbaxWarning,
-        stacklevel=3,
-    )
+            shapes[v.path] = tuple(v.shape)
+    return sizes, held, shapes
+
+
+def _one_axis_way_out(
+    model: keras.Model, device_mesh: keras.distribution.DeviceMesh, mesh_axes: tuple[str, str]
+) -> list[str]:
+    """The mesh with every device on the model axis, named where it splits the model within the
+    tolerance (a key shared by unnamed layers, or a window, may leave one axis all it can use)."""
+    devices = math.prod(device_mesh.shape)
+    if _axis_size(device_mesh, mesh_axes[0]) == devices:
+        return []
+    names = tuple(device_mesh.axis_names)
+    shape = tuple(devices if name == mesh_axes[0] else 1 for name in names)
+    one_axis = keras.distribution.DeviceMesh(shape, names, list(device_mesh.devices.flat))
+    sizes, held, _ = _shares(model, _layouts(model, one_axis, mesh_axes), one_axis)
+    if sum(held.values()) > _EVEN_SPLIT_TOLERANCE * sum(sizes.values()) / devices:
+        return []
+    return [
+        f"all {devices} devices on the {mesh_axes[0]!r} axis (DeviceMesh({shape}, {names})) "
+        f"split them within {_EVEN_SPLIT_TOLERANCE} x"
+    ]
 
 
 def _bytes(variable: keras.Variable) -> int:
