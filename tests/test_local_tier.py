@@ -86,6 +86,26 @@ def test_each_local_step_restores_and_verifies_and_retention_keeps_two(uninterru
     _assert_same(restored, expected[: len(restored)])
 
 
+def test_inspect_of_the_persistent_directory_shows_the_local_tier_beside_it(uninterrupted):
+    """`inspect` of a `ModelCheckpoint` directory names its local tier and the steps held there,
+    and says so when this machine has none of it (a local tier is each machine's own)."""
+    _, root = uninterrupted
+    last = _local_tier.EPOCHS * _local_tier.BATCHES
+    info = keras_orbax.inspect(root / "ckpt")
+    assert info.local_tier == {"directory": str(root / "local"), "steps": [last - 1, last]}
+    assert f"local tier: {root / 'local'}: steps [{last - 1}, {last}]" in str(info)
+    assert keras_orbax.inspect(root / "local").local_tier == {}  # its own steps name no tier
+
+    moved = root / "local_elsewhere"
+    (root / "local").rename(moved)
+    try:
+        info = keras_orbax.inspect(root / "ckpt")
+    finally:
+        moved.rename(root / "local")
+    assert info.local_tier == {"directory": str(root / "local"), "missing": True}
+    assert "not on this machine" in str(info)
+
+
 def test_a_sigkill_after_any_batch_loses_at_most_that_batch(tmp_path, uninterrupted):
     expected, _ = uninterrupted
     kill_after = int(np.random.default_rng(53).integers(5, 12))  # mid-run, not at an epoch end

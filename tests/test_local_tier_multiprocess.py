@@ -74,6 +74,13 @@ def test_each_process_keeps_its_part_and_a_replica_of_its_peers(runs):
             replica = root / "reference" / f"local_{me}" / f"process_{peer}" / str(step)
             for name in (process_parts.MANIFEST, process_parts.DATA):
                 assert (replica / name).read_bytes() == (own / name).read_bytes()
+    # `inspect` of the shared persistent directory names process 0's local tier and its parts.
+    tier = keras_orbax.inspect(root / "reference" / "ckpt").local_tier
+    held = [last - 1, last]
+    assert tier == {
+        "directory": str(root / "reference" / "local_0"),
+        "parts": {"process_0": held, "process_1": held},
+    }
 
 
 def test_a_lost_local_directory_resumes_from_the_newest_local_step_with_the_peers_replica(runs):

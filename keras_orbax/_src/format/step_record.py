@@ -42,6 +42,10 @@ class VariableRecord:
         return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
+# The `extra` key of a `ModelCheckpoint` step naming its local tier's directory (absolute).
+LOCAL_TIER = "local_directory"
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """Everything keras-orbax wrote about one step, besides the arrays."""

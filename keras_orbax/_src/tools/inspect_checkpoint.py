@@ -9,7 +9,7 @@ from typing import Any
 
 from keras_orbax._src.compat import orbax_compat
 from keras_orbax._src.format import data_state
-from keras_orbax._src.format.step_record import StepRecord
+from keras_orbax._src.format.step_record import LOCAL_TIER, StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
 from keras_orbax._src.sources.base import Source
@@ -66,6 +66,10 @@ class CheckpointInfo:
         parts: For a local tier written under `jax.distributed`: the steps of each process's
             part this directory holds (its own process's, and the replica of its peer's), by
             folder (`process_1`); empty otherwise.
+        local_tier: For a `ModelCheckpoint` directory with a local tier beside it
+            (`local_directory`): that directory and the steps it holds here (`steps`; by
+            process folder under `jax.distributed`, `parts`), or `missing` where this machine
+            has none of it; empty otherwise.
     """
 
     directory: Path
@@ -80,6 +84,7 @@ class CheckpointInfo:
     data_position: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     leftovers: tuple[str, ...] = ()
     parts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    local_tier: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +114,8 @@ class CheckpointInfo:
             )
         for folder, steps in self.parts.items():
             lines.append(f"local tier: {folder}/ holds the parts of steps {list(steps)}")
+        if self.local_tier:
+            lines.append(_local_tier_line(self.local_tier))
         if self.summaries:
             lines.extend(self._step_table())
         lines += [f"left beside the steps: {line}" for line in self.leftovers]
@@ -179,6 +186,7 @@ class CheckpointInfo:
             "keras_state": self.keras_state,
             "leftovers": list(self.leftovers),
             "parts": {folder: list(steps) for folder, steps in self.parts.items()},
+            "local_tier": self.local_tier,
             "variables": [
                 {**dataclasses.asdict(v), "shape": list(v.shape), "nbytes": v.nbytes}
                 for v in self.record.variables.values()
@@ -199,7 +207,8 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             `.weights.h5`, `.weights.json` or `.keras` file, a keras-hub preset or a Hugging Face
             model directory. Or a `ModelCheckpoint`'s `local_directory` written under
             `jax.distributed` (one machine's): the parts it holds by process, and the step's
-            record. Each tier is inspected by its own directory.
+            record. A `ModelCheckpoint` directory's description names the local tier beside it
+            and the steps it holds on this machine (`local_tier`).
         step: The step to describe; `None` means the latest committed one.
 
     Example:
@@ -250,7 +259,37 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
             else {}
         ),
         leftovers=step_leftovers.notes(source.location) if source.kind == "keras-orbax" else (),
+        local_tier=_local_tier(source.record),
     )
+
+
+def _local_tier(record: StepRecord) -> dict[str, Any]:
+    """The local tier a `ModelCheckpoint` step names, and the steps it holds on this machine."""
+    from keras_orbax._src.format import process_parts, step_dirs
+
+    directory = record.extra.get(LOCAL_TIER)
+    if not isinstance(directory, str):
+        return {}
+    root = Path(directory)
+    if not root.is_dir():
+        return {"directory": directory, "missing": True}
+    if process_parts.is_process_tier(root):
+        parts = {
+            p: process_parts.steps(process_parts.folder(root, p))
+            for p in process_parts.processes_in(root)
+        }
+        return {"directory": directory, "parts": {f"process_{p}": s for p, s in parts.items()}}
+    return {"directory": directory, "steps": step_dirs.committed_steps(root)}
+
+
+def _local_tier_line(tier: dict[str, Any]) -> str:
+    where = f"local tier: {tier['directory']}"
+    if tier.get("missing"):
+        return f"{where}: not on this machine (a local tier is each machine's own)"
+    if "parts" in tier:
+        held = "; ".join(f"{folder}/ steps {steps}" for folder, steps in tier["parts"].items())
+        return f"{where}: {held}"
+    return f"{where}: steps {tier['steps']}"
 
 
 def _position(epoch: int, batch: int | None) -> str:

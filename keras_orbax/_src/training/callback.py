@@ -12,6 +12,7 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import LOCAL_TIER
 from keras_orbax._src.restore.result import RestoreResult
 from keras_orbax._src.runtime import gc_pause, multihost
 from keras_orbax._src.storage import locations
@@ -185,6 +186,12 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             weights_only=save_weights_only,
             incremental=incremental,
             rewrite_every=rewrite_every,
+            # So that `inspect` of this directory names the local tier beside it.
+            extra=(
+                {}
+                if local_directory is None
+                else {LOCAL_TIER: os.path.abspath(os.path.expanduser(local_directory))}
+            ),
         )
         self.local_directory = None if local_directory is None else os.fspath(local_directory)
         self.local_save_freq = local_save_freq

@@ -91,8 +91,10 @@ class Saves:
         weights_only: bool,
         incremental: bool,
         rewrite_every: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.directory = directory
+        self.extra = extra or {}  # recorded with every step (the local tier's directory)
         self.retention = retention
         self.format = format
         self.background = background
@@ -196,7 +198,11 @@ class Saves:
                         epoch=epoch,
                         batch=batch,
                         metrics=metrics,
-                        extra={"reason": reason, "steps_per_epoch": steps_per_epoch},
+                        extra={
+                            "reason": reason,
+                            "steps_per_epoch": steps_per_epoch,
+                            **self.extra,
+                        },
                         blocking=blocking,
                         weights_only=self.weights_only,
                         incremental=self.incremental,
