@@ -1,18 +1,15 @@
 """`get_layout_map`: a `keras.distribution.LayoutMap` for any model, derived from its variables.
 
 keras-hub writes layout maps by hand for a few backbones. Every other model gets one derived from
-its variables' shapes: each variable of two or more dimensions is split over the model axis along
-its largest dimension that the axis divides, and over the data axis along another one (as
-keras-hub's own maps split embeddings and kernels over both), a convolution kernel only along its
-channels (XLA's partitioner computes a strided convolution split along its window wrongly); what
-no axis divides, and every vector and scalar, is replicated. The keys are the variables' paths with their numbers matching
-any number, so that a model built again (layer names counted up from another start) is matched
-the same way.
+its variables' shapes, each split as `layout_axes.split_axes` says (over the model axis along its
+largest dimension that the axis divides, over the data axis along another, a convolution kernel
+along its channels only; vectors, scalars and what no axis divides replicated). The keys are the
+variables' paths with their numbers matching any number, so that a model built again (layer names
+counted up from another start) is matched the same way.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -23,9 +20,8 @@ from typing import Any
 
 import keras
 
-from keras_orbax._src.compat import keras_compat, saving_compat
 from keras_orbax._src.model import matching
-from keras_orbax._src.restore import layout_keys
+from keras_orbax._src.restore import layout_axes, layout_keys
 from keras_orbax._src.restore import preset as preset_loading
 from keras_orbax.errors import KerasOrbaxWarning
 
@@ -106,75 +102,16 @@ def _layouts(
 ) -> dict[str, Axes]:
     """Each variable path's layout over `device_mesh`."""
     hub_map = _hub_layout_map(model, device_mesh, axes)
-    windows = _convolution_kernels(model)
+    windows = layout_axes.convolution_kernels(model)
     # Each variable's own layout; then one per path (a subclassed model or two nested encoders
     # can hold one path twice) and per name that Keras's counters alone tell apart.
     own = []
-    for variable in _unique_variables(model):
+    for variable in layout_axes.unique_variables(model):
         path, shape = variable.path, tuple(variable.shape)
         kept = _hub_axes(hub_map, path, shape, device_mesh)
-        split = _split_axes(shape, device_mesh, axes, window=path in windows)
+        split = layout_axes.split_axes(shape, device_mesh, axes, window=path in windows)
         own.append((path, shape, kept or split))
     return _unified(own, device_mesh, axes, windows)
-
-
-# Keras's convolutions: their kernels' leading dimensions are the window, the last two the channels.
-_CONVOLUTIONS = (
-    *(keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D),
-    *(keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose),
-    *(keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D),
-    *(keras.layers.SeparableConv1D, keras.layers.SeparableConv2D),
-)
-
-
-def _convolution_kernels(model: keras.Model) -> frozenset[str]:
-    """The paths of the model's convolution kernels."""
-    return frozenset(
-        v.path
-        for layer in saving_compat.all_layers(model)
-        if isinstance(layer, _CONVOLUTIONS)
-        for v in keras_compat.own_variables(layer)
-        if v.ndim >= 3
-    )
-
-
-def _split_axes(
-    shape: tuple[int, ...],
-    device_mesh: keras.distribution.DeviceMesh,
-    axes: Sequence[str],
-    *,
-    window: bool = False,
-) -> Axes:
-    """The layout splitting `shape` into the most parts: each of `axes` (model axis first) on its
-    own dimension that it divides, the model axis on the largest; replicated below two dimensions.
-
-    A convolution kernel's (`window`) leading dimensions, its window, are not split: XLA's
-    partitioner computes a strided convolution whose kernel is split there wrongly (a ViT's
-    14 x 14 patch embedding gives other outputs; jax-ml/jax#16894 reports strided convolutions
-    partitioned wrongly too). Split along their channels they compute right.
-    """
-    replicated: Axes = (None,) * len(shape)
-    if len(shape) < 2:
-        return replicated
-    sizes = [_axis_size(device_mesh, name) for name in axes]
-    best, best_parts = replicated, 1
-    # Each axis gets a dimension or none (-1); the model axis is tried on the largest first.
-    first = max(len(shape) - 2, 0) if window else 0
-    dims = sorted(range(first, len(shape)), key=lambda d: -shape[d])
-    for choice in itertools.product(*([*dims, -1] for _ in axes)):
-        used = [d for d in choice if d >= 0]
-        if len(used) != len(set(used)):
-            continue
-        if any(d >= 0 and shape[d] % size for d, size in zip(choice, sizes, strict=True)):
-            continue
-        parts = math.prod(size for d, size in zip(choice, sizes, strict=True) if d >= 0)
-        if parts > best_parts:
-            layout: list[str | None] = [None] * len(shape)
-            for d, name in zip(choice, axes, strict=True):
-                if d >= 0:
-                    layout[d] = name
-            best, best_parts = tuple(layout), parts
-    return best
 
 
 def _mesh_axes(
@@ -195,10 +132,6 @@ def _mesh_axes(
                 f"Received: {argument}={name!r}"
             )
     return model_axis, data_axis
-
-
-def _axis_size(device_mesh: keras.distribution.DeviceMesh, name: str) -> int:
-    return int(device_mesh.shape[list(device_mesh.axis_names).index(name)])
 
 
 def _model_of(preset_or_model: Any) -> keras.Model:
@@ -239,19 +172,9 @@ def _hub_axes(
 ) -> Axes | None:
     """keras-hub's layout for `path` if it has one and it divides `shape`."""
     layout = None if hub_map is None else hub_map[path]
-    if layout is None or not _divides(tuple(layout.axes), shape, device_mesh):
+    if layout is None or not layout_axes.divides(tuple(layout.axes), shape, device_mesh):
         return None
     return tuple(layout.axes)
-
-
-def _unique_variables(model: keras.Model) -> list[keras.Variable]:
-    seen: set[int] = set()
-    found = []
-    for variable in model.weights:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            found.append(variable)
-    return found
 
 
 def _unified(
@@ -299,36 +222,19 @@ def _common(
     if len({len(shape) for shape in shapes}) == 1:
         divisors = tuple(math.gcd(*dims) for dims in zip(*shapes, strict=True))
         window = any(path in windows for path, _, _ in members)
-        split = _split_axes(divisors, device_mesh, mesh_axes, window=window)
+        split = layout_axes.split_axes(divisors, device_mesh, mesh_axes, window=window)
         if any(split):  # replicating them all is left to the fallback of each path its own
             candidates[split] = None
     fits = [
         layout
         for layout in candidates
-        if all(_divides(layout, shape, device_mesh) for shape in shapes)
+        if all(layout_axes.divides(layout, shape, device_mesh) for shape in shapes)
     ]
     if not fits:
         return None
-    return min(fits, key=lambda a: sum(_held(a, shape, device_mesh) for _, shape, _ in members))
-
-
-def _divides(
-    axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh
-) -> bool:
-    return len(axes) == len(shape) and all(
-        name is None or dim % _axis_size(device_mesh, name) == 0
-        for dim, name in zip(shape, axes, strict=True)
+    return min(
+        fits, key=lambda a: sum(layout_axes.held(a, shape, device_mesh) for _, shape, _ in members)
     )
-
-
-def _held(axes: Axes, shape: tuple[int, ...], device_mesh: keras.distribution.DeviceMesh) -> float:
-    """The elements of an array of `shape` that one device holds under `axes`."""
-    return math.prod(shape) / _parts(axes, device_mesh)
-
-
-def _parts(axes: Axes, device_mesh: keras.distribution.DeviceMesh) -> int:
-    """Into how many parts `axes` split an array."""
-    return math.prod(_axis_size(device_mesh, a) for a in axes if a is not None)
 
 
 def _warn_if_uneven(
@@ -347,14 +253,17 @@ def _warn_if_uneven(
         return
     excess = {path: held[path] - sizes[path] / devices for path in held}
     least_split = sorted((p for p in excess if excess[p] > 0), key=lambda p: -excess[p])
-    windows = _convolution_kernels(model)
+    windows = layout_axes.convolution_kernels(model)
     why: dict[str, list[str]] = {"shared": [], "window": [], "indivisible": []}
     for path in least_split:
-        shape, given = shapes[path], _parts(layouts[path], device_mesh)
-        own = _split_axes(shape, device_mesh, mesh_axes, window=path in windows)
-        if _parts(own, device_mesh) > given:
+        shape, given = shapes[path], layout_axes.parts(layouts[path], device_mesh)
+        own = layout_axes.split_axes(shape, device_mesh, mesh_axes, window=path in windows)
+        if layout_axes.parts(own, device_mesh) > given:
             why["shared"].append(path)
-        elif _parts(_split_axes(shape, device_mesh, mesh_axes), device_mesh) > given:
+        elif (
+            layout_axes.parts(layout_axes.split_axes(shape, device_mesh, mesh_axes), device_mesh)
+            > given
+        ):
             why["window"].append(path)
         else:
             why["indivisible"].append(path)
@@ -386,10 +295,14 @@ def _shares(
     sizes: dict[str, int] = {}
     held: dict[str, float] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for v in _unique_variables(model):
+    for v in layout_axes.unique_variables(model):
         if v.ndim >= 2:
-            size, axes = _bytes(v), layouts[v.path]
-            parts = _parts(axes, device_mesh) if _divides(axes, v.shape, device_mesh) else 1
+            size, axes = layout_axes.stored_bytes(v), layouts[v.path]
+            parts = (
+                layout_axes.parts(axes, device_mesh)
+                if layout_axes.divides(axes, v.shape, device_mesh)
+                else 1
+            )
             sizes[v.path] = sizes.get(v.path, 0) + size
             held[v.path] = held.get(v.path, 0.0) + size / parts
             shapes[v.path] = tuple(v.shape)
@@ -402,7 +315,7 @@ def _one_axis_way_out(
     """The mesh with every device on the model axis, named where it splits the model within the
     tolerance (a key shared by unnamed layers, or a window, may leave one axis all it can use)."""
     devices = math.prod(device_mesh.shape)
-    if _axis_size(device_mesh, mesh_axes[0]) == devices:
+    if layout_axes.axis_size(device_mesh, mesh_axes[0]) == devices:
         return []
     names = tuple(device_mesh.axis_names)
     shape = tuple(devices if name == mesh_axes[0] else 1 for name in names)
@@ -414,10 +327,3 @@ def _one_axis_way_out(
         f"all {devices} devices on the {mesh_axes[0]!r} axis (DeviceMesh({shape}, {names})) "
         f"split them within {_EVEN_SPLIT_TOLERANCE} x"
     ]
-
-
-def _bytes(variable: keras.Variable) -> int:
-    import numpy as np
-
-    dtype = np.dtype(keras_compat.stored_dtype(variable))
-    return math.prod(variable.shape) * dtype.itemsize
