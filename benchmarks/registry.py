@@ -310,7 +310,8 @@ BENCHMARKS = [
         "`fit` with a local tier saving after every batch (/dev/shm) against `fit` alone",
         {
             "plain": "`fit` with no checkpoint",
-            "local": "`ModelCheckpoint(dir, local_directory=<shm>, local_save_freq=1)`",
+            "local": "`ModelCheckpoint(dir, local_directory=<shm>, local_save_freq=every)` "
+            "(`--set every=N`; 1 by default)",
         },
         "plain",
         prepare=False,
