@@ -124,7 +124,11 @@ class HostStaging:
             return None
         if not self._room_for(arrays):
             return None
-        copies = jax.device_put(list(arrays), may_alias=False)  # dispatched, not waited for
+        try:
+            copies = jax.device_put(list(arrays), may_alias=False)  # dispatched, not waited for
+        except jax.errors.JaxRuntimeError as error:  # the device had no room after all
+            logger.info("A background save fetches the state while fit waits: %s", error)
+            return None
         shards = [s.data for array in copies for s in array.addressable_shards if s.replica_id == 0]
         for shard in shards:
             shard.copy_to_host_async()
