@@ -50,29 +50,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=256,
         **GEMMA2_ARGS,
     ),
-    # Gemma2 9B's widths with fewer blocks, for one TPU v5e chip (15.75 GiB of HBM) in
-    # bfloat16: 5.67 B parameters (11.35 GB), which keras-hub's own loader also fits, and
-    # 7.26 B (14.52 GB), the most blocks that fit.
-    "tpu24": dict(
-        vocabulary_size=256000,
-        num_layers=24,
-        num_query_heads=16,
-        num_key_value_heads=8,
-        hidden_dim=3584,
-        intermediate_dim=28672,
-        head_dim=256,
-        **GEMMA2_ARGS,
-    ),
-    "tpu32": dict(
-        vocabulary_size=256000,
-        num_layers=32,
-        num_query_heads=16,
-        num_key_value_heads=8,
-        hidden_dim=3584,
-        intermediate_dim=28672,
-        head_dim=256,
-        **GEMMA2_ARGS,
-    ),
     # `gemma2_2b_en`'s shape (2.61 B parameters, 5.2 GB); its 4 key/value heads load on (2, 4)
     # but not on (1, 8), which splits them 8 ways.
     "2b": dict(
@@ -110,6 +87,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **GEMMA2_ARGS,
     ),
 }
+# Gemma2 9B's widths with fewer blocks, for one TPU v5e chip (15.75 GiB of HBM) in bfloat16:
+# 5.67 B parameters (11.35 GB), which keras-hub's own loader also fits, and 7.26 B (14.52 GB), the
+# most blocks that fit.
+CONFIGS.update(
+    tpu24={**CONFIGS["9b"], "num_layers": 24},
+    tpu32={**CONFIGS["9b"], "num_layers": 32},
+)
 WINDOW_BYTES = 64 * 2**20  # one generated and written block at most
 FLUSH_BYTES = 1 << 30  # written back and dropped from the page cache every so many bytes
 

@@ -125,13 +125,7 @@ def read_files(
     must (the pages of every buffer are zeroed by the kernel when first touched), 2 MiB-aligned
     and advised `MADV_HUGEPAGE` (the issue's floor; keras-orbax's read buffers are advised so)."""
     kept: list[mmap.mmap] = []
-    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
-    pieces = [
-        (fds[path], offset, min(piece, size - offset))
-        for path in paths
-        for size in [os.path.getsize(path)]
-        for offset in range(0, size, piece)
-    ]
+    fds, pieces = _pieces(paths, piece)
     local = threading.local()
 
     def read(job: tuple[int, int, int]) -> int:
@@ -152,6 +146,18 @@ def read_files(
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _pieces(paths: list[str], piece: int) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
+    """Each file opened, and its (fd, offset, length) pieces of at most `piece` bytes."""
+    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
+    pieces = [
+        (fds[path], offset, min(piece, size - offset))
+        for path in paths
+        for size in [os.path.getsize(path)]
+        for offset in range(0, size, piece)
+    ]
+    return fds, pieces
 
 
 def load_case(case: str, args: argparse.Namespace) -> dict:
@@ -238,13 +244,7 @@ def place_files(paths: list[str], threads: int = 8, piece: int = 64 * 2**20) -> 
     import numpy as np
 
     device = jax.devices()[0]
-    fds = {path: os.open(path, os.O_RDONLY) for path in paths}
-    pieces = [
-        (fds[path], offset, min(piece, size - offset))
-        for path in paths
-        for size in [os.path.getsize(path)]
-        for offset in range(0, size, piece)
-    ]
+    fds, pieces = _pieces(paths, piece)
 
     def read_and_place(job: tuple[int, int, int]):
         fd, offset, length = job
