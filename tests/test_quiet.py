@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -85,3 +86,34 @@ def test_orbax_lines_go_to_debug_while_keras_orbax_drives_it(tmp_path, caplog):
     debug = [r for r in caplog.records if r.name == "keras_orbax.orbax"]
     assert debug and all(r.levelno == logging.DEBUG for r in debug)
     assert _orbax_records(caplog) == []
+
+
+def _orbax_thread_failing_on(path) -> None:
+    """Runs Orbax's own `_SignalingThread` (the kind a save's late threads are) on a target that
+    meets `path` gone: Orbax logs that at ERROR, from its own code."""
+    from orbax.checkpoint._src.futures import future
+
+    def target() -> None:
+        os.listdir(path)
+
+    thread = future._SignalingThread(target=target, send_signals=[], receive_signals=[])
+    thread.start()
+    with contextlib.suppress(FileNotFoundError):  # Orbax's thread raises what it met here too
+        thread.join()
+
+
+def test_orbax_errors_about_a_removed_failed_save_staging_go_to_debug(tmp_path, caplog):
+    """A failed save's staging directory, once keras-orbax removed it, may still be met by that
+    save's other Orbax threads: their errors about it go to `keras_orbax.orbax` at DEBUG, at any
+    time after; Orbax's errors about anything else still reach the user."""
+    from keras_orbax._src.runtime import quiet
+
+    removed, other = tmp_path / "8.orbax-checkpoint-tmp", tmp_path / "elsewhere"
+    quiet.staging_removed(removed)
+    with caplog.at_level(logging.DEBUG, logger="keras_orbax.orbax"):
+        _orbax_thread_failing_on(removed / "state.orbax-checkpoint-tmp")
+        _orbax_thread_failing_on(other)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [str(other) in r.getMessage() for r in errors] == [True]
+    at_debug = [r for r in caplog.records if r.name == "keras_orbax.orbax"]
+    assert [str(removed) in r.getMessage() for r in at_debug] == [True]

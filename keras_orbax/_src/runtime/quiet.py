@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 from keras_orbax._src.runtime import orbax_logs
@@ -65,6 +66,42 @@ class _OrbaxErrorsAtDebug(logging.Filter):
         if DEBUG_LOGGER.isEnabledFor(logging.DEBUG):
             DEBUG_LOGGER.debug(record.getMessage(), exc_info=record.exc_info)
         return False
+
+
+class _RemovedStagingAtDebug(logging.Filter):
+    """Passes Orbax's ERROR records about a staging directory keras-orbax removed after its save
+    failed on to `DEBUG_LOGGER` at DEBUG, whenever they come.
+
+    A save's other Orbax threads may still run when its failure is raised and what it staged is
+    removed (`step_leftovers.remove_staged`); they then meet the directory gone and log it, after
+    `saving`'s block may have ended: the failure keras-orbax raised already said what happened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or _ORBAX_CODE not in record.pathname:
+            return True
+        message = record.getMessage()
+        if not any(path in message for path in self.paths):
+            return True
+        if DEBUG_LOGGER.isEnabledFor(logging.DEBUG):
+            DEBUG_LOGGER.debug(message, exc_info=record.exc_info)
+        return False
+
+
+_REMOVED_STAGING = _RemovedStagingAtDebug()
+_removed_lock = threading.Lock()
+
+
+def staging_removed(path: str | os.PathLike) -> None:
+    """From now on, Orbax's errors naming `path` (a failed save's staging directory, about to be
+    removed) go to DEBUG: see `_RemovedStagingAtDebug`."""
+    with _removed_lock:
+        if not _REMOVED_STAGING.paths:
+            _ORBAX_LOGGER.addFilter(_REMOVED_STAGING)
+        _REMOVED_STAGING.paths.add(os.fspath(path))
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.runtime import quiet
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.storage.writer_lock import held_if_free, is_held
 from keras_orbax.errors import KerasOrbaxWarning
@@ -78,6 +79,7 @@ def remove_staged(root: Path, step: int) -> None:
     raised; `inspect` reports what is left and the next `ModelCheckpoint` removes it)."""
     for found, path in staged(root):
         if found == step:
+            quiet.staging_removed(path)  # the save's late Orbax threads meet it gone
             try:
                 _remove(path)
             except OSError as error:
