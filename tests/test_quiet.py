@@ -102,12 +102,18 @@ def _orbax_thread_failing_on(path) -> None:
         thread.join()
 
 
-def test_orbax_errors_about_a_removed_failed_save_staging_go_to_debug(tmp_path, caplog):
+def test_orbax_errors_about_a_removed_failed_save_staging_go_to_debug(
+    tmp_path, caplog, monkeypatch
+):
     """A failed save's staging directory, once keras-orbax removed it, may still be met by that
     save's other Orbax threads: their errors about it go to `keras_orbax.orbax` at DEBUG, at any
     time after; Orbax's errors about anything else still reach the user."""
     from keras_orbax._src.runtime import quiet
 
+    # This filter alone on Orbax's logger, as in a process where no save has failed yet (an
+    # earlier test's failed fit may have left its own filters there).
+    monkeypatch.setattr(ORBAX_LOGGER, "filters", [])
+    monkeypatch.setattr(quiet._REMOVED_STAGING, "paths", set())
     removed, other = tmp_path / "8.orbax-checkpoint-tmp", tmp_path / "elsewhere"
     quiet.staging_removed(removed)
     with caplog.at_level(logging.DEBUG, logger="keras_orbax.orbax"):
