@@ -402,11 +402,14 @@ def test_two_processes_stay_within_the_window(two_processes):
     are a third of a window: 1.40 MiB was seen once in a full parallel run.)"""
     _, results = two_processes
     window, largest = 1 << 20, 8 << 20
+    # Besides its windows, NumPy holds a few small arrays while writing (indices, checksums):
+    # 1.7 KiB over two windows was seen once.
+    bookkeeping = 16 << 10
     for process, result in enumerate(results):
         figures = result["memory"]
         assert figures["held"] == largest // 2, (process, figures)
         assert figures["copy_peak"] >= largest // 2, (process, figures)  # the measure sees a copy
-        assert figures["host_peak"] <= 2 * window, (process, figures)
+        assert figures["host_peak"] <= 2 * window + bookkeeping, (process, figures)
         assert figures["rss"] <= 2 * window, (process, figures)
 
 
