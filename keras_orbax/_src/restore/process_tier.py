@@ -49,7 +49,7 @@ def named(directory: str | os.PathLike) -> bool:
     looks at its own: one whose local directory was lost sees nothing there)."""
     location = os.fspath(directory)
     mine = not locations.is_remote(location) and process_parts.is_process_tier(
-        Path(os.path.expanduser(location))
+        locations.as_path(location)
     )
     if multihost.process_count() == 1:
         return mine
@@ -58,7 +58,7 @@ def named(directory: str | os.PathLike) -> bool:
 
 def folders(directory: str | os.PathLike) -> tuple[Path, Path]:
     """This process's own folder of `directory` and the folder of the replica it keeps."""
-    root = Path(os.path.abspath(os.path.expanduser(os.fspath(directory))))
+    root = locations.as_path(directory)
     me, n = multihost.process_index(), multihost.process_count()
     return process_parts.folder(root, me), process_parts.folder(root, (me - 1) % n)
 
@@ -156,7 +156,7 @@ def restore_tier(
             "strict=False"
         )
     if multihost.process_count() == 1:
-        root = Path(os.path.expanduser(os.fspath(directory)))
+        root = locations.as_path(directory)
         raise CheckpointNotFoundError(
             f"'{directory}' is a local tier written under jax.distributed by "
             f"{len(process_parts.processes_in(root))} processes: each process's part restores only "

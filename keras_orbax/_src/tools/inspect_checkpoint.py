@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_orbax._src.compat import orbax_compat
-from keras_orbax._src.format import data_state
+from keras_orbax._src.format import data_state, process_parts, step_dirs
 from keras_orbax._src.format.step_record import LOCAL_TIER, StepRecord
 from keras_orbax._src.runtime.progress import human_bytes
 from keras_orbax._src.sources import resolve
@@ -265,8 +265,6 @@ def inspect(directory: str | os.PathLike, step: int | None = None) -> Checkpoint
 
 def _local_tier(record: StepRecord) -> dict[str, Any]:
     """The local tier a `ModelCheckpoint` step names, and the steps it holds on this machine."""
-    from keras_orbax._src.format import process_parts, step_dirs
-
     directory = record.extra.get(LOCAL_TIER)
     if not isinstance(directory, str):
         return {}

@@ -27,7 +27,7 @@ def located(directory: str | os.PathLike) -> Path | None:
     location = os.fspath(directory)
     if locations.is_remote(location):
         return None
-    root = Path(os.path.abspath(os.path.expanduser(location)))
+    root = locations.as_path(location)
     return root if process_parts.is_process_tier(root) else None
 
 

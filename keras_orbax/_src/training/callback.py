@@ -190,7 +190,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             extra=(
                 {}
                 if local_directory is None
-                else {LOCAL_TIER: os.path.abspath(os.path.expanduser(local_directory))}
+                else {LOCAL_TIER: str(locations.as_path(local_directory))}
             ),
         )
         self.local_directory = None if local_directory is None else os.fspath(local_directory)

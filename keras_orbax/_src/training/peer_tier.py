@@ -66,7 +66,7 @@ class PeerTier:
         self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
         self._checked = False  # whether the model's state is all variables (`_refuse_host_state`)
         me, n = multihost.process_index(), multihost.process_count()
-        self.root = Path(os.path.abspath(os.path.expanduser(self.directory)))
+        self.root: Path = locations.as_path(self.directory)  # local: PeerTier.open refuses a URL
         self.own = process_parts.folder(self.root, me)
         self.previous = (me - 1) % n
         self.replica = process_parts.folder(self.root, self.previous)
