@@ -73,9 +73,7 @@ def check_arguments(
 
 
 def _same_place(one: str, other: str) -> bool:
-    if locations.is_remote(one) or locations.is_remote(other):
-        return one.rstrip("/") == other.rstrip("/")
-    return os.path.abspath(os.path.expanduser(one)) == os.path.abspath(os.path.expanduser(other))
+    return bool(locations.as_path(one) == locations.as_path(other))
 
 
 class LocalTier:
