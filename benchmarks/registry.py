@@ -307,13 +307,14 @@ BENCHMARKS = [
     _suite(
         "local_tier",
         "local_tier_benchmark",
-        "`fit` with a local tier saving after every batch (/dev/shm) against `fit` alone",
+        "`fit` with a local tier (/dev/shm) against `fit` with the persistent tier alone",
         {
-            "plain": "`fit` with no checkpoint",
-            "local": "`ModelCheckpoint(dir, local_directory=<shm>, local_save_freq=every)` "
+            "persistent": "`ModelCheckpoint(dir)`, a save at each epoch's end",
+            "local": "the same with `local_directory=<shm>, local_save_freq=every` "
             "(`--set every=N`; 1 by default)",
+            "plain": "`fit` with no checkpoint",
         },
-        "plain",
+        "persistent",
         prepare=False,
         sizes={
             "small": {"mib": 16, "epochs": 1, "steps": 4},
