@@ -264,7 +264,7 @@ def test_a_removed_middle_layer_is_named_on_both_sides(tmp_path, distribution):
 def test_a_save_error_names_the_error_it_was_raised_while_handling():
     """Orbax's manager meets the other processes once more in a `finally` after a failed save; a
     process lost there too raises that barrier's error, and the first one must not be lost."""
-    from keras_orbax._src.write.step_writer import described_error
+    from keras_orbax._src.write.save_errors import described_error
 
     try:
         try:

@@ -108,6 +108,7 @@ class LocalTier:
             background=True,
             weights_only=False,
             incremental=incremental,
+            recycle=True,
         )
         self.last_saved_step: int | None = None
 

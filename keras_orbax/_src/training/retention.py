@@ -9,15 +9,18 @@ policies itself, called only once the new step is durable (`tests/test_durabilit
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.write import step_sink
+
+logger = logging.getLogger("keras_orbax")
 
 _policies = ocp.training.preservation_policies
 
@@ -59,8 +62,15 @@ class Retention:
             policies.append(_policies.EveryNSteps(self.keep_every))
         return policies[0] if len(policies) == 1 else _policies.AnyPreservationPolicy(policies)
 
-    def prune(self, checkpointer: ocp.training.Checkpointer) -> list[int]:
-        """Deletes the steps of `checkpointer` that no rule keeps; returns them.
+    def prune(
+        self,
+        checkpointer: ocp.training.Checkpointer,
+        *,
+        retire: Callable[[int], object] | None = None,
+    ) -> list[int]:
+        """Deletes the steps of `checkpointer` that no rule keeps; returns them. With `retire`,
+        the oldest of them is handed to it instead (which moves it out of the steps, for its
+        files to be written into: `recycled_step`), and deleted where that fails.
 
         Call on every process (Orbax's deletion is collective; process 0 deletes), and only once
         the newest step is durable: nothing is deleted before a step to resume from is on disk.
@@ -72,6 +82,13 @@ class Retention:
         kept = self.policy().should_preserve(checkpoints, context=_policies.PreservationContext())
         doomed = [c.step for c, keep in zip(checkpoints, kept, strict=True) if not keep]
         for step in doomed:
+            if retire is not None and step == doomed[0]:
+                try:
+                    retire(step)
+                    checkpointer.reload()  # the step is gone from its list
+                    continue
+                except OSError as error:
+                    logger.debug("Deleting step %d rather than retiring it: %s", step, error)
             with step_sink.orbax_operation():
                 checkpointer.delete(step, missing_ok=True)
         return doomed

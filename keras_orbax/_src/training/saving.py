@@ -10,6 +10,7 @@ every later save, and `fit` calls no `on_train_end` once a callback has raised.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -21,12 +22,13 @@ import orbax.checkpoint.experimental.v1 as ocp
 
 from keras_orbax._src.compat import keras_compat
 from keras_orbax._src.format import step_dirs
+from keras_orbax._src.format.step_record import STATE
 from keras_orbax._src.model import state_keys
 from keras_orbax._src.runtime import gc_pause, multihost, quiet
-from keras_orbax._src.storage import locations, step_leftovers, writer_lock
+from keras_orbax._src.storage import locations, recycled_step, step_leftovers, writer_lock
 from keras_orbax._src.training.pending import Collector, PendingSave
 from keras_orbax._src.training.retention import Retention
-from keras_orbax._src.write import shard_writer, step_sink, step_writer
+from keras_orbax._src.write import save_errors, shard_writer, step_sink, step_writer
 from keras_orbax.errors import KerasOrbaxError, SaveFailedError, StepExistsError
 
 logger = logging.getLogger("keras_orbax")
@@ -92,8 +94,11 @@ class Saves:
         incremental: bool,
         rewrite_every: int | None = None,
         extra: dict[str, Any] | None = None,
+        recycle: bool = False,
     ) -> None:
         self.directory = directory
+        # The local tier: retention's oldest retired step is written into by the next save.
+        self.recycle = recycle and not locations.is_remote(directory)
         self.extra = extra or {}  # recorded with every step (the local tier's directory)
         self.retention = retention
         self.format = format
@@ -212,6 +217,7 @@ class Saves:
                         # arrays (Orbax's own serializer reads the live arrays), nor across
                         # processes (its collectives would interleave with the train step's).
                         start_later=self.format == "fast" and jax.process_count() == 1,
+                        recycled=self._recycled_state(),
                     )
             except StepExistsError as error:  # written by another writer: not ours to replace
                 self.close(failing=True)
@@ -295,18 +301,26 @@ class Saves:
         """
         if self.checkpointer is None:
             return
+        retire = None
+        if self.recycle:
+            retire = functools.partial(recycled_step.retire, locations.as_path(self.directory))
         try:
-            self.retention.prune(self.checkpointer)
+            self.retention.prune(self.checkpointer, retire=retire)
         except Exception as error:
             raise SaveFailedError(
                 f"Step {step} of '{self.directory}' is committed and durable, but deleting the "
                 f"steps retention no longer keeps failed: {type(error).__name__}: {error}"
             ) from error
 
+    def _recycled_state(self) -> str | None:
+        if not self.recycle:
+            return None
+        return str(recycled_step.path(locations.as_path(self.directory)) / STATE)
+
     def fail(self, what: str, error: BaseException) -> NoReturn:
         """Raises SaveFailedError, naming the last committed step, after closing."""
         failure = SaveFailedError(
-            f"{what}: {step_writer.described_error(error)}. {self.intact_note()}"
+            f"{what}: {save_errors.described_error(error)}. {self.intact_note()}"
         )
         self.close(failing=True)
         raise failure from error
@@ -328,6 +342,8 @@ class Saves:
         if self._collector is not None:
             self._collector.close()
             self._collector = None
+        if self.recycle:  # what the next save would have written into: fit is over
+            recycled_step.remove(locations.as_path(self.directory))
         if checkpointer is None:
             self._release_directory()
             return

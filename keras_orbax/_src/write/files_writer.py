@@ -46,15 +46,19 @@ def write_arrays(
     shards: list[Shard],
     plan: incremental.Plan | None = None,
     synced: durable.Synced | None = None,
+    recycled: str | None = None,
 ) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
     durably: each file and each directory is fsync-ed (an object is durable once written)
     before this returns, each file noted in `synced`. With `plan`, a shard unchanged since the
-    previous step is linked."""
+    previous step is linked; with `recycled` (a retired step's `state/`), a shard is written into
+    that step's file where it may (`recycled_step`)."""
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
     workers = _WORKERS_SMALL if local_small else _WORKERS
-    with ArrayFiles(directory, workers=workers, plan=plan, synced=synced) as files:
+    with ArrayFiles(
+        directory, workers=workers, plan=plan, synced=synced, recycled=recycled
+    ) as files:
         files.add(arrays, shards)
         files.finish()
 
@@ -70,7 +74,8 @@ class ArrayFiles:
     concurrently and waited for in `finish` (`save`: all the arrays exist already). With `plan`,
     each shard whose bytes are those of the previous step's file is linked to that file (in
     object storage: copied on the server from that step's object; `incremental`). With
-    `synced`, every file it fsyncs is noted there. The threads are the process's
+    `synced`, every file it fsyncs is noted there; with `recycled`, shards are written into a
+    retired step's files where they may (`recycled_step`). The threads are the process's
     (`_writer_pool`); leaving the `with` block cancels this writer's writes not yet started and
     waits for the others.
 
@@ -90,9 +95,11 @@ class ArrayFiles:
         in_flight_bytes: int | None = None,
         plan: incremental.Plan | None = None,
         synced: durable.Synced | None = None,
+        recycled: str | None = None,
     ) -> None:
         self._remote = locations.is_remote(directory)
         self._synced = synced
+        self._recycled = None if self._remote else recycled
         self._plan = plan
         # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
         self._root = os.fspath(directory)
@@ -208,7 +215,9 @@ class ArrayFiles:
         if self._store is not None:
             write = functools.partial(shard_files.put_shard, self._store)
         else:
-            write = functools.partial(shard_files.write_shard, self._root, synced=self._synced)
+            write = functools.partial(
+                shard_files.write_shard, self._root, synced=self._synced, recycled=self._recycled
+            )
         if self._plan is None:
             return functools.partial(_once_filled, shard, functools.partial(write, shard))
         return functools.partial(

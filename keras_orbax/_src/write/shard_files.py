@@ -22,7 +22,7 @@ import numpy as np
 
 from keras_orbax._src.format import checksum, crc
 from keras_orbax._src.format.zarr_shards import ONE_FILE_SEPARATOR, chunk_key
-from keras_orbax._src.storage import durable
+from keras_orbax._src.storage import durable, recycled_step
 from keras_orbax._src.write import incremental
 
 
@@ -106,16 +106,22 @@ def write_shard(
     shard: Shard,
     synced: durable.Synced | None = None,
     known: Mapping[str, int] | None = None,
+    recycled: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it, noting it in
     `synced`; returns its name and checksum entry, each CRC computed piece by piece while in cache
-    but those `known` already (by key: an incremental save's candidate, `incremental`)."""
+    but those `known` already (by key: an incremental save's candidate, `incremental`). With
+    `recycled` (a retired step's `state/`), writes into that step's file of the same name where
+    it may (`recycled_step.take`)."""
     path = f"{root}/{shard.relative}"
     view, index = incremental.shard_bytes(shard)
     known = known or {}
     todo = [c for c in crc.RECORDED if c.key not in known]
     crcs = [0] * len(todo)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    reused = recycled is not None and recycled_step.take(recycled, shard.relative, path)
+    # A file taken keeps its pages until overwritten: truncated after the write, not before.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (0 if reused else os.O_TRUNC)
+    fd = os.open(path, flags, 0o666)
     try:
         for start in range(0, len(view), checksum.PIECE_BYTES):
             piece = view[start : start + checksum.PIECE_BYTES]
@@ -123,6 +129,8 @@ def write_shard(
             _write_all(fd, piece)
         crcs = [c.update(value, index) for c, value in zip(todo, crcs, strict=True)]
         _write_all(fd, index)
+        if reused:
+            os.ftruncate(fd, len(view) + len(index))
         os.fsync(fd)
         if synced is not None:
             synced.add(fd)

@@ -47,6 +47,9 @@ _STAGED: contextvars.ContextVar[Mapping[str, list[Shard]] | None] = contextvars.
 _SYNCED: contextvars.ContextVar[durable.Synced | None] = contextvars.ContextVar(
     "keras_orbax_synced", default=None
 )
+_RECYCLED: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "keras_orbax_recycled", default=None
+)
 
 
 @contextlib.contextmanager
@@ -86,6 +89,17 @@ def noting_fsyncs(synced: durable.Synced) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def overwriting(recycled: str | None) -> Iterator[None]:
+    """Within it, a save writes its shards into the files of `recycled` (a retired step's
+    `state/`) where it may (`recycled_step`); None: into new files."""
+    token = _RECYCLED.set(recycled)
+    try:
+        yield
+    finally:
+        _RECYCLED.reset(token)
+
+
+@contextlib.contextmanager
 def from_staged(staged: Mapping[str, list[Shard]]) -> Iterator[None]:
     """Within it, a save writes the shards `stage` copied instead of reading the arrays."""
     token = _STAGED.set(staged)
@@ -118,12 +132,14 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
         else:
             shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
-        plan, synced = incremental.active(), _SYNCED.get()
+        plan, synced, recycled = incremental.active(), _SYNCED.get(), _RECYCLED.get()
 
         async def write() -> None:
             await parent.await_creation()
             path = locations.as_path(parent.path)
-            await asyncio.to_thread(files_writer.write_arrays, path, arrays, shards, plan, synced)
+            await asyncio.to_thread(
+                files_writer.write_arrays, path, arrays, shards, plan, synced, recycled
+            )
 
         return write()
 

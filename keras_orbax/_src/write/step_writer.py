@@ -28,7 +28,7 @@ from keras_orbax._src.runtime import gc_pause, multihost, quiet
 from keras_orbax._src.storage import commit, durable, locations, step_leftovers
 from keras_orbax._src.storage.writer_lock import writer_lock
 from keras_orbax._src.write import incremental as incremental_saves
-from keras_orbax._src.write import shard_writer, step_sink
+from keras_orbax._src.write import save_errors, shard_writer, step_sink
 from keras_orbax.errors import (
     DeferredVariableError,
     KerasOrbaxError,
@@ -139,49 +139,15 @@ def save(
         if not overwrite and step in steps:
             # A process lost at Orbax's last barrier, after process 0 had renamed the step.
             raise SaveFailedError(
-                f"Saving step {step} to '{root}' failed: {described_error(error)}. Process 0 had "
+                f"Saving step {step} to '{root}' failed: {save_errors.described_error(error)}. Process 0 had "
                 f"renamed step {step} into place (every process had agreed on its writes), but "
                 "it was not made durable: a restore checks it, and `keras-orbax verify` tells "
                 "whether it is whole."
             ) from error
-        raise SaveFailedError(_failed_message(root, step, error, steps, overwrite)) from error
+        raise SaveFailedError(
+            save_errors.failed_message(root, step, error, steps, overwrite)
+        ) from error
     return root.step_dir(step)
-
-
-def _failed_message(
-    root: step_dirs.CheckpointRoot,
-    step: int,
-    error: BaseException,
-    steps: list[int],
-    overwrite: bool,
-) -> str:
-    """What a failed save says it left, from the steps listed after the failure."""
-    aside = step_leftovers.replaced_path(root.path, step)
-    if overwrite and step in steps:
-        kept = f" Step {step} as it was before this save is back in place, intact."
-    elif overwrite and aside.is_dir():
-        kept = (
-            f" Step {step} as it was before this save is kept at {aside}; the next listing of "
-            "the directory's steps (a restore, `keras-orbax inspect`) puts it back."
-        )
-    elif steps:
-        kept = f" The last committed step, {steps[-1]}, is intact."
-    else:
-        kept = " No step is committed in the directory."
-    return f"Saving step {step} to '{root}' failed: {described_error(error)}. Nothing was committed.{kept}"
-
-
-def described_error(error: BaseException) -> str:
-    """`error`, and the error it was raised while handling: Orbax's manager meets the other
-    processes once more after a failed save (a barrier in a `finally`), and a process lost there
-    too replaces the first error with that barrier's."""
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, KerasOrbaxError):  # keras-orbax's own errors name what they followed
-        return text
-    first = error.__context__
-    if first is not None and error.__cause__ is None and not error.__suppress_context__:
-        text += f" (raised while handling {type(first).__name__}: {first})"
-    return text
 
 
 def check_rewrite_every(rewrite_every: Any) -> None:
@@ -226,6 +192,7 @@ def write_step(
     rewrite_every: int | None = None,
     data_state: dict[str, Any] | None = None,
     root: step_dirs.CheckpointRoot | None = None,
+    recycled: str | None = None,
 ) -> Any:
     """Starts writing `model`'s state as `step`; with `blocking`, waits until it is committed.
 
@@ -239,6 +206,7 @@ def write_step(
     at most `rewrite_every` steps.
     `data_state`: this process's input position (`format/data_state.py`), committed with the step.
     `root`: the checkpointer's root as the caller resolved and listed it (`save`).
+    `recycled`: a retired step's `state/`, whose files the save writes into (`recycled_step`).
     """
     root = root or step_dirs.CheckpointRoot(checkpointer.directory)
     state, variables = checked or _checked_variables(
@@ -265,7 +233,11 @@ def write_step(
         commit.fault_point("stage")
         plan = incremental_saves.plan_for(root, step, rewrite_every) if incremental else None
         synced = durable.Synced()  # the files the writer fsyncs: not fsynced again at commit
-        with incremental_saves.planned(plan), shard_writer.noting_fsyncs(synced):
+        with (
+            incremental_saves.planned(plan),
+            shard_writer.noting_fsyncs(synced),
+            shard_writer.overwriting(recycled),
+        ):
             return step_sink.save_async(
                 checkpointer,
                 root,
