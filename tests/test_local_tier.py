@@ -198,3 +198,37 @@ def _flip_a_byte_of_an_array_file(step_dir: Path) -> None:
 def test_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         keras_orbax.ModelCheckpoint("ckpt", **kwargs)
+
+
+def _recorded_crcs(step_dir: Path) -> set[frozenset[str]]:
+    """The CRC keys of each shard file's entry in a step's checksum file, as distinct sets."""
+    from keras_orbax._src.format import crc
+
+    found: set[frozenset[str]] = set()
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            if "bytes" in value:
+                found.add(frozenset(k for k in value if k in crc.KEYS))
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    for path in (step_dir / "state" / "keras_orbax_checksums").glob("process_*.json"):
+        walk(json.loads(path.read_text()))
+    return found
+
+
+def test_a_local_step_records_the_faster_crc_alone_and_verify_checks_it(uninterrupted):
+    """The machine that wrote a local step reads it back: one CRC of each file, the faster
+    (`crc.LOCAL`); a persistent step records every CRC this process computes, for any reader."""
+    from keras_orbax._src.format import crc
+
+    _, root = uninterrupted
+    local, persistent = root / "local" / "12", root / "ckpt" / "12"
+    assert _recorded_crcs(local) == {frozenset(c.key for c in crc.LOCAL)}
+    assert _recorded_crcs(persistent) == {frozenset(c.key for c in crc.RECORDED)}
+    result = keras_orbax.verify(root / "local", 12)
+    assert result.intact and result.checksummed > 0 and result.unchecked == (), result

@@ -56,6 +56,10 @@ CRC32C = (
 """Hardware CRC-32C, or None where neither ISA-L nor google-crc32c is installed."""
 
 RECORDED = (CRC32,) if CRC32C is None else (CRC32, CRC32C)  # what a save records, in that order
+# What a local-tier step records: the faster CRC alone. The machine that wrote it reads it back,
+# and where zlib's CRC-32 runs without carry-less multiplication (a TPU host's Python) it costs
+# several times the hardware CRC-32C, on every byte of every frequent save.
+LOCAL = (CRC32,) if CRC32C is None else (CRC32C,)
 KEYS = ("crc32", "crc32c")  # every CRC a checksum file's entry may hold (a link carries them on)
 
 

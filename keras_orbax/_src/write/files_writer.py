@@ -19,10 +19,11 @@ import contextlib
 import functools
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from keras_orbax._src.format import crc
 from keras_orbax._src.runtime import thread_pools
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.write import incremental, shard_files
@@ -47,17 +48,24 @@ def write_arrays(
     plan: incremental.Plan | None = None,
     synced: durable.Synced | None = None,
     recycled: str | None = None,
+    recorded: Sequence[crc.Crc] = crc.RECORDED,
 ) -> None:
     """Writes every file of `arrays` this process owns under `directory` (a step's `state/`),
     durably: each file and each directory is fsync-ed (an object is durable once written)
     before this returns, each file noted in `synced`. With `plan`, a shard unchanged since the
     previous step is linked; with `recycled` (a retired step's `state/`), a shard is written into
-    that step's file where it may (`recycled_step`)."""
+    that step's file where it may (`recycled_step`). Each shard file's entry holds the CRCs of
+    `recorded`."""
     small = sum(s.data.nbytes for s in shards) < _SMALL_BYTES * max(1, len(shards))
     local_small = small and not locations.is_remote(directory)  # fsyncs shared: local files only
     workers = _WORKERS_SMALL if local_small else _WORKERS
     with ArrayFiles(
-        directory, workers=workers, plan=plan, synced=synced, recycled=recycled
+        directory,
+        workers=workers,
+        plan=plan,
+        synced=synced,
+        recycled=recycled,
+        recorded=recorded,
     ) as files:
         files.add(arrays, shards)
         files.finish()
@@ -75,7 +83,8 @@ class ArrayFiles:
     each shard whose bytes are those of the previous step's file is linked to that file (in
     object storage: copied on the server from that step's object; `incremental`). With
     `synced`, every file it fsyncs is noted there; with `recycled`, shards are written into a
-    retired step's files where they may (`recycled_step`). The threads are the process's
+    retired step's files where they may (`recycled_step`), recording the CRCs of `recorded`
+    (`write_arrays`). The threads are the process's
     (`_writer_pool`); leaving the `with` block cancels this writer's writes not yet started and
     waits for the others.
 
@@ -96,10 +105,12 @@ class ArrayFiles:
         plan: incremental.Plan | None = None,
         synced: durable.Synced | None = None,
         recycled: str | None = None,
+        recorded: Sequence[crc.Crc] = crc.RECORDED,
     ) -> None:
         self._remote = locations.is_remote(directory)
         self._synced = synced
         self._recycled = None if self._remote else recycled
+        self._recorded = crc.RECORDED if self._remote else recorded
         self._plan = plan
         # Paths are strings: pathlib's joins were a quarter of this thread's time (5000 arrays).
         self._root = os.fspath(directory)
@@ -216,14 +227,18 @@ class ArrayFiles:
             write = functools.partial(shard_files.put_shard, self._store)
         else:
             write = functools.partial(
-                shard_files.write_shard, self._root, synced=self._synced, recycled=self._recycled
+                shard_files.write_shard,
+                self._root,
+                synced=self._synced,
+                recycled=self._recycled,
+                recorded=self._recorded,
             )
         if self._plan is None:
             return functools.partial(_once_filled, shard, functools.partial(write, shard))
         return functools.partial(
             _once_filled,
             shard,
-            functools.partial(self._plan.write_or_link, self._root, shard, write),
+            functools.partial(self._plan.write_or_link, self._root, shard, write, self._recorded),
         )
 
     def _make_dir(self, relative: str) -> None:

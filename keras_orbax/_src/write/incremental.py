@@ -48,7 +48,7 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,7 @@ WriteShard = Callable[..., tuple[str, Mapping[str, Any]]]
 @dataclasses.dataclass(frozen=True)
 class _Recorded:
     layout: str
-    crcs: dict[str, int]  # every CRC recorded (`crc.RECORDED` keys)
+    crcs: dict[str, int]  # the CRCs its entry records, by `crc.KEYS` key
     nbytes: int
     version: str | None = None  # object storage only
     shared: int = 1
@@ -92,10 +92,16 @@ class Plan:
         self._rewrite_every = rewrite_every
         self._remote = previous_state is not None and locations.is_remote(previous_state)
 
-    def write_or_link(self, root: str, shard: Any, write: WriteShard) -> tuple[str, dict[str, Any]]:
+    def write_or_link(
+        self,
+        root: str,
+        shard: Any,
+        write: WriteShard,
+        algorithms: Sequence[crc.Crc] = crc.RECORDED,
+    ) -> tuple[str, dict[str, Any]]:
         """Links `shard`'s file under `root` (a step's `state/`) to the previous step's (in object
         storage: copies it on the server), if that holds the very same bytes, else writes it with
-        `write`; returns its name and checksum entry (layout included)."""
+        `write`; returns its name and checksum entry (layout included, the CRCs of `algorithms`)."""
         relative = shard.relative
         recorded = self._recorded.get(relative)
         fresh = {LAYOUT_KEY: shard.layout, SHARED_KEY: 1}
@@ -113,7 +119,7 @@ class Plan:
         # The other CRCs from the bytes as they are compared, not carried over: a record wrong in
         # one the candidate test did not use (a reader without CRC-32C checks the CRC-32) is not
         # passed on.
-        others = [c for c in crc.RECORDED if c is not algorithm]
+        others = [c for c in algorithms if c is not algorithm]
         carried = (
             self._carry(relative, f"{root}/{relative}", recorded, parts, others)
             if computed == value
@@ -122,7 +128,7 @@ class Plan:
         if carried is not None:
             crcs = {**carried, algorithm.key: computed}
             return relative, {
-                **{c.key: crcs[c.key] for c in crc.RECORDED},
+                **{c.key: crcs[c.key] for c in algorithms},
                 "bytes": recorded.nbytes,
                 LAYOUT_KEY: shard.layout,
                 SHARED_KEY: recorded.shared + 1,
@@ -276,10 +282,12 @@ def _recorded(state: Any) -> dict[str, _Recorded]:
             if not isinstance(layouts, list) or content.get("algorithm") != checksum.ALGORITHM:
                 continue  # an older step (a SHA-256 fingerprint, or none): written in full
             for name, entry in content["files"].items():
-                if LAYOUT_KEY in entry:
+                crcs = {k: int(entry[k]) for k in crc.KEYS if k in entry}
+                # A local step records one CRC (`crc.LOCAL`): compared where this process has it.
+                if LAYOUT_KEY in entry and any(c.key in crcs for c in crc.RECORDED):
                     found[name] = _Recorded(
                         str(layouts[int(entry[LAYOUT_KEY])]),
-                        {k: int(entry[k]) for k in crc.KEYS if k in entry or k == crc.CRC32.key},
+                        crcs,
                         int(entry["bytes"]),
                         None if VERSION_KEY not in entry else str(entry[VERSION_KEY]),
                         int(entry.get(SHARED_KEY, 1)),

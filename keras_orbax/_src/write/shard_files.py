@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -80,9 +80,11 @@ def checksums_json(checksums: dict[str, dict[str, Any]], *, incremental_save: bo
     return json.dumps({**content, "files": checksums}).encode()
 
 
-def _entry(crcs: list[int], nbytes: int) -> dict[str, int]:
-    """A shard file's checksum entry: each CRC a save records (`crc.RECORDED`), and its size."""
-    return {**{c.key: value for c, value in zip(crc.RECORDED, crcs, strict=True)}, "bytes": nbytes}
+def _entry(
+    crcs: list[int], nbytes: int, recorded: Sequence[crc.Crc] = crc.RECORDED
+) -> dict[str, int]:
+    """A shard file's checksum entry: each CRC a save records (`recorded`), and its size."""
+    return {**{c.key: value for c, value in zip(recorded, crcs, strict=True)}, "bytes": nbytes}
 
 
 def put_shard(
@@ -107,16 +109,17 @@ def write_shard(
     synced: durable.Synced | None = None,
     known: Mapping[str, int] | None = None,
     recycled: str | None = None,
+    recorded: Sequence[crc.Crc] = crc.RECORDED,
 ) -> tuple[str, dict[str, Any]]:
     """Writes one shard file under `root` (bytes, then the zarr index) and fsyncs it, noting it in
-    `synced`; returns its name and checksum entry, each CRC computed piece by piece while in cache
-    but those `known` already (by key: an incremental save's candidate, `incremental`). With
-    `recycled` (a retired step's `state/`), writes into that step's file of the same name where
-    it may (`recycled_step.take`)."""
+    `synced`; returns its name and checksum entry, each CRC of `recorded` computed piece by piece
+    while in cache but those `known` already (by key: an incremental save's candidate,
+    `incremental`). With `recycled` (a retired step's `state/`), writes into that step's file of
+    the same name where it may (`recycled_step.take`)."""
     path = f"{root}/{shard.relative}"
     view, index = incremental.shard_bytes(shard)
     known = known or {}
-    todo = [c for c in crc.RECORDED if c.key not in known]
+    todo = [c for c in recorded if c.key not in known]
     crcs = [0] * len(todo)
     reused = recycled is not None and recycled_step.take(recycled, shard.relative, path)
     # A file taken keeps its pages until overwritten: truncated after the write, not before.
@@ -137,7 +140,8 @@ def write_shard(
     finally:
         os.close(fd)
     computed = {**known, **{c.key: value for c, value in zip(todo, crcs, strict=True)}}
-    return shard.relative, _entry([computed[c.key] for c in crc.RECORDED], len(view) + len(index))
+    size = len(view) + len(index)
+    return shard.relative, _entry([computed[c.key] for c in recorded], size, recorded)
 
 
 def write_file(

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from keras_orbax._src.compat import orbax_compat
+from keras_orbax._src.format import crc
 from keras_orbax._src.storage import durable, locations
 from keras_orbax._src.write import files_writer, incremental, staging
 from keras_orbax._src.write.shard_files import Shard
@@ -89,9 +90,10 @@ def noting_fsyncs(synced: durable.Synced) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def overwriting(recycled: str | None) -> Iterator[None]:
-    """Within it, a save writes its shards into the files of `recycled` (a retired step's
-    `state/`) where it may (`recycled_step`); None: into new files."""
+def local_tier(recycled: str | None) -> Iterator[None]:
+    """Within it (unless `recycled` is None), a save is the local tier's: it writes its shards into
+    the files of `recycled` (a retired step's `state/`) where it may (`recycled_step`), and
+    records one CRC of each, the faster (`crc.LOCAL`)."""
     token = _RECYCLED.set(recycled)
     try:
         yield
@@ -133,12 +135,13 @@ class FastArrayLeafHandler(orbax_compat.array_leaf_handler()):  # type: ignore[m
             shards = _host_shards(params, copy=_COPY_SHARDS.get())
         parent = serialization_context.parent_dir
         plan, synced, recycled = incremental.active(), _SYNCED.get(), _RECYCLED.get()
+        recorded = crc.RECORDED if recycled is None else crc.LOCAL
 
         async def write() -> None:
             await parent.await_creation()
             path = locations.as_path(parent.path)
             await asyncio.to_thread(
-                files_writer.write_arrays, path, arrays, shards, plan, synced, recycled
+                files_writer.write_arrays, path, arrays, shards, plan, synced, recycled, recorded
             )
 
         return write()

@@ -206,7 +206,8 @@ def write_step(
     at most `rewrite_every` steps.
     `data_state`: this process's input position (`format/data_state.py`), committed with the step.
     `root`: the checkpointer's root as the caller resolved and listed it (`save`).
-    `recycled`: a retired step's `state/`, whose files the save writes into (`recycled_step`).
+    `recycled`: a local-tier save: a retired step's `state/`, whose files it writes into
+    (`shard_writer.local_tier`).
     """
     root = root or step_dirs.CheckpointRoot(checkpointer.directory)
     state, variables = checked or _checked_variables(
@@ -236,7 +237,7 @@ def write_step(
         with (
             incremental_saves.planned(plan),
             shard_writer.noting_fsyncs(synced),
-            shard_writer.overwriting(recycled),
+            shard_writer.local_tier(recycled),
         ):
             return step_sink.save_async(
                 checkpointer,
