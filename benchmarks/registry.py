@@ -312,6 +312,8 @@ BENCHMARKS = [
             "persistent": "`ModelCheckpoint(dir)`, a save at each epoch's end",
             "local": "the same with `local_directory=<shm>, local_save_freq=every` "
             "(`--set every=N`; 1 by default)",
+            "copy": "the same, but each local save only writes the state's bytes into files "
+            "already in /dev/shm, while `fit` waits (the floor of a local save)",
             "plain": "`fit` with no checkpoint",
         },
         "persistent",
