@@ -94,7 +94,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             over JAX's collectives, so the loss of one process's local directory loses
             nothing. See docs/preemption.md.
         local_save_freq: Save to `local_directory` every N batches (None: every batch).
-        local_max_to_keep: Keep the latest N local steps (one more while a new one commits).
+        local_max_to_keep: Keep the latest N local steps (one more while a new one commits;
+            the files of the step retired last wait, until `fit` ends, for the next local
+            save to write into).
 
     Raises:
         ValueError: an argument is out of range, or `directory` is a Keras file name or template.
