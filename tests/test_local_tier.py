@@ -232,3 +232,23 @@ def test_a_local_step_records_the_faster_crc_alone_and_verify_checks_it(uninterr
     assert _recorded_crcs(persistent) == {frozenset(c.key for c in crc.RECORDED)}
     result = keras_orbax.verify(root / "local", 12)
     assert result.intact and result.checksummed > 0 and result.unchecked == (), result
+
+
+def test_a_process_without_crc32c_names_what_to_install_for_a_local_step(
+    uninterrupted, monkeypatch
+):
+    """A local step's files record only a CRC-32C: a process that cannot compute it says what
+    to install, rather than calling the step damaged (which resume would move aside)."""
+    from keras_orbax._src.format import crc
+    from keras_orbax.errors import UnsupportedVersionError
+
+    if crc.LOCAL != (crc.CRC32C,):
+        pytest.skip("google-crc32c is not installed: local steps record CRC-32")
+    _, root = uninterrupted
+    monkeypatch.setattr(crc, "CRC32C", None)
+    model = _local_tier.build()
+    model.optimizer.build(model.trainable_variables)
+    with pytest.raises(UnsupportedVersionError, match=r"keras-orbax\[crc32c\]"):
+        keras_orbax.restore_sharded(model, root / "local")
+    with pytest.raises(UnsupportedVersionError, match=r"keras-orbax\[crc32c\]"):
+        keras_orbax.verify(root / "local", 12)

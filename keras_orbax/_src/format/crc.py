@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from keras_orbax._src.compat import crc32_compat, crc32c_compat
+from keras_orbax.errors import UnsupportedVersionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +70,17 @@ def strongest(entry: Mapping[str, Any]) -> tuple[Crc, int]:
 
     Raises:
         KeyError: the entry records neither.
+        UnsupportedVersionError: it records only a CRC-32C (a local-tier step), and neither
+            ISA-L nor google-crc32c is installed here.
     """
     if CRC32C is not None and CRC32C.key in entry:
         return CRC32C, int(entry[CRC32C.key])
+    if CRC32.key not in entry and "crc32c" in entry:
+        raise UnsupportedVersionError(
+            "A file's checksum entry records only a CRC-32C (a local-tier step records one CRC), "
+            "which this process cannot compute: install keras-orbax[crc32c] "
+            "(google-crc32c) to read it."
+        )
     return CRC32, int(entry[CRC32.key])
 
 
