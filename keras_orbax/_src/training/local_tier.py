@@ -108,7 +108,7 @@ class LocalTier:
             background=True,
             weights_only=False,
             incremental=incremental,
-            recycle=True,
+            recycle=format == "fast",  # keras-orbax's own writer takes the retired files
         )
         self.last_saved_step: int | None = None
 
