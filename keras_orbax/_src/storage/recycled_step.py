@@ -3,11 +3,12 @@
 The local tier (`ModelCheckpoint(local_directory=...)`, under `/dev/shm`) writes the whole state
 every few batches. Writing a new file in tmpfs allocates and zeroes each of its pages, and deleting
 the retired step frees them again: together several times what writing into pages a file has
-already costs, on cores that training uses (docs/preemption.md). So where retention would delete the oldest local step, it
-moves the step out of the steps instead (`retire`: one rename, after which no reader lists it),
-and the next save moves each of its shard files into place and overwrites it (`take`). Only a file
-that no kept step shares is taken: an incremental save hard-links unchanged shards between steps,
-and writing into a shared inode would change a kept step.
+already costs, on cores that training uses (docs/preemption.md). So where retention would delete
+the oldest local step, it moves the step out of the steps instead (`retire`: one rename, after
+which no reader lists it), and the next save moves each of its shard files into place and
+overwrites it (`take`). Only a file that no kept step shares is taken: an incremental save
+hard-links unchanged shards between steps, and writing into a shared inode would change a kept
+step.
 
 Nothing the user could still want is written into: retention had retired the step. The memory the
 tier holds peaks at `local_max_to_keep` + 1 steps, as without this; between saves the retired

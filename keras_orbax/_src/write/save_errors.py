@@ -27,7 +27,8 @@ def failed_message(
         kept = f" The last committed step, {steps[-1]}, is intact."
     else:
         kept = " No step is committed in the directory."
-    return f"Saving step {step} to '{root}' failed: {described_error(error)}. Nothing was committed.{kept}"
+    failed = f"Saving step {step} to '{root}' failed: {described_error(error)}."
+    return f"{failed} Nothing was committed.{kept}"
 
 
 def described_error(error: BaseException) -> str:

@@ -139,10 +139,10 @@ def save(
         if not overwrite and step in steps:
             # A process lost at Orbax's last barrier, after process 0 had renamed the step.
             raise SaveFailedError(
-                f"Saving step {step} to '{root}' failed: {save_errors.described_error(error)}. Process 0 had "
-                f"renamed step {step} into place (every process had agreed on its writes), but "
-                "it was not made durable: a restore checks it, and `keras-orbax verify` tells "
-                "whether it is whole."
+                f"Saving step {step} to '{root}' failed: {save_errors.described_error(error)}. "
+                f"Process 0 had renamed step {step} into place (every process had agreed on its "
+                "writes), but it was not made durable: a restore checks it, and `keras-orbax "
+                "verify` tells whether it is whole."
             ) from error
         raise SaveFailedError(
             save_errors.failed_message(root, step, error, steps, overwrite)
