@@ -67,17 +67,20 @@ class Retention:
         checkpointer: ocp.training.Checkpointer,
         *,
         retire: Callable[[int], object] | None = None,
+        rescan: bool = True,
     ) -> list[int]:
         """Deletes the steps of `checkpointer` that no rule keeps; returns them. With `retire`,
         the oldest of them is handed to it instead (which moves it out of the steps, for its
-        files to be written into: `recycled_step`), and deleted where that fails.
+        files to be written into: `recycled_step`), and deleted where that fails. With
+        `rescan`, the directory's steps are listed again first.
 
         Call on every process (Orbax's deletion is collective; process 0 deletes), and only once
         the newest step is durable: nothing is deleted before a step to resume from is on disk.
         """
         # Every step of the directory, not only those this checkpointer wrote (a `save` into it
         # meanwhile, or a second run where no lock keeps one out: object storage).
-        checkpointer.reload()
+        if rescan:
+            checkpointer.reload()
         checkpoints = list(checkpointer.checkpoints)
         kept = self.policy().should_preserve(checkpoints, context=_policies.PreservationContext())
         doomed = [c.step for c, keep in zip(checkpoints, kept, strict=True) if not keep]
@@ -85,11 +88,9 @@ class Retention:
             if retire is not None and step == doomed[0]:
                 try:
                     retire(step)
-                    checkpointer.reload()  # the step is gone from its list
-                    continue
                 except OSError as error:
                     logger.debug("Deleting step %d rather than retiring it: %s", step, error)
-            with step_sink.orbax_operation():
+            with step_sink.orbax_operation():  # a retired step: only taken off Orbax's list
                 checkpointer.delete(step, missing_ok=True)
         return doomed
 

@@ -305,7 +305,9 @@ class Saves:
         if self.recycle:
             retire = functools.partial(recycled_step.retire, locations.as_path(self.directory))
         try:
-            self.retention.prune(self.checkpointer, retire=retire)
+            # The local tier's directory is this run's alone (its run lock, on a local disk): the
+            # steps its checkpointer saved are all there are, without listing them again.
+            self.retention.prune(self.checkpointer, retire=retire, rescan=not self.recycle)
         except Exception as error:
             raise SaveFailedError(
                 f"Step {step} of '{self.directory}' is committed and durable, but deleting the "
