@@ -22,7 +22,7 @@ BATCHES, BATCH = 8, 8
 
 class _Observe(keras.callbacks.Callback):
     """After the checkpoint's hook of each batch: the model's state by step, the inodes of the
-    kernels' files of every local step committed by then (the save before this batch's has),
+    shard files of every local step committed by then (the save before this batch's has),
     and those steps that `verify` finds damaged (the save in flight may be writing)."""
 
     def __init__(self, local: Path) -> None:
@@ -38,26 +38,22 @@ class _Observe(keras.callbacks.Callback):
         step = batch + 1  # one epoch: the checkpoint numbers steps by batches trained
         self.states[step] = _models.values(self.model.variables + self.model.optimizer.variables)
         for committed in step_dirs.committed_steps(self.local):
-            files = _kernel_files(self.local / str(committed))
+            files = _shard_files(self.local / str(committed))
             self.inodes.setdefault(committed, {k: s.st_ino for k, s in files.items()})
             self.shared_seen |= any(s.st_nlink > 1 for s in files.values())
             if not keras_orbax.verify(self.local, committed).intact:
                 self.damaged.append(committed)
 
 
-def _kernel_files(step_dir: Path) -> dict[str, os.stat_result]:
-    """The files of the model's kernels and Adam's slots for them, by path within the step."""
+def _shard_files(step_dir: Path) -> dict[str, os.stat_result]:
+    """The shard files of the model's and the optimizer's variables (`<path>.vars.<i>/`), by path
+    within the step: not their `zarr.json`, nor the step's metadata files."""
     state = step_dir / "state"
     return {
         str(p.relative_to(state)): p.stat()
         for p in state.rglob("*")
-        if p.is_file() and p.name != "zarr.json" and "kernel" in _array_name(p, state)
+        if p.is_file() and p.name != "zarr.json" and ".vars." in p.relative_to(state).parts[0]
     }
-
-
-def _array_name(path: Path, state: Path) -> str:
-    top = path.relative_to(state).parts[0]
-    return top if "vars" not in top else "kernel"  # Adam's slots follow the kernels' layouts
 
 
 def _train(root: Path, observer: list | None = None, **adam: int) -> tuple[keras.Model, _Observe]:
@@ -116,7 +112,7 @@ def test_each_save_writes_into_the_files_of_the_step_retention_retired(tmp_path)
 
 
 def test_a_file_a_kept_step_shares_is_never_written_into(tmp_path):
-    """Updates every third batch: an incremental save links the kernels' files of the two steps
+    """Updates every third batch: an incremental save links the weights' files of the two steps
     after an update to its, so the step retired just before the next update shares them with
     both kept steps; the update's save writes new files instead (`verify` of the kept steps at
     every batch)."""
