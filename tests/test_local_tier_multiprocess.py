@@ -166,6 +166,21 @@ def test_a_write_failing_on_one_process_stops_fit_on_every_process(runs):
         assert "FileExistsError" in message
 
 
+def test_another_run_holding_one_process_folder_stops_fit_on_every_process(runs):
+    """Process 1's folder of the local directory held by another run of its machine: `fit` stops
+    with `StepLockedError` on both processes, naming the holder, before anything is written."""
+    root, _, _, resumed = runs
+    lock = root / "held" / "local_1" / "process_1" / ".keras_orbax.lock"
+    for me in (0, 1):
+        message = resumed[me]["held"]
+        assert "'local tier/run lock' failed on 1 of 2 processes" in message, message
+        assert "process 1: StepLockedError" in message and "PID 4242 on other-run" in message
+        assert str(lock) in message
+    assert resumed[0]["held_local"] == {"process_0": []}  # its own folder made, nothing in it
+    assert resumed[1]["held_local"] == {"process_1": [".keras_orbax.lock"]}  # the holder's
+    assert not (root / "held" / "ckpt").exists() or not any((root / "held" / "ckpt").iterdir())
+
+
 def test_a_part_damaged_in_flight_is_not_written(tmp_path):
     """What the receiver of a replica does with it (`process_parts.commit`), on one process."""
     record = StepRecord(step=3, variables={})

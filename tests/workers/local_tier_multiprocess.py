@@ -19,6 +19,7 @@ metrics) after each run, the step each resume restored, and what each local dire
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -149,6 +150,25 @@ def main() -> None:
         _train(failing)
     except keras_orbax.errors.SaveFailedError as error:
         result["failing"] = str(error)
+    # Another run on process 1's machine holds its folder of the local directory (a job launched
+    # twice): fit stops on every process before it writes anything.
+    held = root / "held"
+    holder = None
+    if me == 1:
+        (held / "local_1" / "process_1").mkdir(parents=True)
+        holder = os.open(
+            held / "local_1" / "process_1" / ".keras_orbax.lock", os.O_RDWR | os.O_CREAT
+        )
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        os.write(holder, b"4242 other-run\n")
+    multihost.gather("test/folder held", 0)
+    try:
+        _train(held)
+    except keras_orbax.errors.StepLockedError as error:
+        result["held"] = str(error)
+    result["held_local"] = _listing(held / f"local_{me}") if (held / f"local_{me}").is_dir() else {}
+    if holder is not None:
+        os.close(holder)
     write_result(result)
 
 

@@ -161,9 +161,10 @@ def run_lock_path(directory: str | os.PathLike) -> Path:
 
 
 @contextlib.contextmanager
-def run_lock(directory: str | os.PathLike) -> Iterator[None]:
+def run_lock(directory: str | os.PathLike, *, shared: bool = True) -> Iterator[None]:
     """Holds the lock of the whole `directory` (one training run writes it) for the with-block;
-    call on every process (process 0 takes it, as `writer_lock`).
+    call on every process (process 0 takes it, as `writer_lock`). A `directory` not `shared`
+    is this process's own (its part of a local tier, on its machine): it takes the lock itself.
 
     Raises:
         StepLockedError: another run holds it; nothing was written.
@@ -186,7 +187,10 @@ def run_lock(directory: str | os.PathLike) -> Iterator[None]:
 
     from keras_orbax._src.runtime import multihost  # JAX: not on inspect's listing path
 
-    multihost.primary_value(f"run lock of {os.fspath(directory)}", take)
+    if shared:
+        multihost.primary_value(f"run lock of {os.fspath(directory)}", take)
+    else:
+        take()
     try:
         yield
     finally:

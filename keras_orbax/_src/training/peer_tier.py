@@ -17,6 +17,7 @@ and its only replica) is passed over: the persistent tier is the fallback (docs/
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,7 +37,7 @@ from keras_orbax._src.format.step_record import StepRecord, versions
 from keras_orbax._src.model import keras_walk, state_keys
 from keras_orbax._src.restore import process_tier
 from keras_orbax._src.runtime import multihost, ring
-from keras_orbax._src.storage import locations
+from keras_orbax._src.storage import locations, writer_lock
 from keras_orbax._src.training.resume import Resumed, set_aside
 from keras_orbax._src.write.step_writer import variable_record
 from keras_orbax.errors import (
@@ -44,6 +45,7 @@ from keras_orbax.errors import (
     CorruptCheckpointError,
     KerasOrbaxWarning,
     SaveFailedError,
+    StepLockedError,
 )
 
 logger = logging.getLogger("keras_orbax")
@@ -65,6 +67,7 @@ class PeerTier:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: tuple[int, concurrent.futures.Future[None]] | None = None
         self._checked = False  # whether the model's state is all variables (`_refuse_host_state`)
+        self._run = contextlib.ExitStack()  # this process's lock on its own folder
         me, n = multihost.process_index(), multihost.process_count()
         self.root: Path = locations.as_path(self.directory)  # local: PeerTier.open refuses a URL
         self.own = process_parts.folder(self.root, me)
@@ -81,6 +84,19 @@ class PeerTier:
                 f"directory's place. Received: local_directory={self.directory!r}"
             )
         self.own.mkdir(parents=True, exist_ok=True)
+        # Another run on this machine writing the same folders (a job launched twice) stops every
+        # process here, before anything is written or removed.
+        failure = None
+        try:
+            self._run.enter_context(writer_lock.run_lock(self.own, shared=False))
+        except StepLockedError as error:
+            failure = error
+        multihost.agree(
+            "local tier/run lock",
+            failure,
+            unchanged="nothing was written",
+            fallback=StepLockedError,
+        )
         for into in (self.own, self.replica):
             process_parts.remove_staged(into)  # a killed write's; only this process writes here
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-tier")
@@ -194,6 +210,7 @@ class PeerTier:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._run.close()
 
     # -- resuming ---------------------------------------------------------------------------------
 
