@@ -192,6 +192,11 @@ def steps(into: Path) -> list[int]:
     )
 
 
+def steps_by_process(root: Path) -> dict[int, list[int]]:
+    """The committed steps of every process folder (own or replica) under `root`, by process."""
+    return {p: steps(folder(root, p)) for p in processes_in(root)}
+
+
 def payload(step_dir: Path) -> bytes:
     """The part at `step_dir`, as `pack` made it (checked by `unpack` where it is used)."""
     try:

@@ -272,10 +272,7 @@ def _local_tier(record: StepRecord) -> dict[str, Any]:
     if not root.is_dir():
         return {"directory": directory, "missing": True}
     if process_parts.is_process_tier(root):
-        parts = {
-            p: process_parts.steps(process_parts.folder(root, p))
-            for p in process_parts.processes_in(root)
-        }
+        parts = process_parts.steps_by_process(root)
         return {"directory": directory, "parts": {f"process_{p}": s for p, s in parts.items()}}
     return {"directory": directory, "steps": step_dirs.committed_steps(root)}
 

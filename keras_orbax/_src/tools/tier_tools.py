@@ -31,17 +31,9 @@ def located(directory: str | os.PathLike) -> Path | None:
     return root if process_parts.is_process_tier(root) else None
 
 
-def _parts(root: Path) -> dict[int, list[int]]:
-    """Steps by process, of every process folder (own or replica) under `root`."""
-    return {
-        p: process_parts.steps(process_parts.folder(root, p))
-        for p in process_parts.processes_in(root)
-    }
-
-
 def _step(root: Path, step: int | None) -> tuple[int, dict[int, Path]]:
     """The step to describe (None: the newest found) and the part of each process holding it."""
-    parts = _parts(root)
+    parts = process_parts.steps_by_process(root)
     found = sorted({s for steps in parts.values() for s in steps})
     chosen = found[-1] if step is None and found else step
     holding = {
@@ -85,7 +77,7 @@ def verify(root: Path, step: int | None) -> VerifyResult:
 def inspect(root: Path, step: int | None) -> CheckpointInfo:
     """Describes the local tier: each process folder's steps, and the step's record."""
     chosen, holding = _step(root, step)
-    parts = _parts(root)
+    parts = process_parts.steps_by_process(root)
     summaries = []
     for each in sorted({s for steps in parts.values() for s in steps}):
         step_dir = next(
