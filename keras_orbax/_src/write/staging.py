@@ -188,8 +188,7 @@ class HostStaging:
 
     def close(self) -> None:
         """Frees the buffers."""
-        if self._preparing is not None:
-            self._preparing.join()
+        self._wait_prepared()
         self._copiers.shutdown()
         with self._lock:
             self._free.clear()
