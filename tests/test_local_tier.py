@@ -201,24 +201,14 @@ def test_arguments_are_checked(kwargs, message):
 
 
 def _recorded_crcs(step_dir: Path) -> set[frozenset[str]]:
-    """The CRC keys of each shard file's entry in a step's checksum file, as distinct sets."""
+    """The CRC keys of each shard file's entry in a step's checksum files, as distinct sets."""
     from keras_orbax._src.format import crc
 
-    found: set[frozenset[str]] = set()
-
-    def walk(value) -> None:
-        if isinstance(value, dict):
-            if "bytes" in value:
-                found.add(frozenset(k for k in value if k in crc.KEYS))
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, list):
-            for item in value:
-                walk(item)
-
-    for path in (step_dir / "state" / "keras_orbax_checksums").glob("process_*.json"):
-        walk(json.loads(path.read_text()))
-    return found
+    return {
+        frozenset(k for k in entry if k in crc.KEYS)
+        for path in (step_dir / "state" / "keras_orbax_checksums").glob("process_*.json")
+        for entry in json.loads(path.read_text())["files"].values()
+    }
 
 
 def test_a_local_step_records_the_faster_crc_alone_and_verify_checks_it(uninterrupted):
