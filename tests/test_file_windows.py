@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import keras_orbax
-from keras_orbax._src.export import file_windows, host_transpose
+from keras_orbax._src.export import box_runs, file_windows, host_transpose
 from keras_orbax.errors import SaveFailedError
 from tests import _hf_export, _models
 from tests._direct_io import cached_pages, filesystem_type, refuses_o_direct
@@ -129,7 +129,7 @@ def test_boxes_written_together_land_at_their_offsets(
 def test_without_the_c_librarys_pwritev_each_run_is_written_by_pwrite(tmp_path, monkeypatch):
     """Where the C library has no `pwritev` (not found through ctypes), column boxes still land at
     their offsets, a `pwrite` per run."""
-    monkeypatch.setattr(file_windows, "_pwritev", None)
+    monkeypatch.setattr(box_runs, "_pwritev", None)
     path = tmp_path / "f.bin"
     array = _write_together(path, (50, 40), [(slice(0, 50), slice(c, c + 8)) for c in (0, 8, 16)])
     stored = _stored(path, array)
@@ -153,7 +153,7 @@ def test_boxes_written_together_leave_the_gaps_between_them_untouched(tmp_path):
 def test_a_short_pwritev_is_resumed_where_it_stopped(tmp_path, monkeypatch):
     """The kernel may write part of a `pwritev` (a signal, a file size limit): the rest, from the
     middle of a piece, is written by the next call."""
-    real = file_windows._pwritev
+    real = box_runs._pwritev
     calls = []
 
     def at_most_1000_bytes(fd, address, count, offset):  # a real write, cut short as the kernel may
@@ -164,7 +164,7 @@ def test_a_short_pwritev_is_resumed_where_it_stopped(tmp_path, monkeypatch):
         kept = kept[kept[:, 1] > 0]
         return real(fd, kept.ctypes.data, len(kept), offset)
 
-    monkeypatch.setattr(file_windows, "_pwritev", at_most_1000_bytes)
+    monkeypatch.setattr(box_runs, "_pwritev", at_most_1000_bytes)
     path = tmp_path / "f.bin"
     shape = (50, 40)
     array = _write_together(path, shape, [(slice(0, 50), slice(c, c + 8)) for c in range(0, 40, 8)])
@@ -177,7 +177,7 @@ def test_column_split_shards_are_written_in_few_system_calls(tmp_path, distribut
     write calls than the shards have runs (one `pwrite` per run before), and Keras reads it back."""
     calls = []
     monkeypatch.setattr(file_windows.os, "pwrite", _counted(file_windows.os.pwrite, calls))
-    monkeypatch.setattr(file_windows, "_pwritev", _counted(file_windows._pwritev, calls))
+    monkeypatch.setattr(box_runs, "_pwritev", _counted(box_runs._pwritev, calls))
     distribution(_models.model_parallel((2, 4)))
 
     def wide() -> keras.Model:
@@ -210,7 +210,7 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
     """A local filesystem serializes writes to one file: a window's pieces of each of two files
     are written by one thread at a time, in file order (8 threads shared each file before), and
     every byte lands where it belongs."""
-    real_pwrite, real_pwritev = file_windows.os.pwrite, file_windows._pwritev
+    real_pwrite, real_pwritev = file_windows.os.pwrite, box_runs._pwritev
     lock = threading.Lock()
     busy: dict[int, int] = {}
     most: dict[int, int] = {}
@@ -232,7 +232,7 @@ def test_each_file_is_written_by_one_thread_at_a_time(tmp_path, monkeypatch):
         return write
 
     monkeypatch.setattr(file_windows.os, "pwrite", watched(real_pwrite))
-    monkeypatch.setattr(file_windows, "_pwritev", watched(real_pwritev))
+    monkeypatch.setattr(box_runs, "_pwritev", watched(real_pwritev))
     size = (8 << 20) + 5
     data = np.random.default_rng(0).integers(0, 255, 2 * size, dtype=np.uint8)
     paths = [tmp_path / "a.bin", tmp_path / "b.bin"]
@@ -349,11 +349,11 @@ def test_a_transposed_view_is_copied_exactly_by_the_threads(shape, permutation, 
 def test_stretches_are_back_to_back_runs_within_the_limit(monkeypatch):
     """Each `pwritev` takes back-to-back runs only, at most `_IOV_MAX` of them; together they
     take every run once, in order."""
-    monkeypatch.setattr(file_windows, "_IOV_MAX", 5)
+    monkeypatch.setattr(box_runs, "_IOV_MAX", 5)
     length = np.array([10] * 12 + [60, 60, 60] + [7, 7], np.int64)
     at = np.concatenate([[0], np.cumsum(length)[:-1]])
     at[15:] += 1000  # a gap before the last two runs
-    stretches = file_windows._stretches(at, length)
+    stretches = box_runs._stretches(at, length)
     assert [r for a, b in stretches for r in range(a, b)] == list(range(len(at)))
     for a, b in stretches:
         assert all(at[i + 1] == at[i] + length[i] for i in range(a, b - 1))

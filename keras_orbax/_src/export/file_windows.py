@@ -18,10 +18,8 @@ s, and a transposing export is CPU-bound on a small machine (docs/benchmarks.md,
 disk"). The partial pages at either end, which a neighbour may share, are written through the page
 cache; where the filesystem refuses `O_DIRECT`, so is all of it.
 
-The shards of one array are written together (`write_boxes`): a shard cut across columns is one
-short run per row, but the array's shards together cover whole rows, so their runs are merged in
-file order and each stretch is one `pwritev` straight from the shards' own memory (no copy, a
-system call per ~1024 runs rather than per run). A window can be written in the background
+The shards of one array are written together (`write_boxes`): their runs of the file merged in
+file order, each stretch by one `pwritev` straight from their memory (`box_runs`). A window can be written in the background
 (`write_later`) while the next is filled on copy threads of their own (`copy`).
 
 ```python
@@ -34,9 +32,7 @@ with FileWindows() as files:
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +42,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from keras_orbax._src.runtime import libc
+from keras_orbax._src.export import box_runs
 
 THREADS = 8  # files written at once (each by one thread)
 # O_DIRECT's alignment of file offsets, lengths and memory: a page, which covers the logical block
@@ -59,9 +55,6 @@ DIRECT_MIN = 1 << 20
 _O_DIRECT: int | None = getattr(os, "O_DIRECT", None)  # Linux's; macOS has none
 _DIRECT_FLAGS = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT or 0)
 _MAX_RUNS = 1 << 16  # runs whose offsets `write_boxes` holds at a time
-
-Box = tuple[tuple[slice, ...], np.ndarray]  # (index into the array, the block it names)
-Boxes = Sequence[Box]
 
 Piece = tuple[int, int, Any]  # (fd, file offset, bytes: anything with the buffer protocol)
 T = TypeVar("T")
@@ -122,7 +115,7 @@ class FileWindows:
         fd: int,
         offset: int,
         shape: tuple[int, ...],
-        boxes: Boxes,
+        boxes: box_runs.Boxes,
     ) -> int:
         """Writes several boxes of one C-order array of `shape` at byte `offset` of `fd` at once
         (each `(index, block)`: `block`, C-contiguous, holds the elements `index` names): the
@@ -137,11 +130,11 @@ class FileWindows:
         the window (a (256000, 3584) embedding split across its columns: a million runs, tens of
         MiB of offsets).
         """
-        count = sum(_BoxRuns(shape, index, tuple(b.shape)).count for index, b in boxes)
+        count = sum(box_runs.BoxRuns(shape, index, tuple(b.shape)).count for index, b in boxes)
         if count > _MAX_RUNS and len(shape) > 1 and shape[0] > 1:
             step = max(1, shape[0] * _MAX_RUNS // count)
             return sum(
-                self._write_merged(fd, offset, shape, _rows(boxes, first, first + step))
+                self._write_merged(fd, offset, shape, box_runs.rows(boxes, first, first + step))
                 for first in range(0, shape[0], step)
             )
         return self._write_merged(fd, offset, shape, boxes)
@@ -151,14 +144,14 @@ class FileWindows:
         fd: int,
         offset: int,
         shape: tuple[int, ...],
-        boxes: Boxes,
+        boxes: box_runs.Boxes,
     ) -> int:
-        runs = _merged_runs(offset, shape, boxes)
+        runs = box_runs.merged_runs(offset, shape, boxes)
         if runs is None:
             return 0
         blocks = [np.ascontiguousarray(b) for _, b in boxes]
         with self._lock(fd):  # one file: one thread (the module's docstring)
-            _write_gathered(fd, blocks, runs)
+            box_runs.write_gathered(fd, blocks, runs)
         return int(runs[3].sum())
 
     def _lock(self, fd: int) -> threading.Lock:
@@ -178,19 +171,19 @@ class FileWindows:
         if body >= DIRECT_MIN and (_address(view) - offset) % ALIGN == 0:
             direct = self._direct_fd(fd)
         if direct is None:
-            _pwrite_all(fd, view, offset)
+            box_runs.pwrite_all(fd, view, offset)
             return
-        _pwrite_all(fd, view[:head], offset)
+        box_runs.pwrite_all(fd, view[:head], offset)
         try:
-            _pwrite_all(direct, view[head : head + body], offset + head)
+            box_runs.pwrite_all(direct, view[head : head + body], offset + head)
             self._direct_written[fd] = self._direct_written.get(fd, 0) + body
         except OSError as e:
             if e.errno != errno.EINVAL:  # a filesystem that takes O_DIRECT at open but not here
                 raise
             self._direct[fd] = None
             os.close(direct)
-            _pwrite_all(fd, view[head : head + body], offset + head)
-        _pwrite_all(fd, view[head + body :], offset + head + body)
+            box_runs.pwrite_all(fd, view[head : head + body], offset + head)
+        box_runs.pwrite_all(fd, view[head + body :], offset + head + body)
 
     def _direct_fd(self, fd: int) -> int | None:
         """`fd`'s file opened with O_DIRECT once (under the file's lock); None where the
@@ -245,16 +238,6 @@ def placed(buffer: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
     return buffer.reshape(-1).view(np.uint8)[shift : shift + nbytes]
 
 
-def stretch_at(
-    offset: int, shape: tuple[int, ...], index: tuple[slice, ...], itemsize: int
-) -> int | None:
-    """The file offset of the box `index` of a C-order array of `shape` at byte `offset`, where
-    the box is one stretch of the file (one run: whole rows past its first axis of more than
-    one); None where it is several."""
-    runs = _BoxRuns(shape, index, tuple(s.stop - s.start for s in index))
-    return offset + runs.src_base * itemsize if runs.count == 1 else None
-
-
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
 
@@ -272,146 +255,3 @@ def _by_file(pieces: list[tuple[int, int, memoryview]]) -> list[list[tuple[int, 
     for piece in pieces:
         files.setdefault(piece[0], []).append(piece)
     return [sorted(share, key=lambda piece: piece[1]) for share in files.values()]
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-class _BoxRuns:
-    """The contiguous runs of the file that a box of an array covers: `count` runs of `length`
-    elements; the k-th starts at element `src` of the array and `dst` of the box's block."""
-
-    def __init__(
-        self, shape: tuple[int, ...], index: tuple[slice, ...], block_shape: tuple[int, ...]
-    ) -> None:
-        extent = [s.stop - s.start for s in index]
-        split = len(extent) - 1
-        while split > 0 and extent[split] == shape[split] == block_shape[split]:
-            split -= 1
-        self.outer = tuple(extent[:split])
-        self.count = math.prod(self.outer) if extent else 1
-        self.length = extent[split] * math.prod(shape[split + 1 :]) if extent else 1
-        src_strides = _strides(shape)
-        self.src_base = sum(s.start * stride for s, stride in zip(index, src_strides, strict=True))
-        self.src_strides = src_strides[:split]
-        self.dst_strides = _strides(block_shape)[:split]
-
-    def between(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) element offsets of runs a..b-1."""
-        k = np.arange(a, b, dtype=np.int64)
-        src = np.full(len(k), self.src_base, np.int64)
-        dst = np.zeros(len(k), np.int64)
-        if self.outer:
-            for position, s, d in zip(
-                np.unravel_index(k, self.outer), self.src_strides, self.dst_strides, strict=True
-            ):
-                src += position * s
-                dst += position * d
-        return src, dst
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    return [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-
-
-Runs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # file offset, box, start, bytes
-
-
-def _merged_runs(offset: int, shape: tuple[int, ...], boxes: Boxes) -> Runs | None:
-    """Every contiguous run of the file the boxes cover, in file order: (file offset, box number,
-    byte offset in the box's block, bytes) each."""
-    parts = []
-    for number, (index, block) in enumerate(boxes):
-        itemsize = block.dtype.itemsize
-        runs = _BoxRuns(shape, index, tuple(block.shape))
-        if runs.count == 0 or runs.length == 0:
-            continue
-        src, dst = runs.between(0, runs.count)
-        parts.append(
-            (
-                offset + src * itemsize,
-                np.full(len(src), number, np.int64),
-                dst * itemsize,
-                np.full(len(src), runs.length * itemsize, np.int64),
-            )
-        )
-    if not parts:
-        return None
-    at, which, start, length = (np.concatenate(column) for column in zip(*parts, strict=True))
-    order = np.argsort(at, kind="stable")
-    return at[order], which[order], start[order], length[order]
-
-
-def _rows(boxes: Boxes, first: int, stop: int) -> list[Box]:
-    """The parts of `boxes` in rows `first`..`stop`-1 of the array (each block's rows, still
-    C-contiguous)."""
-    parts = []
-    for index, block in boxes:
-        lo, hi = max(index[0].start, first), min(index[0].stop, stop)
-        if lo < hi:
-            rows = slice(lo - index[0].start, hi - index[0].start)
-            parts.append(((slice(lo, hi), *index[1:]), block[rows]))
-    return parts
-
-
-# Pieces one `pwritev` takes at most (Linux's `UIO_MAXIOV`).
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
-# The C library's own: its pieces are an array of `struct iovec` that NumPy builds for thousands
-# of runs at once, where `os.pwritev` needs a Python buffer per run, which cost whole CPU seconds
-# of a large export (docs/benchmarks.md, "Where the exports' time went").
-_pwritev = libc.function(
-    "pwritev", ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-)
-
-
-def _write_gathered(fd: int, blocks: list[np.ndarray], runs: Runs) -> None:
-    """Writes the runs (in file order, from the C-contiguous `blocks`): each stretch of
-    back-to-back runs by one `pwritev`."""
-    at, which, start, length = runs
-    if _pwritev is None:  # no C library to call: a `pwrite` per run
-        views = [memoryview(b.reshape(-1).view(np.uint8).data) for b in blocks]
-        for offset, number, first, size in zip(*(column.tolist() for column in runs), strict=True):
-            _pwrite_all(fd, views[number][first : first + size], offset)
-        return
-    iovecs = np.empty((len(at), 2), np.uint64)  # struct iovec {void *base; size_t length}
-    iovecs[:, 0] = np.array([b.ctypes.data for b in blocks], np.uint64)[which] + start
-    iovecs[:, 1] = length
-    for a, b in _stretches(at, length):
-        _pwritev_all(fd, iovecs[a:b], int(at[a]))
-
-
-def _stretches(at: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
-    """Run numbers [a, b) of each stretch one `pwritev` writes: back-to-back runs, at most
-    `_IOV_MAX` of them."""
-    n = len(at)
-    gap = np.ones(n, bool)
-    gap[1:] = at[1:] != at[:-1] + length[:-1]
-    first = np.flatnonzero(gap)[np.cumsum(gap) - 1]  # each run's first run of its stretch
-    cut = gap.copy()
-    cut[1:] |= (np.arange(1, n) - first[1:]) % _IOV_MAX == 0
-    starts = np.flatnonzero(cut).tolist()
-    return list(zip(starts, [*starts[1:], n], strict=True))
-
-
-def _pwritev_all(fd: int, iovecs: np.ndarray, offset: int) -> None:
-    """`pwritev` of `iovecs` (rows of `struct iovec`, changed here) until every byte is written:
-    a short write resumes where it stopped."""
-    assert _pwritev is not None
-    remaining, first = int(iovecs[:, 1].sum()), 0
-    while remaining:
-        done = _pwritev(fd, iovecs[first:].ctypes.data, len(iovecs) - first, offset)
-        if done <= 0:
-            if done < 0 and ctypes.get_errno() == errno.EINTR:
-                continue
-            raise libc.last_error() if done < 0 else OSError(errno.EIO, "pwritev wrote nothing")
-        offset, remaining = offset + done, remaining - done
-        ends = np.cumsum(iovecs[first:, 1])
-        whole = int(np.searchsorted(ends, done, side="right"))  # runs written whole
-        part = done - (int(ends[whole - 1]) if whole else 0)  # bytes of the next one
-        if part:
-            iovecs[first + whole, 0] += np.uint64(part)
-            iovecs[first + whole, 1] -= np.uint64(part)
-        first += whole

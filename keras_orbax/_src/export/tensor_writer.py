@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from keras_orbax._src.export import (
+    box_runs,
     export_checksums,
     file_windows,
     host_moves,
@@ -218,7 +219,7 @@ class TensorWriter:
                 slice(i.start + w.start, i.start + w.stop)
                 for i, w in zip(index, local, strict=True)
             )
-            at = file_windows.stretch_at(offset, shape, box, itemsize)
+            at = box_runs.stretch_at(offset, shape, box, itemsize)
             buffer = self._take(part.nbytes, min(window, moved.nbytes), 0, at or 0)
             buffer = buffer.view(moved.dtype).reshape(part.shape)
             host_transpose.copy(buffer, part, self.files.copy, self.files.copy_threads)
