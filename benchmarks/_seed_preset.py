@@ -112,7 +112,7 @@ def make(
 
     import keras_orbax
     from keras_orbax._src.compat import saving_compat
-    from keras_orbax._src.export import weights_h5
+    from keras_orbax._src.export import h5_regions
 
     clock = time.perf_counter()
     with keras_orbax.deferred_init():
@@ -134,7 +134,7 @@ def make(
     def write(group: Any, key: str, variable: Any) -> None:
         """The dataset Keras would make for `variable`, filled from Philox (its value is never
         made: the backbone is deferred)."""
-        dataset = weights_h5.create_dataset(group, key, variable.shape, variable.dtype)
+        dataset = h5_regions.create_dataset(group, key, variable.shape, variable.dtype)
         fill(dataset, np.dtype(jnp.dtype(variable.dtype)), window_bytes)  # h5py says V2 for bf16
         written["bytes"] += dataset.nbytes
         written["datasets"] += 1
