@@ -24,14 +24,13 @@ import json
 import os
 import shutil
 import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_orbax._src.format import json_checksum
+from keras_orbax._src.format import crc, json_checksum
 from keras_orbax._src.format.data_state import DATA_STATE, file_name
 from keras_orbax._src.format.dtypes import np_dtype
 from keras_orbax._src.format.step_record import StepRecord
@@ -47,6 +46,7 @@ KIND = "keras_orbax.process_part"
 _LENGTH = struct.Struct("<Q")
 _STAGED = ".partial"
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+Payload = bytes | memoryview | np.ndarray  # a part's bytes: read from disk, packed or received
 
 
 def folder(root: Path, process: int) -> Path:
@@ -80,21 +80,18 @@ def pack(
     record: StepRecord,
     shards: Iterable[tuple[str, Index, np.ndarray]],
     data_state: Mapping[str, Any] | None,
-) -> bytes:
-    """Process `process`'s part: its manifest (sealed), then every shard's bytes, copied once
-    into the part (the caller's arrays may be device buffers the next train step donates)."""
-    shards = [(key, index, np.ascontiguousarray(data)) for key, index, data in shards]
-    regions, offsets, offset = [], [], 0
+) -> np.ndarray:
+    """Process `process`'s part, one buffer (`uint8`): its manifest (sealed), then every shard's
+    bytes, copied once into it (the caller's arrays may be device buffers the next train step
+    donates). It is packed on the train loop: the CRC is taken of the shards where they lie, and
+    nothing is filled or copied twice."""
+    shards = [(key, index, _bytes_of(data)) for key, index, data in shards]
+    regions, offset = [], 0
     for key, index, data in shards:
         regions.append(
-            {"key": key, "index": [list(i) for i in index], "offset": offset, "nbytes": data.nbytes}
+            {"key": key, "index": [list(i) for i in index], "offset": offset, "nbytes": data.size}
         )
-        offsets.append(offset)
-        offset += data.nbytes
-    body = bytearray(offset)
-    into = np.frombuffer(body, np.uint8)
-    for start, (_, _, data) in zip(offsets, shards, strict=True):
-        into[start : start + data.nbytes] = data.reshape(-1).view(np.uint8)
+        offset += data.size
     manifest = json_checksum.sealed(
         {
             "kind": KIND,
@@ -102,17 +99,29 @@ def pack(
             "step": record.step,
             "record": record.to_json(),
             "regions": regions,
-            "nbytes": len(body),
-            "crc32": zlib.crc32(body),
+            "nbytes": offset,
+            "crc32": crc.CRC32.of(*(data for _, _, data in shards)),
             "data_state": None if data_state is None else json_checksum.sealed(data_state),
         }
     )
     text = json.dumps(manifest).encode()
-    return b"".join((_LENGTH.pack(len(text)), text, body))
+    head = _LENGTH.pack(len(text)) + text
+    part = np.empty(len(head) + offset, np.uint8)
+    part[: len(head)] = np.frombuffer(head, np.uint8)
+    at = len(head)
+    for _, _, data in shards:
+        part[at : at + data.size] = data
+        at += data.size
+    return part
+
+
+def _bytes_of(data: np.ndarray) -> np.ndarray:
+    """`data`'s bytes in C order, a view where it is C-contiguous."""
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
 def unpack(
-    payload: bytes, where: str, *, check_data: bool = True
+    payload: Payload, where: str, *, check_data: bool = True
 ) -> tuple[dict[str, Any], memoryview]:
     """The manifest and data of a part, both checked (the data's CRC-32 only with `check_data`:
     a part this process has just packed is not read again).
@@ -121,7 +130,7 @@ def unpack(
         CorruptCheckpointError: the manifest does not parse or fails its seal, or the data its
             length or CRC-32; `where` names the part in the message.
     """
-    view = memoryview(payload)
+    view = np.frombuffer(payload, np.uint8).data  # any bytes-like payload, not copied
     try:
         (length,) = _LENGTH.unpack_from(view)
         manifest = json.loads(bytes(view[_LENGTH.size : _LENGTH.size + length]))
@@ -131,16 +140,16 @@ def unpack(
     if problem is not None or manifest.get("kind") != KIND:
         raise CorruptCheckpointError(f"The manifest of {where} is damaged: {problem or 'kind'}.")
     data = view[_LENGTH.size + length :]
-    if len(data) != manifest["nbytes"] or (check_data and zlib.crc32(data) != manifest["crc32"]):
+    if len(data) != manifest["nbytes"] or (check_data and crc.CRC32.of(data) != manifest["crc32"]):
         raise CorruptCheckpointError(
             f"The data of {where} is damaged: {len(data)} bytes with CRC-32 "
-            f"{zlib.crc32(data):08x}, where {manifest['nbytes']} bytes with CRC-32 "
+            f"{crc.CRC32.of(data):08x}, where {manifest['nbytes']} bytes with CRC-32 "
             f"{manifest['crc32']:08x} were written."
         )
     return manifest, data
 
 
-def commit(into: Path, payload: bytes, *, checked: bool = False) -> Path:
+def commit(into: Path, payload: Payload, *, checked: bool = False) -> Path:
     """Writes a part as step `<into>/<step>`: checked (unless `checked` already: this process
     packed it, or has just read it), staged under a temporary name, fsynced, then renamed.
     Returns the step's directory.

@@ -82,12 +82,12 @@ def newest_whole(
     return Choice(chosen, missing, damaged_own, damaged_replica)
 
 
-def part_of(own: Path, replica: Path, choice: Choice) -> bytes:
+def part_of(own: Path, replica: Path, choice: Choice) -> process_parts.Payload:
     """This process's part of the chosen step: read from its own folder, or, where it is missing,
     received from the next process's replica (a collective call where any process misses it)."""
     assert choice.step is not None, "a step was chosen"
     me = multihost.process_index()
-    received = b""
+    received: process_parts.Payload = b""
     if choice.missing:
         previous = (me - 1) % multihost.process_count()
         sending = previous in choice.missing
@@ -97,7 +97,7 @@ def part_of(own: Path, replica: Path, choice: Choice) -> bytes:
 
 
 def arrays_from(
-    model: keras.Model, payload: bytes, where: str
+    model: keras.Model, payload: process_parts.Payload, where: str
 ) -> tuple[dict[str, jax.Array], dict[str, Any], int]:
     """The arrays of `model`'s variables from a part (checked), its manifest and its bytes;
     assigns nothing.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,16 +37,18 @@ AXIS = "process"
 LANE = "lane"
 
 
-def shift(payload: bytes, *, by: int, name: str) -> bytes:
-    """Sends `payload` to process `(me + by) % n` and returns what process `(me - by) % n` sent.
+def shift(payload: Any, *, by: int, name: str) -> memoryview:
+    """Sends `payload` (any bytes-like object) to process `(me + by) % n` and returns what process
+    `(me - by) % n` sent (a view of the buffer it arrived in).
 
     Raises:
         CorruptCheckpointError: what arrived is framed with a length that does not fit.
         ProcessSyncError: a process did not reach the exchange (`multihost.gather`).
     """
     n, me = multihost.process_count(), multihost.process_index()
-    framed = np.frombuffer(_HEADER.pack(len(payload)) + payload, np.uint8)
-    total = max(multihost.gather(f"{name}/sizes", len(framed)))  # every process pads to it
+    body = np.frombuffer(payload, np.uint8)  # a view: the frame is assembled chunk by chunk
+    header = np.frombuffer(_HEADER.pack(len(body)), np.uint8)
+    total = max(multihost.gather(f"{name}/sizes", header.size + body.size))  # every one pads to it
     mesh = _mesh(n)
     lanes = mesh.shape[LANE]
     unit = _GRAIN * lanes  # a chunk is a whole number of grains per lane
@@ -54,9 +57,7 @@ def shift(payload: bytes, *, by: int, name: str) -> bytes:
     program = _program(mesh, by % n)
     received = np.empty(-(-total // width) * width, np.uint8)
     for start in range(0, total, width):  # the devices hold one chunk at a time
-        chunk = np.zeros(width, np.uint8)
-        piece = framed[start : start + width]
-        chunk[: len(piece)] = piece
+        chunk = _framed(header, body, start, width)
         mine = [
             jax.device_put(lane[None], device)
             for lane, device in zip(np.split(chunk, lanes), mesh.devices[me], strict=True)
@@ -74,8 +75,22 @@ def shift(payload: bytes, *, by: int, name: str) -> bytes:
             f"The bytes process {sender} sent to process {me} for '{name}' arrived damaged: "
             f"framed as {length} bytes, in {len(received)} received."
         )
-    body = received[_HEADER.size : _HEADER.size + length].tobytes()
-    return body
+    return received.data[_HEADER.size : _HEADER.size + length]
+
+
+def _framed(header: np.ndarray, body: np.ndarray, start: int, width: int) -> np.ndarray:
+    """Bytes `start` to `start + width` of `header` then `body`, zeros past their end: each byte
+    copied once, from where it lies."""
+    chunk = np.empty(width, np.uint8)
+    filled = 0
+    if start < header.size:
+        head = header[start : start + width]
+        chunk[: head.size] = head
+        filled = head.size
+    piece = body[max(0, start - header.size) :][: width - filled]
+    chunk[filled : filled + piece.size] = piece
+    chunk[filled + piece.size :] = 0
+    return chunk
 
 
 def _mesh(n: int) -> Mesh:

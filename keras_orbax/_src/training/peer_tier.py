@@ -176,7 +176,7 @@ class PeerTier:
         self.last_saved_step = step
         logger.debug("Saving step %d to the local tier '%s'", step, self.own)
 
-    def _write(self, own: bytes, replica: bytes) -> None:
+    def _write(self, own: process_parts.Payload, replica: process_parts.Payload) -> None:
         process_parts.commit(self.own, own, checked=True)  # packed here
         process_parts.commit(self.replica, replica)  # its CRC-32 checked here, off the loop
         for into in (self.own, self.replica):
