@@ -4,8 +4,9 @@ on CPU, the interconnect on accelerators), so nothing goes through a shared file
 process's devices carries a share of each chunk at once (lanes), over its own link.
 
 A collective: every process calls `shift` at the same point with its payload (empty if it has
-nothing to send). A payload is framed with its length only: it carries its own checksums, which
-whoever reads it checks (a local tier's part: `format.process_parts.unpack`), off the train loop.
+nothing to send). Each payload's length goes over the coordination service (`multihost.gather`), its
+bytes over the ring, sent from where they lie: it carries its own checksums, which whoever reads it
+checks (a local tier's part: `format.process_parts.unpack`), off the train loop.
 
 ```python
 from_previous = ring.shift(my_bytes, by=1, name="...")  # process i gets process i-1's bytes
@@ -15,7 +16,6 @@ from_previous = ring.shift(my_bytes, by=1, name="...")  # process i gets process
 from __future__ import annotations
 
 import functools
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from keras_orbax._src.runtime import multihost
-from keras_orbax.errors import CorruptCheckpointError
 
-_HEADER = struct.Struct("<Q")  # the payload's length
 # Payloads are padded to a multiple of this: a payload of about the same size each time (a
 # process's part of a step) reuses one compiled program.
 _GRAIN = 1 << 16
@@ -42,13 +40,12 @@ def shift(payload: Any, *, by: int, name: str) -> memoryview:
     `(me - by) % n` sent (a view of the buffer it arrived in).
 
     Raises:
-        CorruptCheckpointError: what arrived is framed with a length that does not fit.
         ProcessSyncError: a process did not reach the exchange (`multihost.gather`).
     """
     n, me = multihost.process_count(), multihost.process_index()
-    body = np.frombuffer(payload, np.uint8)  # a view: the frame is assembled chunk by chunk
-    header = np.frombuffer(_HEADER.pack(len(body)), np.uint8)
-    total = max(multihost.gather(f"{name}/sizes", header.size + body.size))  # every one pads to it
+    body = np.frombuffer(payload, np.uint8)  # a view: sent from where it lies
+    sizes = multihost.gather(f"{name}/sizes", body.size)  # each length, and what all pad to
+    total = max(sizes)
     mesh = _mesh(n)
     lanes = mesh.shape[LANE]
     unit = _GRAIN * lanes  # a chunk is a whole number of grains per lane
@@ -57,7 +54,9 @@ def shift(payload: Any, *, by: int, name: str) -> memoryview:
     program = _program(mesh, by % n)
     received = np.empty(-(-total // width) * width, np.uint8)
     for start in range(0, total, width):  # the devices hold one chunk at a time
-        chunk = _framed(header, body, start, width)
+        chunk = body[start : start + width]
+        if chunk.size < width:  # the last: padded (the others are views of the payload)
+            chunk = np.concatenate([chunk, np.zeros(width - chunk.size, np.uint8)])
         mine = [
             jax.device_put(lane[None], device)
             for lane, device in zip(np.split(chunk, lanes), mesh.devices[me], strict=True)
@@ -68,29 +67,7 @@ def shift(payload: Any, *, by: int, name: str) -> memoryview:
             lane = shard.index[1].start or 0
             received[start + lane : start + lane + width // lanes] = np.asarray(shard.data)[0]
         del mine, ring, out
-    sender = (me - by) % n
-    (length,) = _HEADER.unpack(received[: _HEADER.size].tobytes())
-    if _HEADER.size + length > len(received):
-        raise CorruptCheckpointError(
-            f"The bytes process {sender} sent to process {me} for '{name}' arrived damaged: "
-            f"framed as {length} bytes, in {len(received)} received."
-        )
-    return received.data[_HEADER.size : _HEADER.size + length]
-
-
-def _framed(header: np.ndarray, body: np.ndarray, start: int, width: int) -> np.ndarray:
-    """Bytes `start` to `start + width` of `header` then `body`, zeros past their end: each byte
-    copied once, from where it lies."""
-    chunk = np.empty(width, np.uint8)
-    filled = 0
-    if start < header.size:
-        head = header[start : start + width]
-        chunk[: head.size] = head
-        filled = head.size
-    piece = body[max(0, start - header.size) :][: width - filled]
-    chunk[filled : filled + piece.size] = piece
-    chunk[filled + piece.size :] = 0
-    return chunk
+    return received.data[: sizes[(me - by) % n]]
 
 
 def _mesh(n: int) -> Mesh:

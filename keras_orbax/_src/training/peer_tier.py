@@ -42,7 +42,6 @@ from keras_orbax._src.training.resume import Resumed, set_aside
 from keras_orbax._src.write.step_writer import variable_record
 from keras_orbax.errors import (
     CheckpointMismatchError,
-    CorruptCheckpointError,
     KerasOrbaxWarning,
     SaveFailedError,
     StepLockedError,
@@ -165,14 +164,8 @@ class PeerTier:
         )
         me = multihost.process_index()
         own = process_parts.pack(me, record, _host_shards(variables), data_state)
-        try:
-            replica = ring.shift(own, by=1, name=f"local tier/step {step}")
-        except CorruptCheckpointError as error:  # raised here alone: reported at the next save
-            failed: concurrent.futures.Future[None] = concurrent.futures.Future()
-            failed.set_exception(error)
-            self._pending = (step, failed)
-        else:
-            self._pending = (step, self._pool.submit(self._write, own, replica))
+        replica = ring.shift(own, by=1, name=f"local tier/step {step}")
+        self._pending = (step, self._pool.submit(self._write, own, replica))
         self.last_saved_step = step
         logger.debug("Saving step %d to the local tier '%s'", step, self.own)
 
