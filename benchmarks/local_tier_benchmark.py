@@ -178,22 +178,57 @@ def run_case(case: str, params: dict, work: str) -> dict:
 
 
 def prepare(params: dict, work: str) -> dict:
-    """A run stopped mid-epoch: persistent steps at epoch ends, local steps after every batch."""
-    import keras
-
+    """A run that crashes mid-epoch, after batch 1 of epoch 1: persistent steps at epoch ends,
+    local steps after every batch, so that the newest step is a local one."""
     model = build_model(_width(params))
     x, y = _data(params)
     for directory in (os.path.join(work, "persistent"), _shm(work)):
         shutil.rmtree(directory, ignore_errors=True)
-
-    class Stop(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if int(self.model.optimizer.iterations.numpy()) == params["steps"] + 1:
-                self.model.stop_training = True
-
-    model.fit(x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0,
-              callbacks=[_checkpoint(work, local_max_to_keep=1), Stop()])  # fmt: skip
+    checkpoint = _checkpoint(work, local_max_to_keep=1)
+    crash_after(model, x, y, _batch(params), params["steps"] + 1, checkpoint)
+    keep_left(work, _shm(work))
     return {"local_step": params["steps"] + 1}
+
+
+def keep_left(work: str, local: str) -> None:
+    """Keeps what the crashed run left (the local tier, the persistent tier) under `work/left`,
+    for `put_back` to restore before each case: a resumed run writes steps of its own."""
+    shutil.rmtree(os.path.join(work, "left"), ignore_errors=True)
+    shutil.copytree(local, os.path.join(work, "left", "local"))
+    shutil.copytree(os.path.join(work, "persistent"), os.path.join(work, "left", "persistent"))
+    shutil.rmtree(local)
+
+
+def put_back(work: str, local: str) -> None:
+    """The directories as the crashed run left them (`keep_left`)."""
+    for directory in (local, os.path.join(work, "persistent")):
+        shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(os.path.join(work, "left", "local"), local)
+    shutil.copytree(os.path.join(work, "left", "persistent"), os.path.join(work, "persistent"))
+
+
+class Crash(Exception):
+    """Raised from a batch's hook, as a crash would end `fit` there."""
+
+
+def crash_after(model, x, y, batch_size: int, step: int, checkpoint) -> None:
+    """Trains with `checkpoint` until `step`, then ends `fit` as a crash would: no epoch end, no
+    train end (a stopped `fit` still ends its epoch, and the persistent tier would save that
+    step too). The local save of `step`, started in the background, is waited for."""
+    import keras
+
+    class CrashAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == step:
+                raise Crash(step)
+
+    try:
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[checkpoint, CrashAt()])  # fmt: skip
+    except Crash:
+        checkpoint.wait_until_finished()
+    else:
+        raise RuntimeError(f"fit ended before step {step}")
 
 
 def _recovery(case: str, params: dict, work: str) -> dict:
@@ -202,6 +237,7 @@ def _recovery(case: str, params: dict, work: str) -> dict:
 
     from keras_orbax._src.format import step_dirs
 
+    put_back(work, _shm(work))
     model = build_model(_width(params))
     x, y = _data(params)
 
@@ -220,13 +256,19 @@ def _recovery(case: str, params: dict, work: str) -> dict:
                 self.model.stop_training = True
 
     first = FirstBatch()
-    callbacks = [first] if case == "floor" else [_checkpoint(work, resume=True), first]
+    resume = _checkpoint(work, resume=True)
+    # `first` before the checkpoint: the batch is trained when its step is, before the local save
+    # that follows it (which the throughput benchmark measures).
+    callbacks = [first] if case == "floor" else [first, resume]
     clock = bm.clock()
     model.fit(
         x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0, callbacks=callbacks
     )
     result = {"first_batch_s": first.seconds}
     if case == "recover":
+        restored = resume.restored
+        if restored is None or restored.step != params["steps"] + 1:  # the local step
+            raise RuntimeError(f"resumed from {restored}, not the local step {params['steps'] + 1}")
         return {**result, "seconds": first.seconds}
     step = step_dirs.committed_steps(_shm(work))[-1]
     clock = bm.clock()

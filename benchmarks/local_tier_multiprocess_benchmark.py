@@ -12,6 +12,17 @@ Reported from process 0 (`seconds` is the `fit`):
     plain       no checkpoint (the floor)
     local       `ModelCheckpoint(directory, local_directory=<shm>/<process>, local_save_freq=1)`,
                 the persistent tier saving at each epoch's end
+
+`local_recovery_processes` (`seconds` from the start of the resumed `fit` call, in a fresh pair
+of processes, to its first trained batch; `prepare` stops a run mid-epoch, its newest step a local
+one, and each case starts from a copy of what it left):
+
+    floor         a `fit` of the same model with no checkpoint to its first batch, then each
+                  process's own part of the newest local step read into fresh memory and placed
+                  on its devices
+    recover       `ModelCheckpoint(..., local_directory=<shm>/<process>, resume=True)`
+    recover_peer  the same after process 1's local directory is deleted (its machine replaced):
+                  its part comes from process 0's replica, over the ring
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ def worker() -> None:
     model = build_model(_width(params))
     keras.distribution.distribution().auto_shard_dataset = False  # each feeds its own half
     x, y = _data(params)
+    if params["case"] in RECOVERY_CASES:
+        write_result(_recovery(params["case"], ctx.process_id, params, model, x, y))
+        return
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # compile
     local = os.path.join(ctx.args["shm"], f"process_{ctx.process_id}")
     checkpoint = None
@@ -68,19 +82,142 @@ def worker() -> None:
     )
 
 
-def run_case(case: str, params: dict, work: str) -> dict:
-    from tests._harness import run_workers
+RECOVERY_CASES = ("prepare", "floor", "recover", "recover_peer")
 
+
+def _recovery(case: str, process: int, params: dict, model, x, y) -> dict:
+    """One process's part of a recovery case (see the module's doc)."""
+    import jax
+    import keras
+
+    import keras_orbax
+    from benchmarks import bench_model as bm
+    from benchmarks.callback_benchmark import BATCH
+    from benchmarks.local_tier_benchmark import crash_after
+
+    local = os.path.join(params["shm"], f"process_{process}")
+    persistent = os.path.join(params["work"], "persistent")
+    steps = params["steps"]
+    if case == "prepare":
+        checkpoint = keras_orbax.ModelCheckpoint(
+            persistent, local_directory=local, local_save_freq=1, local_max_to_keep=1
+        )
+        crash_after(model, x, y, BATCH, steps + 1, checkpoint)
+        return {"local_step": steps + 1}
+
+    # The resumed run starts at batch 1 of epoch 1; Keras calls the hooks of the batches before
+    # it too, without training them.
+    start = 0 if case == "floor" else 1
+
+    class FirstBatch(keras.callbacks.Callback):
+        seconds = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.seconds is None and batch >= start:
+                jax.block_until_ready(jax.live_arrays())
+                self.seconds = bm.since(clock)[0]
+                self.model.stop_training = True
+
+    first = FirstBatch()
+    resume = keras_orbax.ModelCheckpoint(persistent, local_directory=local, resume=True)
+    # `first` before the checkpoint: the batch is trained when its step is, before the local save
+    # that follows it (which the throughput benchmark measures).
+    callbacks = [first] if case == "floor" else [first, resume]
+    clock = bm.clock()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    if case != "floor":
+        restored = resume.restored
+        if restored is None or restored.step != steps + 1:  # the local step, not the epoch's end
+            raise RuntimeError(f"resumed from {restored}, not the local step {steps + 1}")
+        return {"first_batch_s": first.seconds, "seconds": first.seconds}
+    clock = bm.clock()
+    jax.block_until_ready(_read_and_place(os.path.join(local, f"process_{process}"), model))
+    read_place_s = bm.since(clock)[0]
+    return {
+        "first_batch_s": first.seconds,
+        "read_place_s": read_place_s,
+        "seconds": first.seconds + read_place_s,
+    }
+
+
+def _read_and_place(folder: str, model) -> list:
+    """The newest part's bytes in `folder` read into fresh memory, and each variable's shards on
+    this process's devices taken from them in turn (what a restore of the part must move)."""
+    import jax
+    import numpy as np
+
+    from benchmarks import bench_model as bm
+
+    step = max(int(name) for name in os.listdir(folder) if name.isdecimal())
+    path = os.path.join(folder, str(step), "part.bin")
+    buffer = np.empty(os.path.getsize(path), np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(buffer))
+    placed, offset = [], 0
+    for variable in bm.state_variables(model):
+        value = variable.value
+        taken: dict = {}
+        shards = []
+        for shard in value.addressable_shards:
+            key = str(shard.index)
+            if key not in taken:
+                size = shard.data.nbytes
+                taken[key] = buffer[offset : offset + size].view(value.dtype)
+                taken[key] = taken[key].reshape(shard.data.shape)
+                offset += size
+            shards.append(jax.device_put(taken[key], shard.device))
+        placed.append(jax.make_array_from_single_device_arrays(value.shape, value.sharding, shards))
+    return placed
+
+
+def run_case(case: str, params: dict, work: str) -> dict:
+    if case in RECOVERY_CASES:
+        return _run_recovery(case, params, work)
     shm = os.path.join("/dev/shm", "keras_orbax_bench", f"processes_{os.path.basename(work)}")
     shutil.rmtree(os.path.join(work, "persistent"), ignore_errors=True)
-    workdir = os.path.join(work, f"w_{case}_{params['_round']}")
-    os.makedirs(workdir, exist_ok=True)
-    args = dict(params, case=case, work=work, shm=shm)
     try:
-        reports = run_workers(__file__, 2, 4, args, timeout=3600, workdir=workdir)
+        return _workers(case, params, work, shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    return reports[0]
+
+
+def prepare(params: dict, work: str) -> dict:
+    """A run of 2 processes that crashes mid-epoch (persistent steps at epoch ends, local steps
+    after every batch), what it left kept under `work` for every case to start from."""
+    from benchmarks.local_tier_benchmark import keep_left
+
+    shm = _recovery_shm(work)
+    for directory in (shm, os.path.join(work, "persistent")):
+        shutil.rmtree(directory, ignore_errors=True)
+    report = _workers("prepare", params, work, shm)
+    keep_left(work, shm)
+    return report
+
+
+def _run_recovery(case: str, params: dict, work: str) -> dict:
+    from benchmarks.local_tier_benchmark import put_back
+
+    shm = _recovery_shm(work)
+    put_back(work, shm)
+    if case == "recover_peer":
+        shutil.rmtree(os.path.join(shm, "process_1"))  # its part and its replica of process 0's
+    try:
+        return _workers(case, params, work, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _recovery_shm(work: str) -> str:
+    return os.path.join("/dev/shm", "keras_orbax_bench", f"recovery_{os.path.basename(work)}")
+
+
+def _workers(case: str, params: dict, work: str, shm: str) -> dict:
+    from tests._harness import run_workers
+
+    workdir = os.path.join(work, f"w_{case}_{params.get('_round', 0)}")
+    os.makedirs(workdir, exist_ok=True)
+    args = dict(params, case=case, work=work, shm=shm)
+    return run_workers(__file__, 2, 4, args, timeout=3600, workdir=workdir)[0]
 
 
 if __name__ == "__main__":

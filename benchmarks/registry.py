@@ -355,6 +355,29 @@ BENCHMARKS = [
         targets={"local": 1 / 0.9},
     ),
     _suite(
+        "local_recovery_processes",
+        "local_tier_multiprocess_benchmark",
+        "a resumed `fit`'s start to its first trained batch under jax.distributed (2 processes x 4 "
+        "CPU devices), from each process's own part or from its peer's replica, against `fit` "
+        "alone + reading and placing each process's part",
+        {
+            "floor": "`fit` to its first batch, then each process's part of the local step read "
+            "into fresh memory and placed on its devices",
+            "recover": "`ModelCheckpoint(..., local_directory=<shm>/<process>, resume=True)`",
+            "recover_peer": "the same, process 1's local directory deleted first: its part "
+            "comes from process 0's replica over the ring",
+        },
+        "floor",
+        sizes={
+            "small": {"mib": 16, "epochs": 1, "steps": 4},
+            "full": {"mib": 256, "epochs": 1, "steps": 8},
+        },
+        repeats=3,
+        cpu_devices=1,  # the case process starts the 2 workers, which set their own
+        columns=(("first_batch_s", "fit to first batch s", ".2f"),),
+        targets={"recover": 1.2},
+    ),
+    _suite(
         "local_recovery",
         "local_tier_benchmark",
         "a resumed `fit`'s start to its first trained batch, from the local tier, against `fit` "
