@@ -18,6 +18,7 @@ import pytest
 import keras_orbax
 from keras_orbax._src.format import process_parts
 from keras_orbax._src.format.step_record import StepRecord
+from keras_orbax._src.restore import process_tier
 from keras_orbax.errors import CheckpointNotFoundError
 from tests import _models
 from tests._harness import WORKERS_DIR, run_workers, start_workers
@@ -190,3 +191,32 @@ def test_a_part_damaged_in_flight_is_not_written(tmp_path):
     with pytest.raises(keras_orbax.errors.CorruptCheckpointError, match=r"data of .* is damaged"):
         process_parts.commit(tmp_path / "process_1", bytes(payload))
     assert not (tmp_path / "process_1").exists()  # nothing written, nothing staged
+
+
+def test_an_intact_tier_resumes_reading_each_own_part_once_and_no_replica(tmp_path):
+    """The usual resume (every own part intact, no newer replica) reads this process's newest
+    part once and no replica (a damaged one there goes unseen, as it is not needed); a damaged
+    own part has every part of both folders checked, and the replica chosen where it is intact.
+    On one process, whose peer is itself."""
+    own, replica = tmp_path / "process_0", tmp_path / "replica"
+    shards = [("k", ((0, 4),), np.arange(4, dtype="float32"))]
+    for step in (3, 4):
+        for into in (own, replica):
+            process_parts.commit(
+                into, process_parts.pack(0, StepRecord(step=step, variables={}), shards, None)
+            )
+    _flip_a_byte(replica / "4" / process_parts.DATA)
+
+    choice = process_tier.newest_whole(own, replica)
+    assert (choice.step, choice.missing, choice.damaged_replica) == (4, (), {})
+    assert bytes(choice.own_part) == bytes(process_parts.payload(own / "4"))
+
+    _flip_a_byte(own / "4" / process_parts.DATA)
+    choice = process_tier.newest_whole(own, replica)
+    assert (choice.step, choice.missing, choice.own_part) == (3, (), None)
+    assert set(choice.damaged_own) == set(choice.damaged_replica) == {4}
+    shutil.rmtree(own / "4")
+    choice = process_tier.newest_whole(own, replica, step=3)
+    assert choice.step == 3 and bytes(process_tier.part_of(own, replica, choice)) == bytes(
+        process_parts.payload(own / "3")
+    )

@@ -206,14 +206,21 @@ def steps_by_process(root: Path) -> dict[int, list[int]]:
     return {p: steps(folder(root, p)) for p in processes_in(root)}
 
 
-def payload(step_dir: Path) -> bytes:
-    """The part at `step_dir`, as `pack` made it (checked by `unpack` where it is used)."""
+def payload(step_dir: Path) -> np.ndarray:
+    """The part at `step_dir`, as `pack` made it (checked by `unpack` where it is used), read
+    into one buffer."""
     try:
         text = (step_dir / MANIFEST).read_bytes()
-        data = (step_dir / DATA).read_bytes()
+        with open(step_dir / DATA, "rb", buffering=0) as f:
+            head = _LENGTH.pack(len(text)) + text
+            part = np.empty(len(head) + os.fstat(f.fileno()).st_size, np.uint8)
+            part[: len(head)] = np.frombuffer(head, np.uint8)
+            view, filled = part.data[len(head) :], len(head)
+            while view and (n := f.readinto(view)):
+                view, filled = view[n:], filled + n
     except OSError as error:
         raise CorruptCheckpointError(f"Cannot read the part '{step_dir}': {error}") from error
-    return _LENGTH.pack(len(text)) + text + data
+    return part[:filled]  # a file cut short meanwhile: `unpack` finds its length wrong
 
 
 def read(step_dir: Path) -> tuple[dict[str, Any], memoryview]:

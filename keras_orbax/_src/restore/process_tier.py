@@ -42,6 +42,8 @@ class Choice:
     missing: tuple[int, ...]
     damaged_own: dict[int, str]
     damaged_replica: dict[int, str]
+    # This process's own part of `step`, read (and checked) while choosing it.
+    own_part: process_parts.Payload | None = dataclasses.field(default=None, repr=False)
 
 
 def named(directory: str | os.PathLike) -> bool:
@@ -67,7 +69,46 @@ def newest_whole(
     own: Path, replica: Path, *, newer_than: int = -1, step: int | None = None
 ) -> Choice:
     """The newest step after `newer_than` (or `step` itself) that every process can restore: its
-    own part intact, or the next process's replica of it. A collective call."""
+    own part intact, or the next process's replica of it. A collective call.
+
+    Where every process's newest own part is the same step and intact, and no replica is newer,
+    that step is the answer and no replica is read (the usual resume: each process then reads
+    its own part once). Otherwise every part of both folders is checked."""
+    newest, part, damaged = _newest_own(own, newer_than, step)
+    replicas = [s for s in process_parts.steps(replica) if s > newer_than]
+    views = multihost.gather(
+        "local tier/newest own",
+        {"own": newest, "damaged": bool(damaged), "replica": max(replicas, default=None)},
+    )
+    if (
+        newest is not None
+        and all(v["own"] == newest and not v["damaged"] for v in views)
+        and all(v["replica"] is None or v["replica"] <= newest for v in views)
+    ):
+        return Choice(newest, (), {}, {}, own_part=part)
+    return _checked_everywhere(own, replica, newer_than, step)
+
+
+def _newest_own(
+    own: Path, newer_than: int, step: int | None
+) -> tuple[int | None, process_parts.Payload | None, dict[int, str]]:
+    """This process's newest own step after `newer_than` (or `step`) whose part passes its
+    checks, that part, and why each newer one does not."""
+    damaged: dict[int, str] = {}
+    for s in reversed(process_parts.steps(own)):
+        if s <= newer_than or (step is not None and s != step):
+            continue
+        part = process_parts.payload(own / str(s))
+        try:
+            process_parts.unpack(part, f"'{own / str(s)}'")
+        except CorruptCheckpointError as error:
+            damaged[s] = str(error)
+            continue
+        return s, part, damaged
+    return None, None, damaged
+
+
+def _checked_everywhere(own: Path, replica: Path, newer_than: int, step: int | None) -> Choice:
     own_intact, damaged_own = _intact(own, newer_than)
     replica_intact, damaged_replica = _intact(replica, newer_than)
     views = multihost.gather("local tier/intact", {"own": own_intact, "replica": replica_intact})
@@ -93,7 +134,11 @@ def part_of(own: Path, replica: Path, choice: Choice) -> process_parts.Payload:
         sending = previous in choice.missing
         payload = process_parts.payload(replica / str(choice.step)) if sending else b""
         received = ring.shift(payload, by=-1, name=f"local tier/recover {choice.step}")
-    return received if me in choice.missing else process_parts.payload(own / str(choice.step))
+    if me in choice.missing:
+        return received
+    if choice.own_part is not None:
+        return choice.own_part
+    return process_parts.payload(own / str(choice.step))
 
 
 def arrays_from(
