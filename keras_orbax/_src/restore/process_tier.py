@@ -98,8 +98,8 @@ def _newest_own(
     for s in reversed(process_parts.steps(own)):
         if s <= newer_than or (step is not None and s != step):
             continue
-        part = process_parts.payload(own / str(s))
         try:
+            part = process_parts.payload(own / str(s))
             process_parts.unpack(part, f"'{own / str(s)}'")
         except CorruptCheckpointError as error:
             damaged[s] = str(error)
