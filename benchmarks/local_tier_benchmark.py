@@ -256,10 +256,12 @@ def _recovery(case: str, params: dict, work: str) -> dict:
                 self.model.stop_training = True
 
     first = FirstBatch()
-    resume = _checkpoint(work, resume=True)
-    # `first` before the checkpoint: the batch is trained when its step is, before the local save
-    # that follows it (which the throughput benchmark measures).
-    callbacks = [first] if case == "floor" else [first, resume]
+    callbacks: list = [first]
+    if case == "recover":
+        # After `first`: the batch is trained when its step is, before the local save that
+        # follows it (which `local_tier` measures).
+        resume = _checkpoint(work, resume=True)
+        callbacks.append(resume)
     clock = bm.clock()
     model.fit(
         x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0, callbacks=callbacks

@@ -14,8 +14,8 @@ Reported from process 0 (`seconds` is the `fit`):
                 the persistent tier saving at each epoch's end
 
 `local_recovery_processes` (`seconds` from the start of the resumed `fit` call, in a fresh pair
-of processes, to its first trained batch; `prepare` stops a run mid-epoch, its newest step a local
-one, and each case starts from a copy of what it left):
+of processes, to its first trained batch; `prepare` crashes a run mid-epoch, its newest step a
+local one, and each case starts from a copy of what it left):
 
     floor         a `fit` of the same model with no checkpoint to its first batch, then each
                   process's own part of the newest local step read into fresh memory and placed
@@ -119,10 +119,12 @@ def _recovery(case: str, process: int, params: dict, model, x, y) -> dict:
                 self.model.stop_training = True
 
     first = FirstBatch()
-    resume = keras_orbax.ModelCheckpoint(persistent, local_directory=local, resume=True)
-    # `first` before the checkpoint: the batch is trained when its step is, before the local save
-    # that follows it (which the throughput benchmark measures).
-    callbacks = [first] if case == "floor" else [first, resume]
+    callbacks: list = [first]
+    if case != "floor":
+        # After `first`: the batch is trained when its step is, before the local save that
+        # follows it (which `local_tier_processes` measures).
+        resume = keras_orbax.ModelCheckpoint(persistent, local_directory=local, resume=True)
+        callbacks.append(resume)
     clock = bm.clock()
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     if case != "floor":
@@ -152,7 +154,9 @@ def _read_and_place(folder: str, model) -> list:
     path = os.path.join(folder, str(step), "part.bin")
     buffer = np.empty(os.path.getsize(path), np.uint8)
     with open(path, "rb", buffering=0) as f:
-        f.readinto(memoryview(buffer))
+        view = memoryview(buffer)
+        while view:
+            view = view[f.readinto(view) :]
     placed, offset = [], 0
     for variable in bm.state_variables(model):
         value = variable.value
