@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -632,3 +633,48 @@ def test_verbose_resume_says_where_fit_goes_on(tmp_path, mp, capsys, monkeypatch
         "nothing left to train."
     ]
     assert epochs == [] and batches == []
+
+
+class _LogsSeen(keras.callbacks.Callback):
+    """Each batch's logs, and (in `events`) when `get_metrics_result` ran among the batches."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__()
+        self.logs: list[tuple[int, dict]] = []
+        self.events = events
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self.logs.append((batch, dict(logs or {})))
+        self.events.append(("batch", batch))
+
+
+def test_the_dropped_batches_report_the_logs_fit_reported_at_the_checkpoint(
+    tmp_path, mp, monkeypatch
+):
+    """A resume mid-epoch: the batches trained before the checkpoint report the logs `fit`
+    reported after the checkpoint's batch, saved with the step, and the metrics' results are
+    not computed before the first batch trained (in a fresh process, that compiles their ops)."""
+    inputs = _arrays(4)  # 4 batches per epoch
+    events: list = []
+    first = _LogsSeen(events)
+    checkpoint = ModelCheckpoint(tmp_path, save_freq=3, max_to_keep=None)  # after batch 2
+    _mlp()().fit(**inputs(), epochs=1, shuffle=False, verbose=0, callbacks=[first, checkpoint])
+    saved_logs = dict(first.logs)[2]
+    assert set(saved_logs) == {"loss", "mae"}
+
+    computed = keras.Model.get_metrics_result
+
+    def eager_calls_noted(self: keras.Model) -> dict:
+        result = computed(self)
+        if not any(isinstance(v, jax.core.Tracer) for v in result.values()):  # not in a train step
+            events.append("computed")
+        return result
+
+    monkeypatch.setattr(keras.Model, "get_metrics_result", eager_calls_noted)
+    events.clear()
+    resumed = _LogsSeen(events)
+    checkpoint = ModelCheckpoint(tmp_path, max_to_keep=None, resume=True)
+    _mlp()().fit(**inputs(), epochs=1, shuffle=False, verbose=0, callbacks=[checkpoint, resumed])
+    assert checkpoint.restored is not None and checkpoint.restored.step == 3
+    assert [logs for batch, logs in resumed.logs if batch < 3] == [saved_logs] * 3
+    assert "computed" not in events[: events.index(("batch", 3))]

@@ -216,6 +216,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
         self._set_epoch = False
         self._progress = FitProgress()
         self._data: InputPosition | None = None
+        self._batch_logs: dict | None = None
         self._steps_per_execution = 1
 
     # -- fit hooks -------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._raise_if_failed()
+        self._batch_logs = logs  # saved with a step taken after this batch (`_data_state`)
         if self._data is not None and self._data.dropped(self._progress.epoch, batch):
             self._progress.last_batch = batch  # trained before the checkpoint; read and dropped now
             return
@@ -409,7 +411,9 @@ class ModelCheckpoint(keras_compat.MonitorCallback):
             raise
 
     def _data_state(self, epoch: int, batch: int | None) -> dict[str, Any] | None:
-        return None if self._data is None else self._data.state(epoch=epoch, batch=batch)
+        if self._data is None:
+            return None
+        return self._data.state(epoch=epoch, batch=batch, logs=self._batch_logs)
 
     # -- resume, fit's parameters ----------------------------------------------------------------
 

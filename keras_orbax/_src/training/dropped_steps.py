@@ -19,7 +19,9 @@ class DroppedSteps:
     train steps are dropped, and the metrics' running values of the checkpoint (which `fit`
     resets when an epoch begins) are put back, so the epoch ends exactly as it would have without
     the interruption. With `read`, the dropped steps read their batches from the input (which
-    must yield the same batches again); without, the input was put past them already.
+    must yield the same batches again); without, the input was put past them already. `logs`:
+    what `fit` reported after the checkpoint's batch, which the dropped batches report again
+    (else the metrics' results are computed from the checkpoint's values).
 
     Other callbacks still see `on_train_batch_begin`/`_end` for the dropped batches, with the
     checkpoint's metric values: Keras builds the `CallbackList` inside `fit`, calls every
@@ -27,9 +29,18 @@ class DroppedSteps:
     others (docs/resuming.md).
     """
 
-    def __init__(self, model: keras.Model, epoch: int, batches: int, *, read: bool) -> None:
+    def __init__(
+        self,
+        model: keras.Model,
+        epoch: int,
+        batches: int,
+        *,
+        read: bool,
+        logs: dict[str, float] | None = None,
+    ) -> None:
         self.epoch, self.batches, self.read = epoch, batches, read
         self._metrics = [keras_compat.current_value(v) for v in model.metrics_variables]
+        self._logs = logs  # what `fit` reported after the checkpoint's batch, where saved
         self._put_back: Callable[[], None] | None = None
 
     def begin_epoch(self, model: keras.Model, epoch: int) -> None:
@@ -37,7 +48,9 @@ class DroppedSteps:
             return
         for variable, value in zip(model.metrics_variables, self._metrics, strict=True):
             variable.assign(value)
-        logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
+        logs = self._logs
+        if logs is None:
+            logs = {k: _python(v) for k, v in model.get_metrics_result().items()}
         executions = math.ceil(self.batches / model.steps_per_execution)
         self._put_back = data_compat.drop_train_steps(model, executions, logs, read=self.read)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,7 +129,7 @@ class InputPosition:
         saved_steps = record.extra.get("steps_per_epoch")
         if not positioned and batch and steps_per_epoch not in (None, saved_steps) and saved_steps:
             _warn_other_epochs(step_dir, batch, epoch, saved_steps, steps_per_epoch)
-        self._drops = DroppedSteps(model, epoch, batch, read=not positioned)
+        self._drops = DroppedSteps(model, epoch, batch, read=not positioned, logs=_logs_in(saved))
         return positioned
 
     def _resume_at(
@@ -202,14 +203,21 @@ class InputPosition:
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def state(self, *, epoch: int, batch: int | None) -> dict[str, Any]:
-        """The position to save with a step recording `epoch` and `batch` (None: the epoch's start)."""
+    def state(
+        self, *, epoch: int, batch: int | None, logs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The position to save with a step recording `epoch` and `batch` (None: the epoch's
+        start); mid-epoch, with the `logs` `fit` reported after that batch."""
         state: dict[str, Any] = {
             "kind": self.kind,
             "epoch": epoch,
             "batch": batch or 0,
             "layout": self._layout,
         }
+        if batch and logs and all(_finite(v) for v in logs.values()):
+            # The resumed epoch's dropped batches report them again, rather than computing the
+            # metrics' results before its first batch (a compile of their ops, in a fresh process).
+            state["logs"] = dict(logs)
         if self._batch_size is not None:
             state["batch_size"] = self._batch_size
         if self._epoch_length is not None:
@@ -373,3 +381,17 @@ def _warn_other_batch_size(saved: int, now: int | None) -> None:
         KerasOrbaxWarning,
         stacklevel=2,
     )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _logs_in(saved: dict[str, Any] | None) -> dict[str, float] | None:
+    """The logs a position was saved with, where they are what `state` writes; else None."""
+    logs = (saved or {}).get("logs")
+    if not isinstance(logs, dict) or not logs:
+        return None
+    if not all(isinstance(k, str) and _finite(v) for k, v in logs.items()):
+        return None
+    return logs
