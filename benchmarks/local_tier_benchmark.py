@@ -207,6 +207,27 @@ def put_back(work: str, local: str) -> None:
     shutil.copytree(os.path.join(work, "left", "persistent"), os.path.join(work, "persistent"))
 
 
+def first_trained_batch(start: int):
+    """A callback that stops `fit` at its first trained batch, the first at or past `start`
+    (Keras calls the hooks of the batches a resume drops too, without training them): `seconds`
+    from its `clock` (set before `fit`) to that batch's step computed."""
+    import jax
+    import keras
+
+    class FirstBatch(keras.callbacks.Callback):
+        clock = None
+        seconds = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.seconds is None and batch >= start:
+                # Every array, not the variables: Keras's JAX loop updates those at its end.
+                jax.block_until_ready(jax.live_arrays())
+                self.seconds = bm.since(self.clock)[0]
+                self.model.stop_training = True
+
+    return FirstBatch()
+
+
 class Crash(Exception):
     """Raised from a batch's hook, as a crash would end `fit` there."""
 
@@ -233,7 +254,6 @@ def crash_after(model, x, y, batch_size: int, step: int, checkpoint) -> None:
 
 def _recovery(case: str, params: dict, work: str) -> dict:
     import jax
-    import keras
 
     from keras_orbax._src.format import step_dirs
 
@@ -241,28 +261,15 @@ def _recovery(case: str, params: dict, work: str) -> dict:
     model = build_model(_width(params))
     x, y = _data(params)
 
-    # The resumed run starts at batch 1 of epoch 1 (`prepare` stopped after step steps + 1);
-    # Keras calls the hooks of the batches before it too, without training them.
-    start = 0 if case == "floor" else 1
-
-    class FirstBatch(keras.callbacks.Callback):
-        seconds = None
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.seconds is None and batch >= start:
-                # Every array, not the variables: Keras's JAX loop updates those at its end.
-                jax.block_until_ready(jax.live_arrays())
-                self.seconds = bm.since(clock)[0]
-                self.model.stop_training = True
-
-    first = FirstBatch()
+    # The resumed run starts at batch 1 of epoch 1 (`prepare` crashed after step steps + 1).
+    first = first_trained_batch(0 if case == "floor" else 1)
     callbacks: list = [first]
     if case == "recover":
         # After `first`: the batch is trained when its step is, before the local save that
         # follows it (which `local_tier` measures).
         resume = _checkpoint(work, resume=True)
         callbacks.append(resume)
-    clock = bm.clock()
+    first.clock = bm.clock()
     model.fit(
         x, y, batch_size=_batch(params), epochs=2, shuffle=False, verbose=0, callbacks=callbacks
     )

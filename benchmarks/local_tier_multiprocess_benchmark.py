@@ -88,12 +88,11 @@ RECOVERY_CASES = ("prepare", "floor", "recover", "recover_peer")
 def _recovery(case: str, process: int, params: dict, model, x, y) -> dict:
     """One process's part of a recovery case (see the module's doc)."""
     import jax
-    import keras
 
     import keras_orbax
     from benchmarks import bench_model as bm
     from benchmarks.callback_benchmark import BATCH
-    from benchmarks.local_tier_benchmark import crash_after
+    from benchmarks.local_tier_benchmark import crash_after, first_trained_batch
 
     local = os.path.join(params["shm"], f"process_{process}")
     persistent = os.path.join(params["work"], "persistent")
@@ -105,27 +104,14 @@ def _recovery(case: str, process: int, params: dict, model, x, y) -> dict:
         crash_after(model, x, y, BATCH, steps + 1, checkpoint)
         return {"local_step": steps + 1}
 
-    # The resumed run starts at batch 1 of epoch 1; Keras calls the hooks of the batches before
-    # it too, without training them.
-    start = 0 if case == "floor" else 1
-
-    class FirstBatch(keras.callbacks.Callback):
-        seconds = None
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.seconds is None and batch >= start:
-                jax.block_until_ready(jax.live_arrays())
-                self.seconds = bm.since(clock)[0]
-                self.model.stop_training = True
-
-    first = FirstBatch()
+    first = first_trained_batch(0 if case == "floor" else 1)  # a resume goes on at batch 1
     callbacks: list = [first]
     if case != "floor":
         # After `first`: the batch is trained when its step is, before the local save that
         # follows it (which `local_tier_processes` measures).
         resume = keras_orbax.ModelCheckpoint(persistent, local_directory=local, resume=True)
         callbacks.append(resume)
-    clock = bm.clock()
+    first.clock = bm.clock()
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
     if case != "floor":
         restored = resume.restored
