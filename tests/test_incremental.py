@@ -367,6 +367,43 @@ def test_a_shard_that_changed_at_every_save_is_linked_once_it_stops(tmp_path):
     keras_orbax.verify(tmp_path, step=4)  # the linked file's record carried over
 
 
+def test_a_shard_that_changed_at_the_previous_save_is_read_once(tmp_path, monkeypatch):
+    """A shard that changed at the save before (a trained variable's) is written with its CRCs
+    taken as it is written, its bytes not read first for the candidate's CRC; the unchanged
+    ones are still compared first, and linked."""
+    from keras_orbax._src.format import crc
+
+    model = _lora_model()
+    model.optimizer.build(model.trainable_variables)
+    factor = model.get_layer("frozen_out").lora_kernel_b
+    array = _arrays(model)[id(factor)]
+    candidates: list[int] = []  # the bytes of each candidate's CRC computed before its write
+    real = crc.Crc.of
+    monkeypatch.setattr(
+        crc.Crc,
+        "of",
+        lambda self, *parts: candidates.append(sum(map(len, parts))) or real(self, *parts),
+    )
+    counted = []
+    for step in range(4):
+        factor.assign(factor.value + 1.0)
+        candidates.clear()
+        keras_orbax.save(model, tmp_path, step=step)
+        counted.append(len(candidates))
+        if step:
+            new = {a for a, _ in _new_files(tmp_path / str(step - 1), tmp_path / str(step))}
+            assert new == {array}  # the factor written, everything else linked
+    # Step 1 compares the factor's file first (it had not changed before); steps 2 and 3 do not.
+    assert counted[1] == counted[2] + 1 == counted[3] + 1
+    keras_orbax.verify(tmp_path, step=3)
+    restored = _lora_model()
+    restored.optimizer.build(restored.trainable_variables)
+    keras_orbax.restore_sharded(restored, tmp_path)
+    np.testing.assert_array_equal(
+        np.asarray(restored.get_layer("frozen_out").lora_kernel_b.value), np.asarray(factor.value)
+    )
+
+
 def _checksums(step_dir: Path) -> dict:
     return json.loads((step_dir / "state/keras_orbax_checksums/process_0.json").read_text())
 

@@ -31,8 +31,11 @@ the previous step's record of it (its checksum files, `keras_orbax_checksums/pro
   file in full.
 
 A shard that is written pays nothing beyond its CRCs: a candidate's CRC, computed before the
-decision, is handed to the write, which then computes only the others (`shard_files`). What a
-link costs instead of a write and an fsync is reading the file once (docs/incremental.md).
+decision, is handed to the write, which then computes only the others (`shard_files`). A shard
+that had changed at this process's previous save (a trained variable's) is written first, its
+CRCs taken while each piece is in cache, and linked instead only where its CRC then matches the
+record (and its bytes the linked file's): its bytes are read once, not twice. What a link costs
+instead of a write and an fsync is reading the file once (docs/incremental.md).
 
 Hard links and copies keep every step self-contained: deleting any other step (retention,
 `rm -r`) leaves the linked file's inode, or the copied object, with this step. Nothing writes a
@@ -86,11 +89,16 @@ class Plan:
         previous_state: str | None,
         recorded: dict[str, _Recorded],
         rewrite_every: int | None = None,
+        changed_before: frozenset[str] = frozenset(),
     ) -> None:
         self.previous_state = previous_state
         self._recorded = recorded
         self._rewrite_every = rewrite_every
         self._remote = previous_state is not None and locations.is_remote(previous_state)
+        # The shards whose bytes differed from their candidate's when the previous step was saved
+        # by this process (`_changed`), and those of this save, for the next.
+        self._changed_before = changed_before
+        self.changed: set[str] = set()
 
     def write_or_link(
         self,
@@ -115,7 +123,18 @@ class Plan:
             name, entry = write(shard)
             return name, {**entry, **fresh}
         algorithm, value = crc.strongest(recorded.crcs)
-        computed = algorithm.of(*parts)  # needed by the write if it is not linked
+        if relative in self._changed_before and not self._remote:
+            # It changed at the previous save too (a trained variable's): written first, its
+            # CRCs taken while each piece is in cache, rather than read for the candidate's CRC
+            # and again for the write. Linked instead where the CRC matches after all.
+            name, entry = write(shard)
+            computed = entry.get(algorithm.key)
+            if computed != value:
+                self.changed.add(relative)
+                return name, {**entry, **fresh}
+            os.unlink(f"{root}/{relative}")
+        else:
+            computed = algorithm.of(*parts)  # needed by the write if it is not linked
         # The other CRCs from the bytes as they are compared, not carried over: a record wrong in
         # one the candidate test did not use (a reader without CRC-32C checks the CRC-32) is not
         # passed on.
@@ -133,6 +152,8 @@ class Plan:
                 LAYOUT_KEY: shard.layout,
                 SHARED_KEY: recorded.shared + 1,
             }
+        if computed != value:
+            self.changed.add(relative)
         name, entry = write(shard, known={algorithm.key: computed})
         return name, {**entry, **fresh}
 
@@ -266,9 +287,22 @@ def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Pla
     root = step_dirs.CheckpointRoot.of(directory)  # a caller's root: its listing reused
     earlier = [s for s in root.steps() if s < step]
     if not earlier:
-        return Plan(None, {}, rewrite_every)
-    state = root.step_dir(earlier[-1]) / STATE
-    return Plan(os.fspath(state), _recorded(state), rewrite_every)
+        plan = Plan(None, {}, rewrite_every)
+    else:
+        state = root.step_dir(earlier[-1]) / STATE
+        changed = _changed.pop(os.fspath(state), set())
+        plan = Plan(os.fspath(state), _recorded(state), rewrite_every, frozenset(changed))
+    _changed[os.fspath(root.step_dir(step) / STATE)] = plan.changed
+    while len(_changed) > _CHANGED_KEPT:  # saves that never committed, or no save followed
+        _changed.pop(next(iter(_changed)))
+    return plan
+
+
+# What each save of this process found changed (`Plan.changed`), by the step's final `state/`,
+# for the next save compared with that step: a guess of which shards will change again, never a
+# reason to link (a link is only ever made after the bytes are compared).
+_changed: dict[str, set[str]] = {}
+_CHANGED_KEPT = 16
 
 
 def _recorded(state: Any) -> dict[str, _Recorded]:
