@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import json
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -290,11 +291,13 @@ def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Pla
         plan = Plan(None, {}, rewrite_every)
     else:
         state = root.step_dir(earlier[-1]) / STATE
-        changed = _changed.pop(os.fspath(state), set())
+        with _changed_lock:
+            changed = _changed.pop(os.fspath(state), set())
         plan = Plan(os.fspath(state), _recorded(state), rewrite_every, frozenset(changed))
-    _changed[os.fspath(root.step_dir(step) / STATE)] = plan.changed
-    while len(_changed) > _CHANGED_KEPT:  # saves that never committed, or no save followed
-        _changed.pop(next(iter(_changed)))
+    with _changed_lock:  # the local and persistent tiers plan in their own threads
+        _changed[os.fspath(root.step_dir(step) / STATE)] = plan.changed
+        while len(_changed) > _CHANGED_KEPT:  # saves that never committed, or no save followed
+            _changed.pop(next(iter(_changed)))
     return plan
 
 
@@ -302,6 +305,7 @@ def plan_for(directory: Any, step: int, rewrite_every: int | None = None) -> Pla
 # for the next save compared with that step: a guess of which shards will change again, never a
 # reason to link (a link is only ever made after the bytes are compared).
 _changed: dict[str, set[str]] = {}
+_changed_lock = threading.Lock()
 _CHANGED_KEPT = 16
 
 
