@@ -43,7 +43,9 @@ class Choice:
     damaged_own: dict[int, str]
     damaged_replica: dict[int, str]
     # This process's own part of `step`, read (and checked) while choosing it.
-    own_part: process_parts.Payload | None = dataclasses.field(default=None, repr=False)
+    own_part: process_parts.Payload | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
 
 def named(directory: str | os.PathLike) -> bool:
