@@ -135,6 +135,16 @@ def test_restore_sharded_takes_a_lost_part_from_the_peer(runs):
         assert resumed[me]["restore_sharded"]["digest"] == resumed[me]["killed"]["weights"]
 
 
+def test_restore_sharded_of_an_intact_tier_restores_its_newest_step_exactly(runs):
+    # Each process's own part only, read once and checked once (`process_tier.newest_whole`).
+    _, first, _, resumed = runs
+    for me in (0, 1):
+        assert resumed[me]["restore_intact"] == {
+            "step": LAST,
+            "digest": first[me]["reference_weights"],
+        }
+
+
 def test_every_local_step_verifies_and_inspect_shows_each_processs_parts(runs):
     root, _, _, _ = runs
     for me, peer in ((0, 1), (1, 0)):

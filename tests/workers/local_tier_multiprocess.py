@@ -5,13 +5,14 @@ the persistent `<run>/ckpt`).
 args: {"root": str, "phase": "first" | "resume", "kill_after": int, "crash_after": int}
 
 phase "first": trains `reference` uninterrupted, then `damaged` and `neighbours` until an
-exception out of `fit` after batch `crash_after`, writes its result, then trains `killed` and SIGKILLs itself after batch
-`kill_after` (both processes, at the same batch).
+exception out of `fit` after batch `crash_after`, writes its result, then trains `killed` and
+SIGKILLs itself after batch `kill_after` (both processes, at the same batch).
 phase "resume": the test has deleted process 1's local directory of `killed` and damaged process
 0's newest own part of `damaged`, and every copy of process 0's parts of `neighbours` (its local
-directory, and its replica in process 1's); resumes the three runs to their end. Then process 1 deletes its own
-part of `killed`'s newest step, and both `restore_sharded` a fresh model from their local
-directory of `killed`. Last, `failing` trains with process 1's replica folder taken by a file.
+directory, and its replica in process 1's); resumes the three runs to their end. Then process 1
+deletes its own part of `killed`'s newest step, and both `restore_sharded` a fresh model from
+their local directory of `killed`, then from their (intact) one of `reference`. Last, `failing`
+trains with process 1's replica folder taken by a file.
 Each result holds a digest of this process's shards of the whole state (weights, optimizer,
 metrics) after each run, the step each resume restored, and what each local directory holds.
 """
@@ -110,6 +111,7 @@ def main() -> None:
             _train(root / run, stop_after=ctx.args["crash_after"])
         result = {
             "reference": _digest(reference),
+            "reference_weights": _digest(reference, metrics=False),
             "reference_local": _listing(root / "reference" / f"local_{me}"),
             "damaged_local": _listing(root / "damaged" / f"local_{me}"),
         }
@@ -138,6 +140,11 @@ def main() -> None:
     fresh.optimizer.build(fresh.trainable_variables)
     restored = keras_orbax.restore_sharded(fresh, killed)
     result["restore_sharded"] = {"step": restored.step, "digest": _digest(fresh, metrics=False)}
+    # And of an intact local directory: each process reads its own part once, no replica.
+    fresh = _models.compile_adam(_models.mlp())
+    fresh.optimizer.build(fresh.trainable_variables)
+    restored = keras_orbax.restore_sharded(fresh, root / "reference" / f"local_{me}")
+    result["restore_intact"] = {"step": restored.step, "digest": _digest(fresh, metrics=False)}
     result["killed"]["weights"] = _digest(model_killed, metrics=False)
     # A write that fails on one process (its replica's folder is taken by a file) stops fit on
     # every process at the next local save, none left waiting in the exchange.

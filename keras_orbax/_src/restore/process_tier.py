@@ -144,17 +144,18 @@ def part_of(own: Path, replica: Path, choice: Choice) -> process_parts.Payload:
 
 
 def arrays_from(
-    model: keras.Model, payload: process_parts.Payload, where: str
+    model: keras.Model, payload: process_parts.Payload, where: str, *, checked: bool = False
 ) -> tuple[dict[str, jax.Array], dict[str, Any], int]:
-    """The arrays of `model`'s variables from a part (checked), its manifest and its bytes;
-    assigns nothing.
+    """The arrays of `model`'s variables from a part (checked, its data's CRC unless `checked`
+    already: `newest_whole` read this process's own part), its manifest and its bytes; assigns
+    nothing.
 
     Raises:
         CorruptCheckpointError: the part fails its checks.
         CheckpointMismatchError: the part does not fit the model or its mesh.
         ValueError: some variables of `model` are not built.
     """
-    manifest, data = process_parts.unpack(payload, where)
+    manifest, data = process_parts.unpack(payload, where, check_data=not checked)
     state = state_keys.keyed_state(model)
     unset = [v.path for v in state.variables.values() if not keras_compat.is_allocated(v)]
     if unset:
@@ -222,7 +223,9 @@ def restore_tier(
     chosen = choice.step
 
     def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
-        return arrays_from(model, part_of(own, replica, choice), f"step {chosen} of '{own}'")
+        payload = part_of(own, replica, choice)
+        where = f"step {chosen} of '{own}'"
+        return arrays_from(model, payload, where, checked=payload is choice.own_part)
 
     arrays, manifest, nbytes = multihost.run_collectively(f"local tier/restore {chosen}", read)
     return assign(model, arrays, manifest, nbytes, step=chosen)

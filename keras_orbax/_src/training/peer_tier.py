@@ -231,7 +231,8 @@ class PeerTier:
 
         def read() -> tuple[dict[str, jax.Array], dict[str, Any], int]:
             payload = process_tier.part_of(self.own, self.replica, choice)
-            read = process_tier.arrays_from(model, payload, where)  # the part checked
+            checked = payload is choice.own_part  # read and checked while choosing the step
+            read = process_tier.arrays_from(model, payload, where, checked=checked)
             if me in choice.missing:  # written back: this process's tier holds it again
                 process_parts.commit(self.own, payload, checked=True)
             return read
